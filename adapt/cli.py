@@ -1,0 +1,109 @@
+"""The `adapt` command. Each subcommand is a thin shell over a library function.
+
+Errors a user can fix (a bad file, a bad flag value) print one line on stderr and exit 2; heavy
+imports (vLLM, MLflow, torch) happen inside the subcommands that need them, so `adapt trace stats`
+answers in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from adapt.requests import ValidationError
+from adapt.traces import FORMATS, TraceError, load_trace, trace_stats
+
+
+class UsageError(ValueError):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def _write_json(path: str | None, data: Any) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.2f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def cmd_trace_stats(args: argparse.Namespace) -> int:
+    trace = load_trace(args.file, args.format, tokenizer=args.tokenizer)
+    stats = trace_stats(trace)
+    if trace.report is not None:
+        print(trace.report.summary(), file=sys.stderr)
+    print(f"count       {_fmt(stats['count'])}")
+    print(f"duration_s  {_fmt(stats['duration_s'])}")
+    print(f"rate_rps    {_fmt(stats['rate_rps'])}")
+    for side in ("input", "output"):
+        s = stats[side]
+        print(
+            f"{side:<11} mean {_fmt(s['mean'])}  median {_fmt(s['median'])}"
+            f"  p90 {_fmt(s['p90'])}  p99 {_fmt(s['p99'])}"
+        )
+    _write_json(args.json, stats)
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from experiments.replay.cli import run_replay_command
+
+    return run_replay_command(args)
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    from experiments.quickstart import run_quickstart
+
+    return run_quickstart(fast=args.fast, out_dir=args.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="adapt", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    trace = sub.add_parser("trace", help="inspect traces").add_subparsers(dest="trace_command", required=True)
+    stats = trace.add_parser("stats", help="count, duration, rate, input/output length percentiles")
+    stats.add_argument("file")
+    stats.add_argument("--format", choices=FORMATS, help="override format detection")
+    stats.add_argument("--tokenizer", default="minilm-wordpiece", help="for text datasets")
+    stats.add_argument("--json", metavar="OUT")
+    stats.set_defaults(func=cmd_trace_stats)
+
+    from experiments.replay.cli import add_replay_arguments
+
+    replay = sub.add_parser("replay", help="replay a trace or workload under several policies")
+    add_replay_arguments(replay)
+    replay.set_defaults(func=cmd_replay)
+
+    quick = sub.add_parser("quickstart", help="end to end on the bundled data")
+    quick.add_argument("--fast", action="store_true", help="smaller workloads (under 3 minutes)")
+    quick.add_argument("--out", default="reports/quickstart", help="where the report and plots go")
+    quick.set_defaults(func=cmd_quickstart)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except (TraceError, ValidationError, UsageError) as exc:
+        print(f"adapt: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("adapt: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

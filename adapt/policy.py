@@ -1,0 +1,195 @@
+"""The policy contract: what a scheduling policy sees (EngineView) and what it decides (Plan).
+
+A policy is written once against this module and runs unchanged in the replay simulator
+(`experiments.replay`) and inside vLLM (`serving_hooks`). The engine owns the mechanics -- token
+budget, KV blocks, chunked prefill, preemption by recompute -- and the policy only orders, defers,
+preempts and drops. Policies are incremental: they keep their own index (a sorted list, a heap, a
+set of queues) up to date through the lifecycle hooks, so one `on_step` costs O(changed + log n)
+rather than a rebuild over every request.
+
+Lifecycle of a request as the hooks report it:
+    on_arrival -> (on_admit -> [on_preempt -> on_admit]* ) -> on_finish
+`on_finish` is also called for a request dropped from the waiting queue.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from adapt.requests import SLO, ProgramRef
+
+Phase = Literal["waiting", "prefill", "decode", "preempted"]
+
+
+class RequestState:
+    """What a policy sees of one request. The engine updates the counters; policies read them and
+    may keep predictor outputs in `cache` (e.g. a length bound refreshed every 50 tokens).
+
+    `oracle_output_tokens` is the true output length, filled in only for policies that declare
+    `needs_oracle = True` (sjf-oracle, jitserve-oracle); every other policy sees None.
+    """
+
+    __slots__ = (
+        "arrival_s",
+        "cache",
+        "finish_s",
+        "first_token_s",
+        "id",
+        "label",
+        "last_token_s",
+        "max_tokens",
+        "num_preemptions",
+        "oracle_output_tokens",
+        "phase",
+        "program",
+        "prompt_text",
+        "prompt_tokens",
+        "slo",
+        "tokens_computed",
+        "tokens_generated",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        arrival_s: float,
+        prompt_tokens: int,
+        max_tokens: int,
+        slo: SLO,
+        prompt_text: str | None = None,
+        program: ProgramRef | None = None,
+        label: str | None = None,
+    ) -> None:
+        self.id = request_id
+        self.arrival_s = arrival_s
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.slo = slo
+        self.prompt_text = prompt_text
+        self.program = program
+        self.label = label
+        self.tokens_computed = 0
+        self.tokens_generated = 0
+        self.phase: Phase = "waiting"
+        self.first_token_s: float | None = None
+        self.last_token_s: float | None = None
+        self.finish_s: float | None = None
+        self.num_preemptions = 0
+        self.oracle_output_tokens: int | None = None
+        self.cache: dict[str, Any] = {}
+
+    @property
+    def tokens_to_compute(self) -> int:
+        """Tokens the next step must process for this request: the (rest of the) prompt plus, after a
+        preemption by recompute, every token generated so far; 1 for a decode."""
+        return self.prompt_tokens + self.tokens_generated - self.tokens_computed
+
+    @property
+    def deadline_at(self) -> float:
+        """Absolute deadline for deadline/compound SLOs, +inf otherwise (EDF's key)."""
+        deadline = self.slo.deadline_s
+        return math.inf if deadline is None else self.arrival_s + deadline
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestState({self.id!r}, phase={self.phase}, prompt={self.prompt_tokens},"
+            f" computed={self.tokens_computed}, generated={self.tokens_generated})"
+        )
+
+
+@dataclass
+class EngineView:
+    """The engine at the start of one scheduling step.
+
+    `waiting` is in arrival order and `running` in admission order; both are the engine's own
+    containers, to be read, never modified. `mean_batch_time_s` is a moving average of recent step
+    durations (SLAI's offset is measured in it).
+    """
+
+    now: float
+    waiting: Sequence[RequestState]
+    running: Sequence[RequestState]
+    kv_usage: float
+    token_budget: int
+    max_running: int
+    mean_batch_time_s: float
+    step_index: int = 0
+
+
+@dataclass
+class Plan:
+    """A policy's decision for one step; the engine applies it with its own mechanics.
+
+    admit:   waiting requests in the order to admit them; consumed lazily and only as far as the
+             running cap, the token budget and free KV blocks allow (so a policy may return an
+             iterator over its whole index at no cost). None admits nothing.
+    defer:   running requests to leave out of this step (decode deferral).
+    preempt: running requests to preempt (their KV is freed; they return to waiting).
+    drop:    waiting requests to drop (admission control); reported with outcome `dropped`.
+    """
+
+    admit: Iterable[RequestState] | None = None
+    defer: set[RequestState] = field(default_factory=set)
+    preempt: list[RequestState] = field(default_factory=list)
+    drop: list[RequestState] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Horizon:
+    """How long the policy's plan stays valid if nothing arrives or finishes: a number of
+    decode steps and an absolute time. The replay engine uses it to advance runs of identical
+    decode steps in one move; a policy that re-plans at token or time boundaries must say so."""
+
+    steps: float = math.inf
+    until_s: float = math.inf
+
+
+FOREVER = Horizon()
+
+
+class Policy:
+    """Base class: FCFS-free defaults (admit nothing) so that a subclass states its order.
+
+    Class attributes tell the engine about mechanics the policy relies on:
+    `prefill_first` -- vLLM V0 style: a step with admissible prefills runs only prefills;
+    `token_budget` -- overrides the engine's per-step token budget (Sarathi-Serve's small chunks);
+    `needs_oracle` -- fill `RequestState.oracle_output_tokens` (oracle baselines only).
+    """
+
+    name: str = "policy"
+    prefill_first: bool = False
+    token_budget: int | None = None
+    needs_oracle: bool = False
+
+    def on_arrival(self, request: RequestState, now: float) -> None:
+        """A request entered the waiting queue."""
+
+    def on_admit(self, request: RequestState, now: float) -> None:
+        """A waiting request was scheduled for the first time since arriving or being preempted."""
+
+    def on_preempt(self, request: RequestState, now: float) -> None:
+        """A running request was preempted and is waiting again (its KV is gone)."""
+
+    def on_finish(self, request: RequestState, now: float) -> None:
+        """A request left the engine: finished, or dropped from the waiting queue."""
+
+    def on_step(self, view: EngineView) -> Plan:
+        """Decide this step. Must not modify the view's containers."""
+        return Plan()
+
+    def horizon(self, view: EngineView) -> Horizon:
+        """See `Horizon`. The default suits policies whose plan only changes on arrivals,
+        admissions and completions."""
+        return FOREVER
+
+    def preemption_victim(self, candidates: Sequence[RequestState]) -> RequestState:
+        """Which request to preempt when KV blocks run out; `candidates` are the running requests
+        not yet scheduled this step, in admission order. vLLM's FCFS rule: the last admitted."""
+        return candidates[-1]
+
+    def describe(self) -> dict[str, Any]:
+        """Parameters worth logging with a replay run."""
+        return {"policy": self.name}

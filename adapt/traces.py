@@ -1,0 +1,466 @@
+"""Importers for real request traces and prompt/response datasets.
+
+Every importer returns a `Trace`: column arrays (arrival times when the source has them, prompt and
+output token counts, optional text) plus an `ImportReport` that counts everything read, so nothing
+is dropped silently. Malformed input raises `TraceError`, whose message names the file, the line and
+the field -- the CLI prints that one line and exits non-zero.
+
+Supported formats (auto-detected from the extension and the header/first record):
+- `azure`: Azure LLM inference trace CSV (`arrived_at`|`TIMESTAMP`, `num_prefill_tokens`|`ContextTokens`,
+  `num_decode_tokens`|`GeneratedTokens`); `TIMESTAMP` may be a date-time string.
+- `lengths`: length-statistics CSV without timestamps (`num_prefill_tokens`, `num_decode_tokens`).
+- `burstgpt`: BurstGPT CSV (`Timestamp`, `Request tokens`, `Response tokens`, ...); rows with zero
+  response tokens are failed requests in that dataset and are counted under `skipped`.
+- `mooncake`: Mooncake JSONL (`timestamp` in ms, `input_length`, `output_length`, `hash_ids`).
+- `alpaca`: AlpacaEval-style prompt/response JSON or JSONL (`instruction`, `output`, optional
+  `generator`, `category`); token counts come from a named tokenizer (see `adapt.tokenizer`).
+- `requestlog`: this project's own request logs (JSONL of `CompletedRequest` records).
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+import math
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adapt.requests import CompletedRequest, ValidationError
+from adapt.tokenizer import MINILM, count_tokens
+
+FORMATS: tuple[str, ...] = ("azure", "lengths", "burstgpt", "mooncake", "alpaca", "requestlog")
+
+
+class TraceError(ValueError):
+    """Malformed trace input. `str(err)` is one line: file, line, field and what was wrong."""
+
+    def __init__(self, path: Path | str, message: str, line: int | None = None, field: str | None = None):
+        where = f"{path}" + (f":{line}" if line is not None else "")
+        what = f"field '{field}': " if field else ""
+        super().__init__(f"{where}: {what}{message}")
+        self.path, self.line, self.field = str(path), line, field
+
+
+@dataclass
+class ImportReport:
+    """What an importer read: every row is either loaded or counted under a skip reason."""
+
+    path: str
+    format: str
+    rows_read: int = 0
+    loaded: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    reordered: int = 0
+    tokenizer: str | None = None
+
+    def summary(self) -> str:
+        parts = [f"{self.path} [{self.format}]: read {self.rows_read} rows, loaded {self.loaded}"]
+        parts += [f"skipped {count} ({reason})" for reason, count in sorted(self.skipped.items())]
+        if self.reordered:
+            parts.append(f"{self.reordered} out-of-order timestamps sorted")
+        if self.tokenizer:
+            parts.append(f"tokens counted with {self.tokenizer}")
+        return ", ".join(parts)
+
+
+@dataclass
+class Trace:
+    """A trace as column arrays. `arrival_s` is None for sources without timestamps."""
+
+    name: str
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+    arrival_s: np.ndarray | None = None
+    prompt_text: list[str] | None = None
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+    report: ImportReport | None = None
+
+    def __len__(self) -> int:
+        return len(self.prompt_tokens)
+
+    def take(self, indices: np.ndarray | list[int]) -> Trace:
+        """A new trace with the given rows, in the given order."""
+        idx = np.asarray(indices, dtype=np.int64)
+        return Trace(
+            name=self.name,
+            prompt_tokens=self.prompt_tokens[idx],
+            output_tokens=self.output_tokens[idx],
+            arrival_s=None if self.arrival_s is None else self.arrival_s[idx],
+            prompt_text=None if self.prompt_text is None else [self.prompt_text[i] for i in idx],
+            columns={k: [v[i] for i in idx] for k, v in self.columns.items()},
+            report=self.report,
+        )
+
+    def head(self, n: int) -> Trace:
+        return self.take(np.arange(min(n, len(self))))
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    return open(path, encoding="utf-8", newline="")
+
+
+def _base_suffix(path: Path) -> str:
+    suffixes = [s for s in path.suffixes if s != ".gz"]
+    return suffixes[-1].lower() if suffixes else ""
+
+
+def detect_format(path: Path) -> str:
+    """Guess the format from the extension and the header (CSV) or the first record (JSON)."""
+    suffix = _base_suffix(path)
+    try:
+        with _open_text(path) as handle:
+            if suffix == ".csv":
+                header = next(csv.reader(handle), None)
+                if header is None:
+                    raise TraceError(path, "empty file", line=1)
+                return _csv_format(path, [h.strip() for h in header])
+            if suffix in (".jsonl", ".json"):
+                first = _first_json_record(path, handle, suffix)
+                return _json_format(path, first)
+    except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile) as exc:
+        raise TraceError(path, f"cannot read: {exc}") from exc
+    raise TraceError(path, f"unknown extension {suffix or '(none)'}; expected .csv, .jsonl or .json (.gz ok)")
+
+
+def _csv_format(path: Path, header: list[str]) -> str:
+    cols = set(header)
+    if "Request tokens" in cols and "Response tokens" in cols:
+        return "burstgpt"
+    if cols & {"arrived_at", "TIMESTAMP"}:
+        return "azure"
+    if {"num_prefill_tokens", "num_decode_tokens"} <= cols:
+        return "lengths"
+    raise TraceError(
+        path, f"unrecognised CSV header {header}; expected an Azure, BurstGPT or lengths CSV", line=1
+    )
+
+
+def _first_json_record(path: Path, handle: io.TextIOBase, suffix: str) -> dict[str, Any]:
+    if suffix == ".json":
+        text = handle.read(1 << 16)
+        start = text.find("{")
+        if start < 0:
+            raise TraceError(path, "no JSON object found", line=1)
+        decoder = json.JSONDecoder()
+        try:
+            record, _ = decoder.raw_decode(text[start:])
+        except json.JSONDecodeError as exc:
+            raise TraceError(path, f"unparsable JSON: {exc.msg}", line=exc.lineno) from exc
+        return record
+    for lineno, line in enumerate(handle, start=1):
+        if line.strip():
+            return _parse_json_line(path, line, lineno)
+    raise TraceError(path, "empty file", line=1)
+
+
+def _json_format(path: Path, record: dict[str, Any]) -> str:
+    if {"timestamp", "input_length", "output_length"} <= set(record):
+        return "mooncake"
+    if {"instruction", "output"} <= set(record):
+        return "alpaca"
+    if {"request_id", "outcome", "arrival_s"} <= set(record):
+        return "requestlog"
+    raise TraceError(path, f"unrecognised JSON record with keys {sorted(record)}", line=1)
+
+
+def _parse_json_line(path: Path, line: str, lineno: int) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceError(path, f"unparsable JSON: {exc.msg}", line=lineno) from exc
+    if not isinstance(record, dict):
+        raise TraceError(path, f"expected a JSON object, got {type(record).__name__}", line=lineno)
+    return record
+
+
+def _number(path: Path, lineno: int, name: str, raw: Any, *, integer: bool) -> float:
+    """Parse one numeric cell; non-numeric, non-finite and negative values are errors."""
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise TraceError(path, f"expected a number, got {raw!r}", line=lineno, field=name) from None
+    if not math.isfinite(value):
+        raise TraceError(path, f"expected a finite number, got {raw!r}", line=lineno, field=name)
+    if value < 0:
+        raise TraceError(path, f"must not be negative, got {raw!r}", line=lineno, field=name)
+    if integer and value != int(value):
+        raise TraceError(path, f"expected a whole number of tokens, got {raw!r}", line=lineno, field=name)
+    return value
+
+
+def _timestamp(path: Path, lineno: int, name: str, raw: str) -> float:
+    """Seconds; Azure's raw `TIMESTAMP` column is a date-time string, the processed one a number."""
+    try:
+        return _number(path, lineno, name, raw, integer=False)
+    except TraceError:
+        try:
+            return datetime.fromisoformat(raw.strip()[:26]).timestamp()
+        except ValueError:
+            raise TraceError(
+                path, f"expected seconds or a date-time, got {raw!r}", line=lineno, field=name
+            ) from None
+
+
+def _pick(path: Path, header: list[str], *names: str) -> str:
+    for name in names:
+        if name in header:
+            return name
+    raise TraceError(path, f"missing column: expected one of {', '.join(names)}", line=1, field=names[0])
+
+
+def _read_csv_rows(path: Path) -> Iterator[tuple[int, list[str], dict[str, str]]]:
+    with _open_text(path) as handle:
+        reader = csv.reader(handle)
+        header = next(reader, None)
+        if header is None:
+            raise TraceError(path, "empty file", line=1)
+        header = [h.strip() for h in header]
+        yield 1, header, {}
+        for row in reader:
+            lineno = reader.line_num
+            if not row or all(not cell.strip() for cell in row):
+                continue
+            if len(row) != len(header):
+                raise TraceError(path, f"expected {len(header)} cells, got {len(row)}", line=lineno)
+            yield lineno, header, dict(zip(header, row, strict=True))
+
+
+def _load_csv(path: Path, fmt: str) -> Trace:
+    report = ImportReport(path=str(path), format=fmt)
+    rows = _read_csv_rows(path)
+    _, header, _ = next(rows)
+    if fmt == "azure":
+        time_col = _pick(path, header, "arrived_at", "TIMESTAMP")
+        in_col = _pick(path, header, "num_prefill_tokens", "ContextTokens")
+        out_col = _pick(path, header, "num_decode_tokens", "GeneratedTokens")
+    elif fmt == "burstgpt":
+        time_col = _pick(path, header, "Timestamp")
+        in_col, out_col = _pick(path, header, "Request tokens"), _pick(path, header, "Response tokens")
+    else:
+        time_col = None
+        in_col = _pick(path, header, "num_prefill_tokens")
+        out_col = _pick(path, header, "num_decode_tokens")
+    arrivals, prompts, outputs = [], [], []
+    skipped: Counter[str] = Counter()
+    for lineno, _, record in rows:
+        report.rows_read += 1
+        prompt = _number(path, lineno, in_col, record[in_col], integer=True)
+        output = _number(path, lineno, out_col, record[out_col], integer=True)
+        if prompt == 0:
+            skipped["zero prompt tokens"] += 1
+            continue
+        if output == 0:
+            skipped["zero output tokens (failed request)" if fmt == "burstgpt" else "zero output tokens"] += 1
+            continue
+        if time_col is not None:
+            arrivals.append(_timestamp(path, lineno, time_col, record[time_col]))
+        prompts.append(int(prompt))
+        outputs.append(int(output))
+    return _finish(path, report, skipped, arrivals if time_col else None, prompts, outputs)
+
+
+def _finish(
+    path: Path,
+    report: ImportReport,
+    skipped: Counter[str],
+    arrivals: list[float] | None,
+    prompts: list[int],
+    outputs: list[int],
+    prompt_text: list[str] | None = None,
+    columns: dict[str, list[Any]] | None = None,
+) -> Trace:
+    if report.rows_read == 0:
+        raise TraceError(path, "no data rows")
+    report.skipped = dict(skipped)
+    report.loaded = len(prompts)
+    trace = Trace(
+        name=path.name.split(".")[0],
+        prompt_tokens=np.asarray(prompts, dtype=np.int64),
+        output_tokens=np.asarray(outputs, dtype=np.int64),
+        arrival_s=None if arrivals is None else np.asarray(arrivals, dtype=np.float64),
+        prompt_text=prompt_text,
+        columns=columns or {},
+        report=report,
+    )
+    if trace.arrival_s is not None and len(trace):
+        report.reordered = int(np.count_nonzero(np.diff(trace.arrival_s) < 0))
+        if report.reordered:
+            trace = trace.take(np.argsort(trace.arrival_s, kind="stable"))
+        trace.arrival_s = trace.arrival_s - trace.arrival_s[0]
+    return trace
+
+
+def _iter_json_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    with _open_text(path) as handle:
+        if _base_suffix(path) == ".json":
+            try:
+                data = json.load(handle)
+            except json.JSONDecodeError as exc:
+                raise TraceError(path, f"unparsable JSON: {exc.msg}", line=exc.lineno) from exc
+            if not isinstance(data, list):
+                raise TraceError(path, "expected a JSON array of objects", line=1)
+            for index, record in enumerate(data, start=1):
+                if not isinstance(record, dict):
+                    raise TraceError(path, f"record {index}: expected a JSON object", line=None)
+                yield index, record
+            return
+        for lineno, line in enumerate(handle, start=1):
+            if line.strip():
+                yield lineno, _parse_json_line(path, line, lineno)
+
+
+def _require(path: Path, lineno: int, record: dict[str, Any], name: str) -> Any:
+    if name not in record:
+        raise TraceError(path, "missing", line=lineno, field=name)
+    return record[name]
+
+
+def _load_mooncake(path: Path) -> Trace:
+    report = ImportReport(path=str(path), format="mooncake")
+    arrivals, prompts, outputs, hashes = [], [], [], []
+    skipped: Counter[str] = Counter()
+    for lineno, record in _iter_json_records(path):
+        report.rows_read += 1
+        stamp = _number(path, lineno, "timestamp", _require(path, lineno, record, "timestamp"), integer=False)
+        prompt = _number(
+            path, lineno, "input_length", _require(path, lineno, record, "input_length"), integer=True
+        )
+        output = _number(
+            path, lineno, "output_length", _require(path, lineno, record, "output_length"), integer=True
+        )
+        if prompt == 0 or output == 0:
+            skipped["zero prompt or output tokens"] += 1
+            continue
+        arrivals.append(stamp / 1000.0)
+        prompts.append(int(prompt))
+        outputs.append(int(output))
+        hashes.append(list(record.get("hash_ids", [])))
+    return _finish(path, report, skipped, arrivals, prompts, outputs, columns={"hash_ids": hashes})
+
+
+def _load_alpaca(path: Path, tokenizer: str) -> Trace:
+    report = ImportReport(path=str(path), format="alpaca", tokenizer=tokenizer)
+    instructions, outputs_text, generators, categories = [], [], [], []
+    for lineno, record in _iter_json_records(path):
+        report.rows_read += 1
+        for name in ("instruction", "output"):
+            value = _require(path, lineno, record, name)
+            if not isinstance(value, str):
+                raise TraceError(
+                    path, f"expected a string, got {type(value).__name__}", line=lineno, field=name
+                )
+        instructions.append(record["instruction"])
+        outputs_text.append(record["output"])
+        generators.append(str(record.get("generator", "")))
+        categories.append(str(record.get("category", "")))
+    prompt_counts = count_tokens(instructions, tokenizer)
+    output_counts = count_tokens(outputs_text, tokenizer)
+    keep = [i for i in range(len(instructions)) if prompt_counts[i] > 0 and output_counts[i] > 0]
+    skipped = Counter({"empty instruction or output": len(instructions) - len(keep)})
+    skipped = +skipped
+    return _finish(
+        path,
+        report,
+        skipped,
+        None,
+        [prompt_counts[i] for i in keep],
+        [output_counts[i] for i in keep],
+        prompt_text=[instructions[i] for i in keep],
+        columns={
+            "output_text": [outputs_text[i] for i in keep],
+            "generator": [generators[i] for i in keep],
+            "category": [categories[i] for i in keep],
+        },
+    )
+
+
+def _load_requestlog(path: Path) -> Trace:
+    report = ImportReport(path=str(path), format="requestlog")
+    records: list[CompletedRequest] = []
+    skipped: Counter[str] = Counter()
+    for lineno, raw in _iter_json_records(path):
+        report.rows_read += 1
+        try:
+            record = CompletedRequest.from_dict(raw)
+        except (ValidationError, TypeError) as exc:
+            raise TraceError(path, str(exc), line=lineno) from exc
+        if record.outcome != "finished":
+            skipped[f"outcome {record.outcome}"] += 1
+            continue
+        records.append(record)
+    texts = [r.prompt_text for r in records]
+    return _finish(
+        path,
+        report,
+        skipped,
+        [r.arrival_s for r in records],
+        [r.prompt_tokens for r in records],
+        [r.output_tokens for r in records],
+        prompt_text=texts if all(t is not None for t in texts) and texts else None,
+        columns={"ttft_s": [r.ttft_s for r in records], "ttlt_s": [r.ttlt_s for r in records]},
+    )
+
+
+def load_trace(path: str | Path, fmt: str | None = None, *, tokenizer: str = MINILM) -> Trace:
+    """Load any supported trace or dataset; `fmt=None` auto-detects it."""
+    path = Path(path)
+    if not path.is_file():
+        raise TraceError(path, "no such file")
+    if path.stat().st_size == 0:
+        raise TraceError(path, "empty file", line=1)
+    fmt = fmt or detect_format(path)
+    if fmt not in FORMATS:
+        raise TraceError(path, f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    try:
+        if fmt in ("azure", "lengths", "burstgpt"):
+            return _load_csv(path, fmt)
+        if fmt == "mooncake":
+            return _load_mooncake(path)
+        if fmt == "alpaca":
+            return _load_alpaca(path, tokenizer)
+        return _load_requestlog(path)
+    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile, csv.Error) as exc:
+        raise TraceError(path, f"cannot read: {exc}") from exc
+
+
+def _percentiles(values: np.ndarray) -> dict[str, float]:
+    return {
+        "mean": float(np.mean(values)),
+        "median": float(np.median(values)),
+        "p90": float(np.percentile(values, 90)),
+        "p99": float(np.percentile(values, 99)),
+    }
+
+
+def trace_stats(trace: Trace) -> dict[str, Any]:
+    """The figures `adapt trace stats` prints: count, duration, rate and length percentiles."""
+    stats: dict[str, Any] = {"count": len(trace)}
+    if trace.arrival_s is not None and len(trace) > 1:
+        duration = float(trace.arrival_s[-1] - trace.arrival_s[0])
+        stats["duration_s"] = duration
+        stats["rate_rps"] = (len(trace) - 1) / duration if duration > 0 else None
+    else:
+        stats["duration_s"] = None
+        stats["rate_rps"] = None
+    stats["input"] = _percentiles(trace.prompt_tokens)
+    stats["output"] = _percentiles(trace.output_tokens)
+    if trace.report is not None:
+        stats["import"] = {
+            "format": trace.report.format,
+            "rows_read": trace.report.rows_read,
+            "loaded": trace.report.loaded,
+            "skipped": trace.report.skipped,
+            "reordered": trace.report.reordered,
+            "tokenizer": trace.report.tokenizer,
+        }
+    return stats

@@ -1,0 +1,1 @@
+"""Offline evaluation: the replay simulator, named workloads, experiment drivers and reports."""

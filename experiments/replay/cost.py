@@ -1,0 +1,217 @@
+"""Per-step batch time: an analytic roofline from public model and GPU specs.
+
+A step's time is a fixed overhead plus the larger of its compute time and its memory time
+(whichever resource the step saturates), plus tensor-parallel all-reduce time:
+
+    compute = (2 * linear_params * tokens + 2 * hidden * vocab * sampled
+               + 4 * layers * q_dim * attn_units) / (tp * peak_flops * flops_efficiency)
+    memory  = (weight_bytes + kv_bytes_per_token * kv_read_tokens) / (tp * hbm_bw * bw_efficiency)
+    comm    = 2 * layers * ring_allreduce(tokens * hidden * dtype_bytes)          (tp > 1)
+
+`attn_units` is sum over prefill chunks of c * (p + c / 2) plus the decode contexts (one query
+token each): the query-key and attention-value products, 2 FLOPs per multiply-add each.
+`kv_read_tokens` is the KV read by attention: a chunk's earlier context p, a decode's context.
+
+Decode attention can be "sum" (each sequence reads its own KV: the default, what paged attention
+kernels do when work is split per sequence) or "max" (the batch is paced by its longest context:
+every decode costs as much as the longest -- the effect JITServe's input-length window and EWSJF's
+queues exploit; use it to study uneven batches).
+
+The efficiencies and the overhead are assumptions, not measurements; a `cost-model` fitted to a
+real engine's step log replaces this model when calibration matters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import numpy as np
+
+DecodeAttention = Literal["sum", "max"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture figures from each model's public config.json on its model card."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    dtype_bytes: int = 2
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """Linear weights of one decoder layer: q,o (hidden x q_dim), k,v (hidden x kv_dim), and a
+        gated MLP (3 x hidden x intermediate)."""
+        kv_dim = self.kv_heads * self.head_dim
+        return 2 * self.hidden * self.q_dim + 2 * self.hidden * kv_dim + 3 * self.hidden * self.intermediate
+
+    @property
+    def linear_params(self) -> int:
+        return self.layers * self.layer_params
+
+    @property
+    def weight_bytes(self) -> int:
+        """Weights read every step: the decoder layers plus the LM head (embeddings are gathered)."""
+        return (self.linear_params + self.hidden * self.vocab) * self.dtype_bytes
+
+    @property
+    def total_param_bytes(self) -> int:
+        """Resident weights (input embeddings and LM head untied, as in all presets)."""
+        return (self.linear_params + 2 * self.hidden * self.vocab) * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """Dense BF16/FP16 tensor-core peak, memory bandwidth and capacity from vendor datasheets."""
+
+    name: str
+    memory_gb: float
+    peak_tflops: float
+    hbm_gbps: float
+    interconnect_gbps: float
+
+
+MODELS: dict[str, ModelSpec] = {
+    # meta-llama/Llama-2-7b-hf config.json
+    "llama-2-7b": ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000),
+    # meta-llama/Llama-2-13b-hf config.json
+    "llama-2-13b": ModelSpec("llama-2-13b", 40, 5120, 40, 40, 128, 13824, 32000),
+    # meta-llama/Meta-Llama-3-8B config.json (grouped-query attention, 8 KV heads)
+    "llama-3-8b": ModelSpec("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256),
+    # mistralai/Mistral-7B-v0.1 config.json
+    "mistral-7b": ModelSpec("mistral-7b", 32, 4096, 32, 8, 128, 14336, 32000),
+    # meta-llama/Meta-Llama-3-70B config.json
+    "llama-3-70b": ModelSpec("llama-3-70b", 80, 8192, 64, 8, 128, 28672, 128256),
+}
+
+GPUS: dict[str, GPUSpec] = {
+    # NVIDIA A100 80GB SXM datasheet: 312 TFLOPS BF16 dense, 2,039 GB/s, NVLink 600 GB/s
+    "a100-80g": GPUSpec("a100-80g", 80, 312.0, 2039.0, 600.0),
+    # NVIDIA H100 SXM5 80GB datasheet: 989 TFLOPS BF16 dense, 3,350 GB/s, NVLink 900 GB/s
+    "h100-80g": GPUSpec("h100-80g", 80, 989.0, 3350.0, 900.0),
+    # NVIDIA A40 datasheet: 149.7 TFLOPS BF16 dense, 696 GB/s, NVLink bridge 112.5 GB/s
+    "a40": GPUSpec("a40", 48, 149.7, 696.0, 112.5),
+    # NVIDIA RTX 6000 Ada datasheet: 364 TFLOPS FP16 dense (FP16 accumulate), 960 GB/s, PCIe 4 64 GB/s
+    "rtx6000ada": GPUSpec("rtx6000ada", 48, 364.0, 960.0, 64.0),
+}
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """The features of one step that its cost depends on (arrays for many steps at once).
+
+    Prefill chunks: `prefill_attn_units` = sum of c * p + c * (c + 1) / 2 for a chunk of c tokens
+    after p cached ones, `prefill_kv_read` = sum of p. Decodes: their number and the sum and max of
+    their cached contexts (a decode attends over its context plus itself).
+    """
+
+    tokens: np.ndarray | float
+    sampled: np.ndarray | float
+    prefill_attn_units: np.ndarray | float = 0.0
+    prefill_kv_read: np.ndarray | float = 0.0
+    num_decodes: np.ndarray | float = 0.0
+    decode_ctx_sum: np.ndarray | float = 0.0
+    decode_ctx_max: np.ndarray | float = 0.0
+
+
+@dataclass(frozen=True)
+class RooflineCostModel:
+    """Step time from specs. Defaults: 60% of peak FLOPs and 80% of peak bandwidth are what
+    well-tuned kernels reach (vLLM/Sarathi-Serve report MFU 0.4-0.6 for prefill and MBU 0.7-0.85
+    for decode); 4 ms of per-step scheduler/launch overhead at TP1 (assumed); 10 us per
+    all-reduce launch (assumed)."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    tp: int = 1
+    flops_efficiency: float = 0.6
+    bw_efficiency: float = 0.8
+    step_overhead_s: float = 0.004
+    allreduce_latency_s: float = 10e-6
+    decode_attention: DecodeAttention = "sum"
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tp: must be >= 1, got {self.tp}")
+        if self.decode_attention not in ("sum", "max"):
+            raise ValueError(f"decode_attention: expected sum or max, got {self.decode_attention!r}")
+
+    def with_options(self, **changes: object) -> RooflineCostModel:
+        return replace(self, **changes)
+
+    def time(self, batch: StepBatch) -> np.ndarray | float:
+        """Seconds for one step (or each of many steps when the fields are arrays)."""
+        m = self.model
+        if self.decode_attention == "max":
+            decode_read = batch.num_decodes * batch.decode_ctx_max
+        else:
+            decode_read = batch.decode_ctx_sum
+        attn_units = batch.prefill_attn_units + decode_read + batch.num_decodes
+        kv_read = batch.prefill_kv_read + decode_read
+        peak = self.tp * self.gpu.peak_tflops * 1e12 * self.flops_efficiency
+        bandwidth = self.tp * self.gpu.hbm_gbps * 1e9 * self.bw_efficiency
+        flops = (
+            2.0 * m.linear_params * batch.tokens
+            + 2.0 * m.hidden * m.vocab * batch.sampled
+            + 4.0 * m.layers * m.q_dim * attn_units
+        )
+        memory = m.weight_bytes + m.kv_bytes_per_token * kv_read
+        seconds = self.step_overhead_s + np.maximum(flops / peak, memory / bandwidth)
+        if self.tp > 1:
+            message = batch.tokens * m.hidden * m.dtype_bytes
+            ring = 2.0 * (self.tp - 1) / self.tp * message / (self.gpu.interconnect_gbps * 1e9)
+            seconds = seconds + 2 * m.layers * (ring + self.allreduce_latency_s)
+        return seconds
+
+    def decode_run_times(
+        self, num_decodes: int, context_sum: int, context_max: int, steps: int
+    ) -> np.ndarray:
+        """Times of `steps` consecutive decode-only steps of the same requests, each growing every
+        context by one token per step (vectorised: the replay engine's fast path)."""
+        i = np.arange(steps, dtype=np.float64)
+        batch = StepBatch(
+            tokens=float(num_decodes),
+            sampled=float(num_decodes),
+            num_decodes=float(num_decodes),
+            decode_ctx_sum=context_sum + num_decodes * i,
+            decode_ctx_max=context_max + i,
+        )
+        return np.broadcast_to(self.time(batch), (steps,)).astype(np.float64)
+
+    def kv_capacity_tokens(
+        self, gpu_memory_utilization: float = 0.9, activation_reserve_gb: float = 2.0
+    ) -> int:
+        """KV-cache tokens that fit: the memory vLLM may use, minus weights and an activation
+        reserve (per GPU), over the KV bytes of one token, summed over the TP group."""
+        per_gpu = self.gpu.memory_gb * 1e9 * gpu_memory_utilization - activation_reserve_gb * 1e9
+        free = self.tp * per_gpu - self.model.total_param_bytes
+        if free <= 0:
+            raise ValueError(
+                f"{self.model.name} does not fit on {self.tp} x {self.gpu.name}: weights need "
+                f"{self.model.total_param_bytes / 1e9:.1f} GB; raise tp"
+            )
+        return int(free // self.model.kv_bytes_per_token)
+
+
+def roofline(model: str, gpu: str, tp: int = 1, **options: object) -> RooflineCostModel:
+    """The preset cost model for a model name and GPU name (see MODELS and GPUS)."""
+    if model not in MODELS:
+        raise ValueError(f"model: unknown preset {model!r}; expected one of {', '.join(MODELS)}")
+    if gpu not in GPUS:
+        raise ValueError(f"gpu: unknown preset {gpu!r}; expected one of {', '.join(GPUS)}")
+    return RooflineCostModel(MODELS[model], GPUS[gpu], tp=tp, **options)  # type: ignore[arg-type]

@@ -1,0 +1,416 @@
+"""An iteration-level discrete-event model of a vLLM V1 engine.
+
+Each step: the policy plans (`adapt.policy`); the engine applies drops and preemptions, schedules
+running requests in admission order (decodes take 1 token, unfinished prefills a chunk) under the
+token budget, allocating KV blocks and preempting by recompute when the pool runs dry (the policy
+picks the victim), then admits waiting requests in the policy's order while the running cap, the
+budget and the free blocks allow -- as vLLM's scheduler does. The step's duration comes from the
+cost model; every request whose known tokens are all computed samples one token at its end.
+
+Fast path: when a step was decode-only over every running request and the plan did nothing else,
+the following steps are identical until an arrival, a completion, a KV block shortfall or the
+policy's horizon; the engine advances that whole run at once with vectorised step times. With
+`skip_decode_runs=False` it steps one by one (the property tests check both agree).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from adapt.policy import EngineView, Plan, Policy, RequestState
+from adapt.requests import Request
+from experiments.replay.cost import RooflineCostModel, StepBatch
+from experiments.replay.kv import BlockPool
+from experiments.replay.metrics import Recorder, ReplayResult
+
+MAX_RUN_STEPS = 4096
+
+
+class PolicyError(RuntimeError):
+    """A policy broke the contract (e.g. left the engine idle with work and no wake-up time)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """vLLM-like engine limits. Defaults follow vLLM V1's online-serving defaults: chunked
+    prefill, `max_num_batched_tokens` 2048, `max_num_seqs` 256, block size 16."""
+
+    token_budget: int = 2048
+    max_running: int = 256
+    block_size: int = 16
+    max_model_len: int = 32768
+    kv_capacity_tokens: int | None = None
+    skip_decode_runs: bool = True
+    batch_time_ema: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("token_budget", "max_running", "block_size", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+
+
+class ReplayEngine:
+    """One engine replica. Feed requests with `add` (in arrival order) and call `step` while
+    `has_work`; `run` does both for a whole request list."""
+
+    def __init__(self, policy: Policy, cost: RooflineCostModel, config: EngineConfig | None = None) -> None:
+        self.policy = policy
+        self.cost = cost
+        self.config = config or EngineConfig()
+        capacity = self.config.kv_capacity_tokens or cost.kv_capacity_tokens()
+        self.kv = BlockPool(capacity // self.config.block_size, self.config.block_size)
+        self.token_budget = policy.token_budget or self.config.token_budget
+        self.now = 0.0
+        self.step_index = 0
+        self.mean_batch_time = 0.0
+        self.waiting: dict[str, RequestState] = {}
+        self.running: list[RequestState] = []
+        self._pending: list[Request] = []
+        self._pending_pos = 0
+        self._true_len: dict[str, int] = {}
+        self.recorder = Recorder()
+
+    # ----------------------------------------------------------------- arrivals
+    def add(self, request: Request) -> None:
+        """Queue a future arrival; requests must be added in arrival order."""
+        if self._pending and request.arrival_s < self._pending[-1].arrival_s:
+            raise ValueError(f"{request.request_id}: requests must be added in arrival order")
+        self._pending.append(request)
+
+    @property
+    def next_arrival_s(self) -> float:
+        return (
+            self._pending[self._pending_pos].arrival_s if self._pending_pos < len(self._pending) else math.inf
+        )
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_pos < len(self._pending))
+
+    @property
+    def outstanding(self) -> int:
+        """Requests in the engine or routed to it but not yet arrived (for least-outstanding routing)."""
+        return len(self.waiting) + len(self.running) + len(self._pending) - self._pending_pos
+
+    def _admit_arrivals(self) -> None:
+        while (
+            self._pending_pos < len(self._pending) and self._pending[self._pending_pos].arrival_s <= self.now
+        ):
+            request = self._pending[self._pending_pos]
+            self._pending_pos += 1
+            self._arrive(request)
+
+    def _arrive(self, request: Request) -> None:
+        max_tokens = self.config.max_model_len - request.prompt_tokens
+        state = RequestState(
+            request.request_id,
+            request.arrival_s,
+            request.prompt_tokens,
+            max_tokens,
+            request.slo,
+            request.prompt_text,
+            request.program,
+            request.label,
+        )
+        if self.policy.needs_oracle:
+            state.oracle_output_tokens = request.output_tokens
+        self._true_len[state.id] = request.output_tokens
+        self.recorder.arrived(state, request.output_tokens)
+        too_long = request.prompt_tokens + request.output_tokens > self.config.max_model_len
+        if too_long or self.kv.blocks_for(request.prompt_tokens + request.output_tokens) > self.kv.num_blocks:
+            reason = "longer than max_model_len" if too_long else "larger than the whole KV cache"
+            self.recorder.dropped(state, self.now, reason)
+            return
+        self.waiting[state.id] = state
+        self.policy.on_arrival(state, self.now)
+
+    # ----------------------------------------------------------------- one step
+    def view(self) -> EngineView:
+        return EngineView(
+            now=self.now,
+            waiting=list(self.waiting.values()),
+            running=self.running,
+            kv_usage=self.kv.usage,
+            token_budget=self.token_budget,
+            max_running=self.config.max_running,
+            mean_batch_time_s=self.mean_batch_time,
+            step_index=self.step_index,
+        )
+
+    def step(self) -> None:
+        """Run one scheduling step (or a run of identical decode steps), advancing `now`."""
+        if not self.waiting and not self.running:
+            self.now = max(self.now, self.next_arrival_s)
+        self._admit_arrivals()
+        if not self.waiting and not self.running:
+            return
+        view = EngineView(
+            self.now,
+            _WaitingView(self.waiting),
+            self.running,
+            self.kv.usage,
+            self.token_budget,
+            self.config.max_running,
+            self.mean_batch_time,
+            self.step_index,
+        )
+        plan = self.policy.on_step(view)
+        scheduled, changed, acted = self._schedule(plan)
+        if scheduled:
+            self._execute(scheduled)
+        elif not changed:
+            self._idle(view)
+            return
+        if (
+            self.config.skip_decode_runs
+            and not acted
+            and self.running
+            and len(scheduled) == len(self.running)
+            and all(n == 1 for _, n in scheduled)
+        ):
+            self._decode_run(view)
+
+    def _idle(self, view: EngineView) -> None:
+        """Nothing could be scheduled: wait for the next arrival or the policy's wake-up time."""
+        wake = min(self.next_arrival_s, self.policy.horizon(view).until_s)
+        if not math.isfinite(wake) or wake <= self.now:
+            raise PolicyError(
+                f"policy {self.policy.name!r} scheduled nothing at t={self.now:.3f}s with "
+                f"{len(self.waiting)} waiting / {len(self.running)} running and no future event"
+            )
+        self.now = wake
+
+    def _schedule(self, plan: Plan) -> tuple[list[tuple[RequestState, int]], bool, bool]:
+        """Apply the plan. Returns the (request, tokens) pairs to compute this step; whether any
+        request changed queues (drop or preemption: re-plan at once even if nothing runs); and
+        whether the step did anything beyond plain decoding (no fast path after it)."""
+        changed = False
+        for state in plan.drop:
+            if self.waiting.pop(state.id, None) is not None:
+                self.recorder.dropped(state, self.now, "admission control")
+                self.policy.on_finish(state, self.now)
+                changed = True
+        for state in plan.preempt:
+            if state in self.running:
+                self._preempt(state)
+                changed = True
+        if self.policy.prefill_first and plan.admit is not None:
+            admitted = self._admit(plan, self.token_budget, chunked=False)
+            if admitted:
+                return admitted, changed, True
+        budget = self.token_budget
+        scheduled: list[tuple[RequestState, int]] = []
+        preempted_now = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            state = self.running[i]
+            if state in plan.defer:
+                i += 1
+                continue
+            tokens = min(state.tokens_to_compute, budget)
+            while not self.kv.can_grow(state.id, state.tokens_computed + tokens):
+                candidates = self.running[i:]
+                victim = self.policy.preemption_victim(candidates)
+                if victim not in candidates:
+                    victim = candidates[-1]
+                self._preempt(victim)
+                preempted_now = True
+                if victim is state:
+                    break
+            if state.phase == "preempted":
+                continue  # `state` itself was the victim; running[i] is now the next request
+            self.kv.grow(state.id, state.tokens_computed + tokens)
+            scheduled.append((state, tokens))
+            budget -= tokens
+            i += 1
+        changed = changed or preempted_now
+        acted = changed or bool(plan.defer)
+        if plan.admit is not None and not preempted_now and budget > 0:
+            admitted = self._admit(plan, budget, chunked=True)
+            scheduled.extend(admitted)
+            acted = acted or bool(admitted)
+        return scheduled, changed, acted
+
+    def _admit(self, plan: Plan, budget: int, *, chunked: bool) -> list[tuple[RequestState, int]]:
+        """Admit waiting requests in the plan's order while the running cap, the budget and free
+        KV blocks allow; stop at the first that does not fit (vLLM's head-of-line rule).
+        `chunked=False` is vLLM V0's prefill-first mode: whole prompts only (the first one even if
+        it exceeds the budget), and such a step runs nothing but those prefills."""
+        admitted: list[tuple[RequestState, int]] = []
+        room = self.config.max_running - len(self.running)
+        for state in plan.admit or ():
+            if room <= 0 or budget <= 0:
+                break
+            if self.waiting.get(state.id) is not state:
+                continue
+            need = state.tokens_to_compute
+            tokens = min(need, budget) if chunked else need
+            if (tokens > budget and admitted) or not self.kv.can_grow(state.id, tokens):
+                break
+            self.kv.grow(state.id, tokens)
+            admitted.append((state, tokens))
+            budget -= tokens
+            room -= 1
+        for state, _ in admitted:
+            del self.waiting[state.id]
+            state.phase = "prefill"
+            self.running.append(state)
+            self.policy.on_admit(state, self.now)
+        return admitted
+
+    def _preempt(self, state: RequestState) -> None:
+        self.running.remove(state)
+        self.kv.release(state.id)
+        state.tokens_computed = 0
+        state.phase = "preempted"
+        state.num_preemptions += 1
+        self.recorder.preempted(state)
+        self.waiting[state.id] = state
+        self.policy.on_preempt(state, self.now)
+
+    def _execute(self, scheduled: list[tuple[RequestState, int]]) -> None:
+        """Time the step with the cost model and apply its effects at the step's end."""
+        tokens = sampled = decodes = 0
+        attn = kv_read = ctx_sum = 0.0
+        ctx_max = 0
+        for state, n in scheduled:
+            tokens += n
+            p = state.tokens_computed
+            if n == 1 and state.phase == "decode":
+                decodes += 1
+                ctx_sum += p
+                ctx_max = max(ctx_max, p)
+            else:
+                attn += n * p + n * (n + 1) / 2
+                kv_read += p
+            if p + n == state.prompt_tokens + state.tokens_generated:
+                sampled += 1
+        duration = float(self.cost.time(StepBatch(tokens, sampled, attn, kv_read, decodes, ctx_sum, ctx_max)))
+        start = self.now
+        self.now = start + duration
+        self._note_batch_time(duration)
+        self.step_index += 1
+        self.recorder.step(start, duration, tokens, len(scheduled), self.kv.usage)
+        for state, n in scheduled:
+            state.tokens_computed += n
+            if state.tokens_computed == state.prompt_tokens + state.tokens_generated:
+                self._emit_token(state)
+
+    def _note_batch_time(self, duration: float) -> None:
+        alpha = self.config.batch_time_ema
+        self.mean_batch_time = (
+            duration if self.mean_batch_time == 0 else ((1 - alpha) * self.mean_batch_time + alpha * duration)
+        )
+
+    def _emit_token(self, state: RequestState) -> None:
+        now = self.now
+        self.recorder.token(state, now)
+        state.tokens_generated += 1
+        state.last_token_s = now
+        if state.first_token_s is None:
+            state.first_token_s = now
+        state.phase = "decode"
+        if state.tokens_generated >= self._true_len[state.id]:
+            self._finish(state)
+
+    def _finish(self, state: RequestState) -> None:
+        self.running.remove(state)
+        self.kv.release(state.id)
+        state.finish_s = self.now
+        state.phase = "decode"
+        self.recorder.finished(state)
+        self.policy.on_finish(state, self.now)
+
+    # ------------------------------------------------------------ fast path
+    def _decode_run(self, view: EngineView) -> None:
+        """Advance the longest run of steps identical to the one just taken (see module doc)."""
+        horizon = self.policy.horizon(view)
+        limit = min(
+            MAX_RUN_STEPS,
+            horizon.steps,
+            min(self._true_len[s.id] - s.tokens_generated for s in self.running),
+        )
+        wall = min(self.next_arrival_s, horizon.until_s)
+        if limit < 1 or self.now >= wall:
+            return
+        limit = int(limit)
+        computed = np.fromiter(
+            (s.tokens_computed for s in self.running), dtype=np.int64, count=len(self.running)
+        )
+        held = np.fromiter(
+            (self.kv.held(s.id) for s in self.running), dtype=np.int64, count=len(self.running)
+        )
+        limit = self._kv_step_limit(computed, held, limit)
+        if limit < 1:
+            return
+        times = self.cost.decode_run_times(len(self.running), int(computed.sum()), int(computed.max()), limit)
+        ends = self.now + np.cumsum(times)
+        starts = np.concatenate(([self.now], ends[:-1]))
+        k = int(np.searchsorted(starts, wall, side="left"))
+        if k < 1:
+            return
+        times, ends = times[:k], ends[:k]
+        for duration in times:
+            self._note_batch_time(float(duration))
+        self.recorder.decode_run(self.running, times, ends, self.kv.usage)
+        self.step_index += k
+        self.now = float(ends[-1])
+        finished = []
+        for state in self.running:
+            state.tokens_computed += k
+            state.tokens_generated += k
+            state.last_token_s = self.now
+            self.kv.grow(state.id, state.tokens_computed)
+            if state.tokens_generated >= self._true_len[state.id]:
+                finished.append(state)
+        for state in finished:
+            self._finish(state)
+
+    def _kv_step_limit(self, computed: np.ndarray, held: np.ndarray, limit: int) -> int:
+        """Largest j <= limit such that growing every context by j tokens fits in the free blocks.
+        Step j computes one more token for each request, so it needs room for computed + j."""
+        bs = self.kv.block_size
+        free = self.kv.free_blocks
+        j = np.arange(1, limit + 1)
+        extra = np.maximum(0, -(-(computed[None, :] + j[:, None]) // bs) - held[None, :]).sum(axis=1)
+        fits = np.flatnonzero(extra > free)
+        return limit if len(fits) == 0 else int(fits[0])
+
+    # ------------------------------------------------------------------ driver
+    def run(self, requests: Sequence[Request], *, progress=None) -> ReplayResult:
+        wall_start = time.perf_counter()
+        for request in requests:
+            self.add(request)
+        last = 0
+        while self.has_work:
+            self.step()
+            if progress is not None and self.recorder.done_count != last:
+                progress(self.recorder.done_count - last)
+                last = self.recorder.done_count
+        return self.recorder.result(time.perf_counter() - wall_start)
+
+
+class _WaitingView(Sequence[RequestState]):
+    """Read-only, copy-free view of the waiting dict in arrival order for EngineView.waiting."""
+
+    __slots__ = ("_waiting",)
+
+    def __init__(self, waiting: dict[str, RequestState]) -> None:
+        self._waiting = waiting
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __iter__(self):
+        return iter(self._waiting.values())
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return list(self._waiting.values())[index]
+
+    def __contains__(self, state: object) -> bool:
+        return isinstance(state, RequestState) and self._waiting.get(state.id) is state

@@ -1,0 +1,50 @@
+"""Paged KV-cache accounting, kept apart from scheduling as vLLM keeps its KV manager apart.
+
+Only block counts matter to timing and admission, so a request's blocks are an integer, not a
+list of block ids: ceil(tokens / block_size).
+"""
+
+from __future__ import annotations
+
+
+class BlockPool:
+    """Fixed pool of KV blocks. A request holds ceil(cached tokens / block_size) blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size: must be > 0, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free_blocks = num_blocks
+        self._held: dict[str, int] = {}
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def held(self, request_id: str) -> int:
+        return self._held.get(request_id, 0)
+
+    def extra_blocks(self, request_id: str, tokens: int) -> int:
+        """Blocks needed beyond those held for the request to cache `tokens` tokens in total."""
+        return max(0, self.blocks_for(tokens) - self._held.get(request_id, 0))
+
+    def can_grow(self, request_id: str, tokens: int) -> bool:
+        return self.extra_blocks(request_id, tokens) <= self.free_blocks
+
+    def grow(self, request_id: str, tokens: int) -> None:
+        """Make the request hold enough blocks for `tokens` cached tokens (caller checked room)."""
+        extra = self.extra_blocks(request_id, tokens)
+        if extra > self.free_blocks:
+            raise RuntimeError(f"KV pool exhausted: {request_id} needs {extra}, {self.free_blocks} free")
+        if extra:
+            self._held[request_id] = self._held.get(request_id, 0) + extra
+            self.free_blocks -= extra
+
+    def release(self, request_id: str) -> None:
+        self.free_blocks += self._held.pop(request_id, 0)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.free_blocks / self.num_blocks

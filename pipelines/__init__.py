@@ -1,0 +1,1 @@
+"""Training pipelines: data window -> fit -> evaluate -> log -> register -> gate -> promote."""

@@ -1,0 +1,1 @@
+"""Learned components: scikit-learn-style estimators wrapped as versioned LearnedComponents."""

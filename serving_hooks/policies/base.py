@@ -1,0 +1,64 @@
+"""Shared machinery for policies that admit waiting requests in the order of a sort key.
+
+The waiting index is a `SortedList`: O(log n) per arrival, admission and preemption, and the plan's
+admission order is a lazy iterator over it, so a step costs nothing per waiting request the engine
+does not look at.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from sortedcontainers import SortedList
+
+from adapt.policy import EngineView, Plan, Policy, RequestState
+
+
+class PriorityPolicy(Policy):
+    """Admit waiting requests by ascending `key`; under KV pressure preempt the running request
+    with the largest key (vLLM's priority-scheduling rule). Subclasses define `key`."""
+
+    def __init__(self) -> None:
+        self._waiting = SortedList()
+        self._entries: dict[str, tuple[Any, ...]] = {}
+        self._seq = itertools.count()
+
+    def key(self, request: RequestState, now: float) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def _insert(self, request: RequestState, now: float) -> None:
+        entry = (*self.key(request, now), next(self._seq), request)
+        self._entries[request.id] = entry
+        self._waiting.add(entry)
+
+    def _remove(self, request: RequestState) -> None:
+        entry = self._entries.pop(request.id, None)
+        if entry is not None:
+            self._waiting.remove(entry)
+
+    def on_arrival(self, request: RequestState, now: float) -> None:
+        self._insert(request, now)
+
+    def on_preempt(self, request: RequestState, now: float) -> None:
+        self._insert(request, now)
+
+    def on_admit(self, request: RequestState, now: float) -> None:
+        self._remove(request)
+
+    def on_finish(self, request: RequestState, now: float) -> None:
+        self._remove(request)
+
+    def waiting_in_order(self) -> Iterator[RequestState]:
+        return (entry[-1] for entry in self._waiting)
+
+    def on_step(self, view: EngineView) -> Plan:
+        return Plan(admit=self.waiting_in_order())
+
+    def running_key(self, request: RequestState, now: float) -> tuple[Any, ...]:
+        """Key of a running request when choosing a preemption victim (default: its admission key)."""
+        return self.key(request, now)
+
+    def preemption_victim(self, candidates: Sequence[RequestState]) -> RequestState:
+        return max(reversed(candidates), key=lambda r: self.running_key(r, r.last_token_s or r.arrival_s))
