@@ -73,6 +73,9 @@ class ReplayEngine:
         self._pending: list[Request] = []
         self._pending_pos = 0
         self._true_len: dict[str, int] = {}
+        # A cluster routes arrivals one at a time; this fence keeps a decode run from jumping past
+        # the next arrival routed anywhere (it might come here).
+        self.arrival_fence_s = math.inf
         self.recorder = Recorder()
 
     # ----------------------------------------------------------------- arrivals
@@ -335,7 +338,7 @@ class ReplayEngine:
             horizon.steps,
             min(self._true_len[s.id] - s.tokens_generated for s in self.running),
         )
-        wall = min(self.next_arrival_s, horizon.until_s)
+        wall = min(self.next_arrival_s, self.arrival_fence_s, horizon.until_s)
         if limit < 1 or self.now >= wall:
             return
         limit = int(limit)

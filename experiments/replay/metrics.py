@@ -83,6 +83,22 @@ class ReplayResult:
             }
         return result
 
+    @classmethod
+    def merge(cls, results: Sequence[ReplayResult], sim_wall_s: float) -> ReplayResult:
+        """One result for several replicas (the KV timeline is replica 0's)."""
+        tbt: dict[str | None, list[tuple[np.ndarray, float]]] = defaultdict(list)
+        for result in results:
+            for label, chunks in result.tbt.items():
+                tbt[label].extend(chunks)
+        return cls(
+            records=[r for result in results for r in result.records],
+            tbt=dict(tbt),
+            steps=sum(r.steps for r in results),
+            sim_wall_s=sim_wall_s,
+            kv_timeline=results[0].kv_timeline,
+            preemptions=sum(r.preemptions for r in results),
+        )
+
     def makespan_s(self) -> float:
         if not self.records:
             return 0.0

@@ -1,0 +1,258 @@
+"""`adapt replay`: one request sequence, several policies, a table, JSON and MLflow runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adapt.requests import Request
+from adapt.traces import load_trace
+from adapt.workload import build_requests, poisson_arrivals, scale_to_rate
+from experiments.replay.cluster import ROUTERS, Cluster, make_router
+from experiments.replay.cost import GPUS, MODELS, roofline
+from experiments.replay.engine import EngineConfig, ReplayEngine
+from experiments.replay.metrics import ReplayResult
+from experiments.workloads import WORKLOADS, get_workload
+from serving_hooks.policies import BASELINES, make_policy
+
+TABLE_COLUMNS = (
+    ("completed", "done"),
+    ("ttft_mean", "ttft_mean"),
+    ("ttft_p99", "ttft_p99"),
+    ("tbt_p99", "tbt_p99"),
+    ("ttlt_mean", "ttlt_mean"),
+    ("throughput_tps", "tok/s"),
+    ("slo_attainment", "slo"),
+    ("goodput_tokens", "goodput_tok"),
+    ("preemptions", "preempt"),
+    ("sim_wall_s", "wall_s"),
+)
+
+
+class ReplayUsageError(ValueError):
+    """Bad replay arguments (one line for the CLI)."""
+
+
+@dataclass
+class ReplaySetup:
+    """What to replay and on what: the requests plus the engine preset."""
+
+    requests: list[Request]
+    workload: dict[str, Any]
+    model: str
+    gpu: str
+    tp: int
+
+
+def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", metavar="FILE", help="any supported trace file (see adapt trace stats)")
+    source.add_argument("--workload", choices=sorted(WORKLOADS), help="a named workload")
+    parser.add_argument(
+        "--policies", default="fcfs,sjf-oracle", help=f"comma-separated, from {','.join(BASELINES)}"
+    )
+    parser.add_argument("--rate", type=float, help="arrivals per second (a trace is time-scaled to it)")
+    parser.add_argument("--duration", type=float, help="keep arrivals in the first S seconds")
+    parser.add_argument("--num-requests", type=int, help="first N requests of a trace, or N generated")
+    parser.add_argument("--model", choices=sorted(MODELS), help="model preset (default: the workload's)")
+    parser.add_argument("--gpu", choices=sorted(GPUS), help="GPU preset (default: the workload's)")
+    parser.add_argument("--tp", type=int, help="tensor-parallel degree (default: the workload's)")
+    parser.add_argument(
+        "--token-budget", type=int, default=2048, help="max tokens per step (vLLM max_num_batched_tokens)"
+    )
+    parser.add_argument(
+        "--max-running", type=int, default=256, help="max running sequences (vLLM max_num_seqs)"
+    )
+    parser.add_argument("--replicas", type=int, default=1, help="engine replicas behind a router")
+    parser.add_argument("--router", choices=ROUTERS, default="least-outstanding")
+    parser.add_argument("--decode-attention", choices=("sum", "max"), default="sum", help="see cost.py")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="OUT", help="write {workload, policies} JSON here")
+    parser.add_argument("--no-mlflow", action="store_true", help="do not log runs to MLflow")
+    parser.add_argument("--experiment", default="replay", help="MLflow experiment name")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _trace_setup(args: argparse.Namespace) -> ReplaySetup:
+    trace = load_trace(args.trace)
+    if args.num_requests:
+        trace = trace.head(args.num_requests)
+    rng = np.random.default_rng(args.seed)
+    if trace.arrival_s is None:
+        if not args.rate:
+            raise ReplayUsageError(
+                f"{args.trace}: this trace has no timestamps; pass --rate for Poisson arrivals"
+            )
+        arrivals = poisson_arrivals(len(trace), args.rate, rng)
+    else:
+        arrivals = scale_to_rate(trace.arrival_s, args.rate) if args.rate else trace.arrival_s
+    requests = build_requests(trace, arrivals)
+    info = {"name": Path(args.trace).name, "trace": str(args.trace), "rate": args.rate, "seed": args.seed}
+    return ReplaySetup(requests, info, args.model or "llama-2-13b", args.gpu or "a100-80g", args.tp or 1)
+
+
+def _workload_setup(args: argparse.Namespace) -> ReplaySetup:
+    spec = get_workload(args.workload)
+    rate = args.rate or spec.rate
+    num = args.num_requests or (math.ceil(args.duration * rate * 1.2) if args.duration else spec.num_requests)
+    requests = spec.build(rate, num, args.seed)
+    info = spec.info(rate, num, args.seed)
+    return ReplaySetup(requests, info, args.model or spec.model, args.gpu or spec.gpu, args.tp or spec.tp)
+
+
+def build_setup(args: argparse.Namespace) -> ReplaySetup:
+    for name in ("rate", "duration"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ReplayUsageError(f"--{name.replace('_', '-')}: must be > 0, got {value}")
+    if args.num_requests is not None and args.num_requests <= 0:
+        raise ReplayUsageError(f"--num-requests: must be > 0, got {args.num_requests}")
+    setup = _trace_setup(args) if args.trace else _workload_setup(args)
+    if args.duration:
+        setup.requests = [r for r in setup.requests if r.arrival_s < args.duration]
+    if not setup.requests:
+        raise ReplayUsageError("no requests to replay (check --duration / --num-requests)")
+    setup.workload.update(model=setup.model, gpu=setup.gpu, tp=setup.tp, num_requests=len(setup.requests))
+    return setup
+
+
+def replay_policy(
+    setup: ReplaySetup,
+    policy_name: str,
+    *,
+    replicas: int = 1,
+    router: str = "least-outstanding",
+    decode_attention: str = "sum",
+    seed: int = 0,
+    progress: bool = False,
+    config: EngineConfig | None = None,
+) -> ReplayResult:
+    """Replay the setup's requests under one policy (fresh policy and engine per replica)."""
+    cost = roofline(setup.model, setup.gpu, tp=setup.tp, decode_attention=decode_attention)
+    engines = [ReplayEngine(make_policy(policy_name), cost, config) for _ in range(replicas)]
+    bar = None
+    if progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=len(setup.requests), desc=f"{policy_name:>12}", unit="req", file=sys.stderr, leave=False
+        )
+    update = bar.update if bar is not None else None
+    try:
+        if replicas == 1:
+            result = engines[0].run(setup.requests, progress=update)
+        else:
+            result = Cluster(engines, make_router(router, seed)).run(setup.requests, progress=update)
+    finally:
+        if bar is not None:
+            bar.close()
+    if progress:
+        print(
+            f"  {policy_name}: {len(setup.requests):,} requests in {result.sim_wall_s:.1f} s", file=sys.stderr
+        )
+    return result
+
+
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    header = f"{'policy':<12}" + "".join(f"{title:>13}" for _, title in TABLE_COLUMNS)
+    lines = [header, "-" * len(header)]
+    for name, metrics in results.items():
+        cells = []
+        for key, _ in TABLE_COLUMNS:
+            value = metrics.get(key)
+            if value is None:
+                cells.append(f"{'-':>13}")
+            elif isinstance(value, float):
+                cells.append(f"{value:>13.3f}")
+            else:
+                cells.append(f"{value:>13,}")
+        lines.append(f"{name:<12}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def log_to_mlflow(experiment: str, workload: dict[str, Any], policy: str, metrics: dict[str, Any]) -> str:
+    """One MLflow run per (workload, policy): params, flat numeric metrics, the metrics JSON."""
+    from adapt import tracking
+
+    client = tracking.client()
+    experiment_id = tracking.ensure_experiment(client, experiment, tracking.tracking_uri())
+    run = client.create_run(
+        experiment_id, run_name=f"{workload.get('name')}:{policy}", tags={"kind": "replay"}
+    )
+    run_id = run.info.run_id
+    params = {f"workload.{k}": str(v) for k, v in workload.items() if v is not None}
+    params["policy"] = policy
+    from mlflow.entities import Metric, Param
+
+    flat = {k: v for k, v in metrics.items() if isinstance(v, int | float) and v is not None}
+    for label, sub in (metrics.get("by_class") or {}).items():
+        flat.update(
+            {f"{label}.{k}": v for k, v in sub.items() if isinstance(v, int | float) and v is not None}
+        )
+    client.log_batch(
+        run_id,
+        metrics=[Metric(k, float(v), 0, 0) for k, v in flat.items()],
+        params=[Param(k, v[:500]) for k, v in params.items()],
+    )
+    client.log_text(
+        run_id,
+        json.dumps({"workload": workload, "policy": policy, "metrics": metrics}, indent=2),
+        "replay.json",
+    )
+    client.set_terminated(run_id)
+    return run_id
+
+
+def run_replay_command(args: argparse.Namespace) -> int:
+    from adapt.cli import UsageError
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in BASELINES]
+    if not policies or unknown:
+        raise UsageError(
+            f"--policies: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(BASELINES)}"
+        )
+    if args.replicas < 1:
+        raise UsageError(f"--replicas: must be >= 1, got {args.replicas}")
+    try:
+        setup = build_setup(args)
+    except (ReplayUsageError, ValueError) as exc:
+        raise UsageError(str(exc)) from exc
+    print(
+        f"replaying {len(setup.requests):,} requests ({setup.workload.get('name')}) on {setup.model} /"
+        f" {setup.tp} x {setup.gpu}, {args.replicas} replica(s): {', '.join(policies)}",
+        file=sys.stderr,
+    )
+    try:
+        config = EngineConfig(token_budget=args.token_budget, max_running=args.max_running)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    results: dict[str, dict[str, Any]] = {}
+    for policy in policies:
+        result = replay_policy(
+            setup,
+            policy,
+            config=config,
+            replicas=args.replicas,
+            router=args.router,
+            decode_attention=args.decode_attention,
+            seed=args.seed,
+            progress=not args.quiet,
+        )
+        results[policy] = result.metrics()
+        if not args.no_mlflow:
+            log_to_mlflow(args.experiment, setup.workload, policy, results[policy])
+    print(format_table(results))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(
+            json.dumps({"workload": setup.workload, "policies": results}, indent=2) + "\n"
+        )
+    return 0

@@ -1,0 +1,153 @@
+"""Named workloads: real length data, a generated arrival process, SLO classes and an engine preset.
+
+Each workload is a pure function of (rate, number of requests, seed), so every policy in one
+`adapt replay` call sees the identical request sequence. Length data comes from the files bundled
+under `experiments/data/` (slices of ../shared/data, sources in experiments/data/README.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adapt.requests import SLO, Request
+from adapt.traces import Trace, load_trace
+from adapt.workload import SLOClass, build_requests, poisson_arrivals, scale_to_rate
+
+DATA_DIR = Path(__file__).parent / "data"
+
+
+def bundled(name: str) -> Path:
+    """Path of a bundled data file, e.g. bundled('azure_conv_2023.csv.gz')."""
+    path = DATA_DIR / name
+    if not path.is_file():
+        raise FileNotFoundError(f"bundled data file missing: {path}")
+    return path
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """A named workload's defaults: the engine preset it is meant for, its rate and size."""
+
+    name: str
+    description: str
+    model: str
+    gpu: str
+    tp: int
+    rate: float
+    num_requests: int
+    build: Callable[[float, int, int], list[Request]]
+
+    def info(self, rate: float, num_requests: int, seed: int) -> dict[str, Any]:
+        data = {k: v for k, v in asdict(self).items() if k != "build"}
+        data.update(rate=rate, num_requests=num_requests, seed=seed)
+        return data
+
+
+def _rows_in_range(trace: Trace, low: int, high: int) -> Trace:
+    keep = np.flatnonzero((trace.prompt_tokens >= low) & (trace.prompt_tokens <= high))
+    if len(keep) == 0:
+        raise ValueError(f"{trace.name}: no rows with prompt length in [{low}, {high}]")
+    return trace.take(keep)
+
+
+def ewsjf_mixed(
+    rate: float,
+    num_requests: int,
+    seed: int,
+    short_share: float = 0.8,
+    short_range: tuple[int, int] = (32, 512),
+    long_range: tuple[int, int] = (1024, 4096),
+    max_output: int = 1024,
+) -> list[Request]:
+    """EWSJF's mixed workload: 80% short interactive prompts (ShareGPT rows with prompts in
+    32-512 tokens) and 20% long batch prompts (arXiv-summarisation rows in 1024-4096), a bimodal
+    32-4096 input distribution as in the paper, Poisson arrivals. Outputs are the rows' real
+    output lengths capped at `max_output`."""
+    rng = np.random.default_rng(seed)
+    short = _rows_in_range(load_trace(bundled("sharegpt_lengths.csv.gz")), *short_range)
+    long = _rows_in_range(load_trace(bundled("arxiv_summarization_lengths.csv.gz")), *long_range)
+    is_short = rng.random(num_requests) < short_share
+    prompts = np.empty(num_requests, dtype=np.int64)
+    outputs = np.empty(num_requests, dtype=np.int64)
+    for mask, source in ((is_short, short), (~is_short, long)):
+        picks = rng.integers(0, len(source), size=int(mask.sum()))
+        prompts[mask] = source.prompt_tokens[picks]
+        outputs[mask] = np.minimum(source.output_tokens[picks], max_output)
+    trace = Trace("ewsjf-mixed", prompts, outputs)
+    labels = ["short" if s else "long" for s in is_short]
+    return build_requests(trace, poisson_arrivals(num_requests, rate, rng), labels=labels)
+
+
+def slai_tiers(
+    rate: float,
+    num_requests: int,
+    seed: int,
+    paying_share: float = 0.05,
+    paying_tbt_s: float = 0.1,
+    free_tbt_s: float = 0.5,
+    max_total_tokens: int = 8192,
+) -> list[Request]:
+    """SLAI's tiered workload: ShareGPT prompt/output lengths (the paper's openchat_sharegpt4 has
+    the same distribution), total capped at 8192, Poisson arrivals, a share of paying users with a
+    0.1 s TBT SLO and free users with 0.5 s."""
+    rng = np.random.default_rng(seed)
+    source = load_trace(bundled("sharegpt_lengths.csv.gz"))
+    trace = source.take(rng.integers(0, len(source), size=num_requests))
+    classes = [
+        SLOClass("paying", paying_share, SLO(kind="latency", tbt_s=paying_tbt_s, tier="paying")),
+        SLOClass("free", 1.0 - paying_share, SLO(kind="latency", tbt_s=free_tbt_s, tier="free")),
+    ]
+    arrivals = poisson_arrivals(num_requests, rate, rng)
+    return build_requests(trace, arrivals, classes=classes, max_total_tokens=max_total_tokens, rng=rng)
+
+
+def azure_conv(rate: float, num_requests: int, seed: int) -> list[Request]:
+    """The real Azure LLM inference trace (conversation, 2023): real arrivals and lengths, the
+    first `num_requests` rows, time-scaled to `rate` (the original runs at 5.5 req/s)."""
+    trace = load_trace(bundled("azure_conv_2023.csv.gz")).head(num_requests)
+    return build_requests(trace, scale_to_rate(trace.arrival_s, rate))
+
+
+WORKLOADS: dict[str, WorkloadSpec] = {
+    "ewsjf-mixed": WorkloadSpec(
+        "ewsjf-mixed",
+        "80% short / 20% long prompts (32-4096 tokens), Poisson; llama-2-13b on 4 x A100",
+        "llama-2-13b",
+        "a100-80g",
+        4,
+        40.0,
+        4000,
+        ewsjf_mixed,
+    ),
+    "slai-tiers": WorkloadSpec(
+        "slai-tiers",
+        "ShareGPT lengths, 5% paying (TBT 0.1 s) / 95% free (TBT 0.5 s), Poisson; mistral-7b on RTX 6000 Ada",
+        "mistral-7b",
+        "rtx6000ada",
+        1,
+        0.8,
+        800,
+        slai_tiers,
+    ),
+    "azure-conv": WorkloadSpec(
+        "azure-conv",
+        "real Azure conversation trace (2023), real arrivals time-scaled; llama-2-13b on 2 x A100",
+        "llama-2-13b",
+        "a100-80g",
+        2,
+        5.53,
+        19366,
+        azure_conv,
+    ),
+}
+
+
+def get_workload(name: str) -> WorkloadSpec:
+    if name not in WORKLOADS:
+        raise ValueError(f"workload: unknown {name!r}; expected one of {', '.join(WORKLOADS)}")
+    return WORKLOADS[name]

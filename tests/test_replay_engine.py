@@ -1,0 +1,204 @@
+"""Hand-computed engine cases and property tests of the engine's invariants under every policy."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from adapt.requests import SLO, Request
+from experiments.replay.engine import EngineConfig, ReplayEngine
+from serving_hooks.policies import BASELINES, make_policy
+from tests.replay_helpers import CheckedEngine, ConstantCost
+
+
+def run(requests, policy="fcfs", *, seconds=0.1, kv_tokens=1_000_000, **config):
+    engine = CheckedEngine(make_policy(policy), ConstantCost(seconds, kv_tokens), EngineConfig(**config))
+    result = engine.run(requests)
+    assert engine.violations == []
+    return engine, result
+
+
+def by_id(result):
+    return {r.request_id: r for r in result.records}
+
+
+def test_single_request_ttft_tbt_ttlt_by_hand():
+    # Step 1 prefills 10 tokens and samples token 0 at 0.1; steps 2-3 decode tokens 1-2.
+    _, result = run([Request("a", 0.0, 10, 3)])
+    record = by_id(result)["a"]
+    assert record.first_token_s == pytest.approx(0.1)
+    assert record.finish_s == pytest.approx(0.3)
+    metrics = result.metrics()
+    assert metrics["ttft_mean"] == pytest.approx(0.1)
+    assert metrics["tbt_p50"] == pytest.approx(0.1) and metrics["tbt_p99"] == pytest.approx(0.1)
+    assert metrics["ttlt_mean"] == pytest.approx(0.3)
+    assert metrics["goodput_tokens"] == 13 and metrics["slo_attainment"] == 1.0
+
+
+def test_chunked_prefill_shares_the_budget():
+    # Budget 8: A's 10-token prompt takes 8 then 2; B (4 tokens, arrived at 0.05) joins step 2.
+    _, result = run([Request("a", 0.0, 10, 2), Request("b", 0.05, 4, 1)], token_budget=8)
+    records = by_id(result)
+    assert records["a"].first_token_s == pytest.approx(0.2)
+    assert records["b"].first_token_s == pytest.approx(0.2)
+    assert records["a"].finish_s == pytest.approx(0.3)
+
+
+def test_latency_goodput_counts_on_time_tokens():
+    on_time = SLO(kind="latency", ttft_s=0.15, tbt_s=0.1)  # deadlines 0.15, 0.25, 0.35
+    late = SLO(kind="latency", ttft_s=0.05, tbt_s=0.1)  # deadlines 0.05, 0.15, 0.25: all missed
+    _, good = run([Request("a", 0.0, 10, 3, slo=on_time)])
+    _, bad = run([Request("a", 0.0, 10, 3, slo=late)])
+    assert good.metrics()["goodput_tokens"] == 3 and good.metrics()["slo_attainment"] == 1.0
+    assert bad.metrics()["goodput_tokens"] == 0 and bad.metrics()["slo_attainment"] == 0.0
+
+
+def test_tbt_only_slo_is_anchored_at_the_first_token():
+    # Token times 0.1, 0.2, 0.3; TBT SLO 0.05 from the first token: only token 0 is on time.
+    _, result = run([Request("a", 0.0, 10, 3, slo=SLO(kind="latency", tbt_s=0.05))])
+    assert by_id(result)["a"].ontime_tokens == 1
+
+
+def test_deadline_goodput_is_all_or_nothing():
+    met = SLO(kind="deadline", deadline_s=0.31)
+    missed = SLO(kind="deadline", deadline_s=0.25)
+    _, result = run([Request("a", 0.0, 10, 3, slo=met)])
+    assert result.metrics()["goodput_tokens"] == 13
+    _, result = run([Request("a", 0.0, 10, 3, slo=missed)])
+    assert result.metrics()["goodput_tokens"] == 0
+
+
+def test_compound_program_counts_only_if_last_stage_in_time():
+    from adapt.requests import ProgramRef
+
+    slo = SLO(kind="compound", deadline_s=0.35)
+    requests = [
+        Request("s0", 0.0, 10, 2, slo=slo, program=ProgramRef("p", 0)),
+        Request("s1", 0.0, 10, 3, slo=slo, program=ProgramRef("p", 1)),
+    ]
+    _, result = run(requests)
+    assert result.metrics()["goodput_tokens"] == 25  # both finish by 0.3
+    _, result = run(requests, max_running=1)  # serial: s1 ends at 0.5, past 0.35
+    assert result.metrics()["goodput_tokens"] == 0
+
+
+def test_kv_exhaustion_preempts_by_recompute_and_still_completes():
+    # 4 blocks of 16 tokens: two 20-token prompts growing to 40 tokens each cannot both fit.
+    requests = [Request("a", 0.0, 20, 20), Request("b", 0.0, 20, 20)]
+    engine, result = run(requests, kv_tokens=64, block_size=16)
+    assert result.preemptions >= 1
+    assert engine.completions == {"a": 20, "b": 20}
+
+
+def test_request_larger_than_kv_is_dropped_with_reason():
+    _, result = run([Request("big", 0.0, 100, 10), Request("ok", 0.0, 10, 2)], kv_tokens=64)
+    records = by_id(result)
+    assert records["big"].dropped == "larger than the whole KV cache"
+    assert records["ok"].finish_s is not None
+    assert result.metrics()["dropped"] == 1
+
+
+def test_prefill_first_runs_prefills_alone():
+    # vLLM V0: at t=0.1 B arrives; the next step prefills B only, so A's decode waits.
+    _, result = run([Request("a", 0.0, 10, 3), Request("b", 0.05, 10, 1)], policy="vllm-v0")
+    records = by_id(result)
+    assert records["b"].first_token_s == pytest.approx(0.2)
+    assert records["a"].finish_s == pytest.approx(0.4)
+
+
+def test_spf_orders_waiting_by_prompt_length():
+    requests = [Request("blocker", 0.0, 10, 5), Request("long", 0.01, 50, 1), Request("short", 0.02, 5, 1)]
+    _, result = run(requests, policy="spf", max_running=1)
+    records = by_id(result)
+    assert records["short"].first_token_s < records["long"].first_token_s
+    _, result = run(requests, policy="fcfs", max_running=1)
+    records = by_id(result)
+    assert records["long"].first_token_s < records["short"].first_token_s
+
+
+request_lists = st.lists(
+    st.tuples(st.floats(0, 20), st.integers(1, 300), st.integers(1, 120), st.sampled_from(["x", "y"])),
+    min_size=1,
+    max_size=30,
+)
+
+
+def make_requests(rows):
+    rows = sorted(rows, key=lambda r: r[0])
+    slos = {"x": SLO(kind="latency", ttft_s=1.0, tbt_s=0.2), "y": SLO(kind="deadline", deadline_s=10.0)}
+    return [Request(f"r{i}", t, p, o, slo=slos[c], label=c) for i, (t, p, o, c) in enumerate(rows)]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=request_lists,
+    policy=st.sampled_from(BASELINES),
+    budget=st.integers(16, 512),
+    max_running=st.integers(1, 12),
+    kv_blocks=st.integers(30, 80),
+)
+def test_engine_invariants_and_fast_path_agree(rows, policy, budget, max_running, kv_blocks):
+    from experiments.replay.cost import roofline
+
+    requests = make_requests(rows)
+    cost = roofline("llama-2-7b", "a100-80g")
+    results = []
+    for skip in (True, False):
+        config = EngineConfig(
+            token_budget=budget,
+            max_running=max_running,
+            kv_capacity_tokens=kv_blocks * 16,
+            skip_decode_runs=skip,
+        )
+        engine = CheckedEngine(make_policy(policy), cost, config)
+        result = engine.run(requests)
+        assert engine.violations == []
+        records = by_id(result)
+        for request in requests:
+            record = records[request.request_id]
+            if record.dropped is None:
+                # Completed exactly once, with exactly its output tokens.
+                assert engine.completions[request.request_id] == request.output_tokens
+                assert request.arrival_s <= record.first_token_s <= record.finish_s
+            else:
+                assert request.prompt_tokens + request.output_tokens > kv_blocks * 16
+        assert len(records) == len(requests)
+        results.append(result.metrics())
+    fast, slow = results
+    for key in ("completed", "goodput_tokens", "goodput_requests", "preemptions"):
+        assert fast[key] == slow[key], key
+    for key in ("ttft_mean", "ttlt_mean", "ttlt_p99", "tbt_p50", "tbt_p99", "makespan_s"):
+        if slow[key] is None:
+            assert fast[key] is None, key
+        else:
+            assert fast[key] == pytest.approx(slow[key], rel=1e-9, abs=1e-9), key
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=request_lists, policy=st.sampled_from(BASELINES))
+def test_same_seed_same_result(rows, policy):
+    from experiments.replay.cost import roofline
+
+    requests = make_requests(rows)
+    first = ReplayEngine(make_policy(policy), roofline("mistral-7b", "a40")).run(requests).metrics()
+    again = ReplayEngine(make_policy(policy), roofline("mistral-7b", "a40")).run(requests).metrics()
+    first.pop("sim_wall_s"), again.pop("sim_wall_s")
+    assert first == again
+
+
+def test_fast_path_advances_whole_decode_runs():
+    requests = [Request("a", 0.0, 10, 200), Request("b", 0.0, 30, 150)]
+    counts = []
+    for skip in (True, False):
+        engine = CheckedEngine(make_policy("fcfs"), ConstantCost(0.01), EngineConfig(skip_decode_runs=skip))
+        calls = 0
+        while engine.has_work or calls == 0:
+            if calls == 0:
+                for r in requests:
+                    engine.add(r)
+            engine.step()
+            calls += 1
+        counts.append(calls)
+        assert engine.violations == []
+        assert engine.completions == {"a": 200, "b": 150}
+    fast, slow = counts
+    assert slow >= 200 and fast <= 5

@@ -1,0 +1,190 @@
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from adapt.cli import main
+from adapt.traces import TraceError, detect_format, load_trace, trace_stats
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_azure_csv_with_processed_columns(tmp_path):
+    path = write(tmp_path / "a.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,10,5\n1.5,20,7\n")
+    trace = load_trace(path)
+    assert trace.report.format == "azure"
+    assert trace.prompt_tokens.tolist() == [10, 20]
+    assert trace.arrival_s.tolist() == [0.0, 1.5]
+
+
+def test_azure_raw_columns_with_datetime_and_unsorted_rows(tmp_path):
+    path = write(
+        tmp_path / "raw.csv",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:50.0000000,30,3\n"
+        "2023-11-16 18:15:46.5000000,10,1\n",
+    )
+    trace = load_trace(path)
+    assert trace.report.reordered == 1
+    assert trace.prompt_tokens.tolist() == [10, 30]
+    assert trace.arrival_s.tolist() == pytest.approx([0.0, 3.5])
+
+
+def test_lengths_csv_has_no_timestamps(tmp_path):
+    path = write(
+        tmp_path / "l.csv", "num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio\n5,6,11,0.8\n"
+    )
+    trace = load_trace(path)
+    assert trace.arrival_s is None and trace.output_tokens.tolist() == [6]
+
+
+def test_burstgpt_counts_failed_requests(tmp_path):
+    path = write(
+        tmp_path / "b.csv",
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        "5,ChatGPT,100,50,150,Conversation log\n"
+        "6,ChatGPT,80,0,80,Conversation log\n"
+        "7,GPT-4,60,10,70,API log\n",
+    )
+    trace = load_trace(path)
+    assert trace.report.format == "burstgpt"
+    assert trace.report.rows_read == 3 and trace.report.loaded == 2
+    assert trace.report.skipped == {"zero output tokens (failed request)": 1}
+    assert trace.arrival_s.tolist() == [0.0, 2.0]
+
+
+def test_mooncake_jsonl_in_milliseconds(tmp_path):
+    lines = [
+        {"timestamp": 0, "input_length": 100, "output_length": 10, "hash_ids": [1, 2]},
+        {"timestamp": 2500, "input_length": 50, "output_length": 5, "hash_ids": [1]},
+    ]
+    path = write(tmp_path / "m.jsonl", "\n".join(json.dumps(x) for x in lines) + "\n")
+    trace = load_trace(path)
+    assert trace.report.format == "mooncake"
+    assert trace.arrival_s.tolist() == [0.0, 2.5]
+    assert trace.columns["hash_ids"] == [[1, 2], [1]]
+
+
+def test_alpaca_jsonl_gz_counts_tokens_with_named_tokenizer(tmp_path):
+    path = tmp_path / "p.jsonl.gz"
+    rows = [
+        {"instruction": "Say hello", "output": "Hello there my friend", "generator": "g1", "category": "c"},
+        {"instruction": "Nothing", "output": "", "generator": "g2"},
+    ]
+    with gzip.open(path, "wt") as handle:
+        handle.write("\n".join(json.dumps(r) for r in rows))
+    trace = load_trace(path, tokenizer="whitespace")
+    assert trace.report.tokenizer == "whitespace"
+    assert trace.prompt_tokens.tolist() == [2] and trace.output_tokens.tolist() == [4]
+    assert trace.report.skipped == {"empty instruction or output": 1}
+    assert trace.columns["generator"] == ["g1"]
+
+
+def test_alpaca_default_tokenizer_is_minilm_wordpiece(tmp_path):
+    path = write(tmp_path / "p.json", json.dumps([{"instruction": "Hello world", "output": "Hi"}]))
+    trace = load_trace(path)
+    assert trace.report.tokenizer == "minilm-wordpiece"
+    assert trace.prompt_tokens.tolist() == [2]
+
+
+def test_request_log_round_trip(tmp_path):
+    from adapt.requests import CompletedRequest
+
+    records = [
+        CompletedRequest("a", 0.0, 10, 3, 0.5, 1.0),
+        CompletedRequest("b", 0.2, 12, 0, None, None, outcome="dropped"),
+    ]
+    path = write(tmp_path / "log.jsonl", "\n".join(json.dumps(r.to_dict()) for r in records))
+    trace = load_trace(path)
+    assert trace.report.format == "requestlog"
+    assert len(trace) == 1 and trace.report.skipped == {"outcome dropped": 1}
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("empty.csv", "", "empty file"),
+        ("header.csv", "arrived_at,foo\n1,2\n", "missing column"),
+        (
+            "neg.csv",
+            "arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,5\n1,-3,5\n",
+            ":3: field 'num_prefill_tokens'",
+        ),
+        (
+            "nan.csv",
+            "arrived_at,num_prefill_tokens,num_decode_tokens\n0,ten,5\n",
+            ":2: field 'num_prefill_tokens'",
+        ),
+        ("frac.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,5.5\n", "whole number"),
+        ("cells.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0,10\n", "expected 3 cells"),
+        (
+            "bad.jsonl",
+            '{"timestamp": 0, "input_length": 1, "output_length": 1}\n{oops\n',
+            ":2: unparsable JSON",
+        ),
+        (
+            "miss.jsonl",
+            '{"timestamp": 0, "input_length": 1, "output_length": 1}\n{"timestamp": 1, "input_length": 1}\n',
+            "field 'output_length': missing",
+        ),
+        ("what.csv", "a,b\n1,2\n", "unrecognised CSV header"),
+        ("x.parquet", "nope", "unknown extension"),
+        ("onlyheader.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n", "no data rows"),
+    ],
+)
+def test_malformed_inputs_name_file_line_and_field(tmp_path, name, content, message):
+    path = write(tmp_path / name, content)
+    with pytest.raises(TraceError) as err:
+        load_trace(path)
+    assert message in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_cli_prints_one_line_and_exits_nonzero(tmp_path, capsys):
+    path = write(tmp_path / "neg.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,-5\n")
+    assert main(["trace", "stats", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "neg.csv:2: field 'num_decode_tokens'" in err[0]
+    assert main(["trace", "stats", str(tmp_path / "missing.csv")]) == 2
+
+
+def test_detect_format_of_shared_files(shared_traces):
+    assert detect_format(shared_traces / "azure_conv_2023.csv") == "azure"
+    assert detect_format(shared_traces / "sharegpt_lengths.csv") == "lengths"
+
+
+@pytest.mark.parametrize(
+    ("name", "count", "in_median", "out_median"),
+    [
+        ("azure_conv_2023.csv", 19366, 1020, 129),
+        ("sharegpt_lengths.csv", 30731, 1730, 415),
+    ],
+)
+def test_trace_stats_match_the_data_readme(shared_traces, tmp_path, name, count, in_median, out_median):
+    out = tmp_path / "stats.json"
+    assert main(["trace", "stats", str(shared_traces / name), "--json", str(out)]) == 0
+    stats = json.loads(out.read_text())
+    assert stats["count"] == count
+    assert stats["input"]["median"] == pytest.approx(in_median, abs=1)
+    assert stats["output"]["median"] == pytest.approx(out_median, abs=1)
+
+
+def test_azure_stats_mean_and_rate(shared_traces):
+    stats = trace_stats(load_trace(shared_traces / "azure_conv_2023.csv"))
+    assert stats["input"]["mean"] == pytest.approx(1155, abs=1)
+    assert stats["output"]["mean"] == pytest.approx(211, abs=1)
+    assert stats["input"]["p90"] == pytest.approx(2735, abs=2)
+    assert stats["rate_rps"] == pytest.approx(5.5, abs=0.05)  # the data README's 5.5 req/s
+    assert stats["duration_s"] == pytest.approx(3501.7, abs=0.1)  # first to last arrival
+
+
+def test_take_and_head_keep_columns_aligned(tmp_path):
+    path = write(tmp_path / "a.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0,1,2\n1,3,4\n2,5,6\n")
+    trace = load_trace(path)
+    sub = trace.take(np.array([2, 0]))
+    assert sub.prompt_tokens.tolist() == [5, 1] and sub.output_tokens.tolist() == [6, 2]
+    assert len(trace.head(2)) == 2
