@@ -66,8 +66,67 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     return run_quickstart(fast=args.fast, out_dir=args.out)
 
 
+def _registry(args: argparse.Namespace):
+    from adapt.registry import Registry
+
+    return Registry(args.tracking_uri)
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    registry = _registry(args)
+    names = registry.names()
+    if not names:
+        print("no registered models yet (train one, e.g. adapt train ...)")
+        return 0
+    print(
+        f"{'name':<20}{'versions':>9}  {'champion':>8}  {'previous':>8}  {'challenger':>10}"
+        "  key metrics (champion)"
+    )
+    for name in names:
+        versions = registry.versions(name)
+        by_alias = {alias: v for v in versions for alias in v.aliases}
+        champion = by_alias.get("champion")
+        metrics = ", ".join(
+            f"{k}={v:.4g}" for k, v in sorted((champion.metrics if champion else {}).items())[:4]
+        )
+        cells = [
+            str(by_alias[a].version) if a in by_alias else "-" for a in ("champion", "previous", "challenger")
+        ]
+        print(f"{name:<20}{len(versions):>9}  {cells[0]:>8}  {cells[1]:>8}  {cells[2]:>10}  {metrics}")
+    return 0
+
+
+def cmd_models_show(args: argparse.Namespace) -> int:
+    registry = _registry(args)
+    for info in registry.versions(args.name):
+        aliases = f" [{', '.join(info.aliases)}]" if info.aliases else ""
+        print(f"{args.name} v{info.version}{aliases}  run {info.run_id}")
+        for key in ("adapt.schema_version", "adapt.data_window", "adapt.data_hash", "adapt.git_commit"):
+            if key in info.tags:
+                print(f"    {key.removeprefix('adapt.')}: {info.tags[key]}")
+        for key, value in sorted(info.metrics.items()):
+            print(f"    {key}: {value:.6g}")
+    return 0
+
+
+def cmd_models_promote(args: argparse.Namespace) -> int:
+    _registry(args).promote(args.name, args.version, alias=args.alias)
+    print(f"{args.name}: version {args.version} is now {args.alias}")
+    return 0
+
+
+def cmd_models_rollback(args: argparse.Namespace) -> int:
+    version = _registry(args).rollback(args.name)
+    print(f"{args.name}: rolled back; champion is version {version}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adapt", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--tracking-uri",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite under mlruns/)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     trace = sub.add_parser("trace", help="inspect traces").add_subparsers(dest="trace_command", required=True)
@@ -84,6 +143,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_arguments(replay)
     replay.set_defaults(func=cmd_replay)
 
+    models = sub.add_parser("models", help="registered components: list, show, promote, roll back")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    models_sub.add_parser("list", help="every component: versions, aliases, key metrics").set_defaults(
+        func=cmd_models_list
+    )
+    show = models_sub.add_parser("show", help="every version of one component")
+    show.add_argument("name")
+    show.set_defaults(func=cmd_models_show)
+    promote = models_sub.add_parser("promote", help="point an alias (default champion) at a version")
+    promote.add_argument("name")
+    promote.add_argument("version", type=int)
+    promote.add_argument("--alias", default="champion")
+    promote.set_defaults(func=cmd_models_promote)
+    rollback = models_sub.add_parser("rollback", help="restore the previous champion")
+    rollback.add_argument("name")
+    rollback.set_defaults(func=cmd_models_rollback)
+
     quick = sub.add_parser("quickstart", help="end to end on the bundled data")
     quick.add_argument("--fast", action="store_true", help="smaller workloads (under 3 minutes)")
     quick.add_argument("--out", default="reports/quickstart", help="where the report and plots go")
@@ -95,9 +171,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
+    if args.tracking_uri:
+        import os
+
+        os.environ["MLFLOW_TRACKING_URI"] = args.tracking_uri
+    from adapt.registry import RegistryError
+
     try:
         return func(args)
-    except (TraceError, ValidationError, UsageError) as exc:
+    except (TraceError, ValidationError, UsageError, RegistryError) as exc:
         print(f"adapt: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -55,13 +55,28 @@ def ensure_experiment(client, name: str, uri: str) -> str:
 
 
 def client(uri: str | None = None):
-    """An MlflowClient on the resolved URI, creating `mlruns/` for the embedded default."""
+    """An MlflowClient on the resolved URI. For a local sqlite store, the directory is created on
+    first use and the schema is created/migrated under an exclusive file lock, so two processes
+    starting together do not race on MLflow's table creation."""
+    import fcntl
     import logging
 
     from mlflow.tracking import MlflowClient
 
-    uri = tracking_uri(uri)
-    if is_embedded(uri):
-        artifact_root(uri).parent.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    return MlflowClient(tracking_uri=uri)
+    uri = tracking_uri(uri)
+    if not is_embedded(uri):
+        return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    db = Path(uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            mlflow_client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+            # Both stores create/migrate the schema on first use: do it here, once, under the lock.
+            mlflow_client.search_experiments(max_results=1)
+            mlflow_client.search_registered_models(max_results=1)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return mlflow_client

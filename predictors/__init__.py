@@ -1,1 +1,16 @@
-"""Learned components: scikit-learn-style estimators wrapped as versioned LearnedComponents."""
+"""Learned components: scikit-learn-style estimators that are also versioned LearnedComponents.
+
+Importing this package registers each component's class under its registry name, lazily: the
+modules (and their heavy dependencies) load only when a component of that name is read.
+"""
+
+from adapt.component import register_component
+
+
+def _cost_model():
+    from predictors.cost_model import FittedCostModel
+
+    return FittedCostModel
+
+
+register_component("cost-model", _cost_model)

@@ -47,6 +47,7 @@ class EngineConfig:
     kv_capacity_tokens: int | None = None
     skip_decode_runs: bool = True
     batch_time_ema: float = 0.1
+    record_steps: bool = False
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_running", "block_size", "max_model_len"):
@@ -76,7 +77,7 @@ class ReplayEngine:
         # A cluster routes arrivals one at a time; this fence keeps a decode run from jumping past
         # the next arrival routed anywhere (it might come here).
         self.arrival_fence_s = math.inf
-        self.recorder = Recorder()
+        self.recorder = Recorder(record_steps=self.config.record_steps)
 
     # ----------------------------------------------------------------- arrivals
     def add(self, request: Request) -> None:
@@ -293,12 +294,13 @@ class ReplayEngine:
                 kv_read += p
             if p + n == state.prompt_tokens + state.tokens_generated:
                 sampled += 1
-        duration = float(self.cost.time(StepBatch(tokens, sampled, attn, kv_read, decodes, ctx_sum, ctx_max)))
+        batch = StepBatch(tokens, sampled, attn, kv_read, decodes, ctx_sum, ctx_max)
+        duration = float(self.cost.time(batch))
         start = self.now
         self.now = start + duration
         self._note_batch_time(duration)
         self.step_index += 1
-        self.recorder.step(start, duration, tokens, len(scheduled), self.kv.usage)
+        self.recorder.step(start, duration, batch, self.kv.usage)
         for state, n in scheduled:
             state.tokens_computed += n
             if state.tokens_computed == state.prompt_tokens + state.tokens_generated:
@@ -360,7 +362,9 @@ class ReplayEngine:
         times, ends = times[:k], ends[:k]
         for duration in times:
             self._note_batch_time(float(duration))
-        self.recorder.decode_run(self.running, times, ends, self.kv.usage)
+        self.recorder.decode_run(
+            self.running, times, ends, self.kv.usage, int(computed.sum()), int(computed.max())
+        )
         self.step_index += k
         self.now = float(ends[-1])
         finished = []

@@ -25,6 +25,17 @@ from typing import Any
 import numpy as np
 
 from adapt.policy import RequestState
+from experiments.replay.cost import StepBatch
+
+STEP_FIELDS: tuple[str, ...] = (
+    "tokens",
+    "sampled",
+    "prefill_attn_units",
+    "prefill_kv_read",
+    "num_decodes",
+    "decode_ctx_sum",
+    "decode_ctx_max",
+)
 
 
 def _on_time_limit(state: RequestState, index: int) -> float:
@@ -203,8 +214,9 @@ def _aggregate(
 class Recorder:
     """Collects per-request records and samples as the engine reports events."""
 
-    def __init__(self) -> None:
+    def __init__(self, record_steps: bool = False) -> None:
         self._records: dict[str, RequestRecord] = {}
+        self._step_log: dict[str, list[np.ndarray]] | None = defaultdict(list) if record_steps else None
         self._tbt_single: dict[str | None, list[float]] = defaultdict(list)
         self._tbt_runs: dict[str | None, list[tuple[np.ndarray, float]]] = defaultdict(list)
         self._kv_t: list[float] = []
@@ -243,9 +255,16 @@ class Recorder:
             record.ontime_tokens += 1
 
     def decode_run(
-        self, running: Sequence[RequestState], times: np.ndarray, ends: np.ndarray, kv_usage: float
+        self,
+        running: Sequence[RequestState],
+        times: np.ndarray,
+        ends: np.ndarray,
+        kv_usage: float,
+        context_sum: int,
+        context_max: int,
     ) -> None:
-        """A run of k identical decode steps: every running request got one token per step."""
+        """A run of k identical decode steps: every running request got one token per step.
+        `context_sum`/`context_max` are the decodes' cached contexts at the run's first step."""
         counts: dict[str | None, int] = defaultdict(int)
         k = len(times)
         for state in running:
@@ -259,11 +278,36 @@ class Recorder:
         self._steps += k
         self._kv_t.append(float(ends[-1]))
         self._kv_u.append(kv_usage)
+        if self._step_log is not None:
+            n, i = len(running), np.arange(k, dtype=np.float64)
+            row = {
+                "start_s": ends - times,
+                "tokens": np.full(k, float(n)),
+                "sampled": np.full(k, float(n)),
+                "prefill_attn_units": np.zeros(k),
+                "prefill_kv_read": np.zeros(k),
+                "num_decodes": np.full(k, float(n)),
+                "decode_ctx_sum": context_sum + n * i,
+                "decode_ctx_max": context_max + i,
+                "duration_s": times,
+            }
+            for name, values in row.items():
+                self._step_log[name].append(values)
 
-    def step(self, start: float, duration: float, tokens: int, num_seqs: int, kv_usage: float) -> None:
+    def step(self, start: float, duration: float, batch: StepBatch, kv_usage: float) -> None:
         self._steps += 1
         self._kv_t.append(start + duration)
         self._kv_u.append(kv_usage)
+        if self._step_log is not None:
+            row = {"start_s": start, **{f: getattr(batch, f) for f in STEP_FIELDS}, "duration_s": duration}
+            for name, value in row.items():
+                self._step_log[name].append(np.atleast_1d(np.asarray(value, dtype=np.float64)))
+
+    def step_log(self) -> dict[str, np.ndarray]:
+        """Every step's features and duration, in the format `cost-model` trains on."""
+        if self._step_log is None:
+            raise RuntimeError("step log not recorded: EngineConfig(record_steps=True)")
+        return {name: np.concatenate(chunks) for name, chunks in self._step_log.items()}
 
     def finished(self, state: RequestState) -> None:
         record = self._records[state.id]

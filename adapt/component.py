@@ -1,0 +1,241 @@
+"""The LearnedComponent contract and its safe on-disk format.
+
+A component is a scikit-learn-style estimator (hyper-parameters in `__init__`, `fit` returns self)
+that can also `evaluate`, `save`, `load` and `validate` itself. What makes it a *versioned model*
+is the directory `save` writes:
+
+    component.json   name, schema version, hyper-parameters, metadata (data window, data hash)
+    MANIFEST.json    SHA-256 of every other file, written by `write_component`
+    <state files>    only formats that load without running code: .json, .npz (allow_pickle=False),
+                     .parquet, .faiss, .safetensors, .skops (with an explicit trusted-type list)
+
+`read_component` refuses a directory with a file of any other kind (a pickle would run code on
+load), a checksum mismatch, a schema version it does not know, or a component whose `validate()`
+fails. The class to instantiate is looked up by name in a fixed table, never imported from a path
+found in the artifact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar, Self
+
+SAFE_SUFFIXES: frozenset[str] = frozenset({".json", ".npz", ".parquet", ".faiss", ".safetensors", ".skops"})
+MANIFEST = "MANIFEST.json"
+HEADER = "component.json"
+
+
+class ComponentError(ValueError):
+    """A component artifact that must not be served: unsafe, corrupted, or failing validation."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def data_fingerprint(*arrays_or_texts: Any) -> str:
+    """A short hash of training data, recorded in metadata so retraining on unchanged data is a no-op."""
+    digest = hashlib.sha256()
+    for item in arrays_or_texts:
+        if hasattr(item, "tobytes"):
+            digest.update(item.tobytes())
+        else:
+            digest.update(json.dumps(item, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
+
+
+class LearnedComponent(ABC):
+    """Base class of every learned part of a scheduler.
+
+    Subclasses set `name` (the registered-model name), `schema_version`, `primary_metric` and
+    `lower_is_better` (what the champion/challenger gate compares), and implement the five
+    methods. `metadata` carries the training-data window and hash.
+    """
+
+    name: ClassVar[str]
+    schema_version: ClassVar[int] = 1
+    primary_metric: ClassVar[str] = ""
+    lower_is_better: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.metadata: dict[str, Any] = {}
+
+    @abstractmethod
+    def fit(self, data: Any) -> Self: ...
+
+    @abstractmethod
+    def evaluate(self, data: Any) -> dict[str, float]: ...
+
+    @abstractmethod
+    def save_state(self, directory: Path) -> None:
+        """Write the fitted state into `directory` (safe formats only)."""
+
+    @abstractmethod
+    def load_state(self, directory: Path) -> None:
+        """Read the fitted state written by `save_state`."""
+
+    def validate(self) -> None:  # noqa: B027  (optional hook: most components add canaries)
+        """Canary checks before a swap; raise ComponentError when the component must not serve."""
+
+    def get_params(self) -> dict[str, Any]:
+        """Hyper-parameters, as scikit-learn's `get_params`: what `__init__` was given."""
+        return {}
+
+    def save(self, directory: str | Path) -> Path:
+        return write_component(self, Path(directory))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Self:
+        component = read_component(Path(directory))
+        if not isinstance(component, cls):
+            raise ComponentError(f"{directory}: holds a {component.name!r}, not a {cls.name!r}")
+        return component
+
+
+_COMPONENTS: dict[str, Callable[[], type[LearnedComponent]]] = {}
+
+
+def register_component(name: str, loader: Callable[[], type[LearnedComponent]]) -> None:
+    """Make a component class loadable by name. `loader` imports lazily, so reading a
+    policy-config does not import FAISS or torch."""
+    _COMPONENTS[name] = loader
+
+
+def component_class(name: str) -> type[LearnedComponent]:
+    if name not in _COMPONENTS:
+        import predictors  # noqa: F401  (registers the learned components on import)
+    if name not in _COMPONENTS:
+        raise ComponentError(f"unknown component {name!r}; known: {', '.join(sorted(_COMPONENTS))}")
+    return _COMPONENTS[name]()
+
+
+def write_component(component: LearnedComponent, directory: Path) -> Path:
+    """Save state, then the header, then a manifest with the SHA-256 of every file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    component.save_state(directory)
+    header = {
+        "name": component.name,
+        "schema_version": component.schema_version,
+        "params": component.get_params(),
+        "metadata": {"saved_at": time.time(), **component.metadata},
+    }
+    (directory / HEADER).write_text(json.dumps(header, indent=2, sort_keys=True, default=str))
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    unsafe = [p.name for p in files if p.suffix not in SAFE_SUFFIXES]
+    if unsafe:
+        raise ComponentError(
+            f"{component.name}: save_state wrote files in unsafe formats: {', '.join(unsafe)}"
+        )
+    manifest = {str(p.relative_to(directory)): sha256_file(p) for p in files}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return directory
+
+
+def manifest_digest(directory: Path) -> str:
+    """SHA-256 of the manifest itself: recorded in the registry so a rewritten manifest is caught."""
+    return sha256_file(directory / MANIFEST)
+
+
+def verify_artifacts(directory: Path, expected_manifest_sha256: str | None = None) -> dict[str, str]:
+    """Check every file against the manifest; refuse unknown, missing, unsafe or altered files."""
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        raise ComponentError(f"{directory}: no {MANIFEST}; refusing an artifact without checksums")
+    if expected_manifest_sha256 is not None and sha256_file(manifest_path) != expected_manifest_sha256:
+        raise ComponentError(f"{directory}: {MANIFEST} does not match the checksum recorded at log time")
+    manifest: dict[str, str] = json.loads(manifest_path.read_text())
+    present = {
+        str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST
+    }
+    unsafe = sorted(name for name in present if Path(name).suffix not in SAFE_SUFFIXES)
+    if unsafe:
+        raise ComponentError(
+            f"{directory}: unsafe artifact(s) that would need code to load (e.g. pickle): {', '.join(unsafe)}"
+        )
+    if present != set(manifest):
+        extra, missing = sorted(present - set(manifest)), sorted(set(manifest) - present)
+        raise ComponentError(
+            f"{directory}: files differ from the manifest (extra {extra}, missing {missing})"
+        )
+    for name, digest in manifest.items():
+        if sha256_file(directory / name) != digest:
+            raise ComponentError(f"{directory}: checksum mismatch for {name}")
+    return manifest
+
+
+def read_component(directory: Path, expected_manifest_sha256: str | None = None) -> LearnedComponent:
+    """Verify, instantiate by name, load state, validate."""
+    verify_artifacts(directory, expected_manifest_sha256)
+    header = json.loads((directory / HEADER).read_text())
+    cls = component_class(header["name"])
+    if header["schema_version"] != cls.schema_version:
+        raise ComponentError(
+            f"{directory}: {header['name']} schema version {header['schema_version']} is not"
+            f" the supported {cls.schema_version}"
+        )
+    component = cls(**header.get("params", {}))
+    component.metadata = dict(header.get("metadata", {}))
+    component.load_state(directory)
+    try:
+        component.validate()
+    except ComponentError:
+        raise
+    except Exception as exc:  # a canary that crashes is a failed validation, not a crash of the caller
+        raise ComponentError(f"{header['name']}: validation raised {type(exc).__name__}: {exc}") from exc
+    return component
+
+
+class PolicyConfig(LearnedComponent):
+    """Which policy runs and with which parameters, versioned like any model, so a whole policy
+    can be promoted, rolled back and hot-swapped. Its state is just its parameters."""
+
+    name = "policy-config"
+    primary_metric = "ttlt_mean"
+
+    def __init__(self, policy: str = "fcfs", params: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.policy = policy
+        self.params = dict(params or {})
+
+    def get_params(self) -> dict[str, Any]:
+        return {"policy": self.policy, "params": self.params}
+
+    def fit(self, data: Any = None) -> Self:
+        """Nothing to learn: a tuner chooses the parameters (see `adapt tune`)."""
+        return self
+
+    def evaluate(self, data: Any = None) -> dict[str, float]:
+        return {}
+
+    def save_state(self, directory: Path) -> None:
+        """Everything is in the header's params."""
+
+    def load_state(self, directory: Path) -> None:
+        """Everything is in the header's params."""
+
+    def validate(self) -> None:
+        """The policy must exist and accept the parameters (the canary constructs it)."""
+        from serving_hooks.policies import make_policy
+
+        try:
+            make_policy(self.policy, **self.params)
+        except (TypeError, ValueError) as exc:
+            raise ComponentError(f"policy-config: {self.policy!r} with {self.params}: {exc}") from exc
+
+    def build(self):
+        """A fresh policy instance for this configuration."""
+        from serving_hooks.policies import make_policy
+
+        return make_policy(self.policy, **self.params)
+
+
+register_component("policy-config", lambda: PolicyConfig)

@@ -1,0 +1,185 @@
+"""Hot swap: a Slot serves one component version and follows a registry alias.
+
+A background thread polls `get_model_version_by_alias` every `interval_s` (MLflow webhooks fire
+only from `mlflow server`, so polling is the mechanism that works everywhere). When the alias
+points at a new version the slot downloads it, verifies checksums, loads and validates it (the
+component's canaries), then swaps one reference -- an atomic store in CPython -- so readers never
+block and, after the first successful load, never see None. A version that fails any of those
+steps is refused: the old one keeps serving, the refusal is logged and counted, and the slot does
+not retry that version until the alias moves again. While the registry is unreachable the slot
+backs off exponentially (up to `max_backoff_s`) and keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from adapt.component import ComponentError, LearnedComponent
+from adapt.registry import CHAMPION, Registry
+
+log = logging.getLogger("adapt.hotswap")
+
+
+@dataclass
+class SwapEvent:
+    at_s: float
+    version: int
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class _Serving:
+    """What readers see, replaced as a whole so (component, version) always match."""
+
+    component: LearnedComponent | None = None
+    version: int | None = None
+    loaded_at_s: float = field(default_factory=time.time)
+
+
+class Slot:
+    """`Slot(reg, name, alias="champion", interval_s=5.0)`; `start()`, `get()`, `version`, `stop()`."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        name: str,
+        alias: str = CHAMPION,
+        interval_s: float = 5.0,
+        max_backoff_s: float = 60.0,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s: must be > 0, got {interval_s}")
+        self.registry = registry
+        self.name = name
+        self.alias = alias
+        self.interval_s = interval_s
+        self.max_backoff_s = max_backoff_s
+        self._serving = _Serving()
+        self._previous: _Serving | None = None
+        self._refused: set[int] = set()
+        self._last_target: int | None = None
+        self._lock = threading.Lock()  # serialises swap attempts, never taken by readers
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.swaps = 0
+        self.failed_swaps = 0
+        self.registry_errors = 0
+        self.events: list[SwapEvent] = []
+
+    # ----------------------------------------------------------------- readers
+    def get(self) -> LearnedComponent | None:
+        """The component serving now (None only before the first successful load). Lock-free."""
+        return self._serving.component
+
+    @property
+    def version(self) -> int | None:
+        return self._serving.version
+
+    def snapshot(self) -> tuple[LearnedComponent | None, int | None]:
+        """(component, version) read together, consistent with each other."""
+        serving = self._serving
+        return serving.component, serving.version
+
+    @property
+    def previous(self) -> tuple[LearnedComponent | None, int | None]:
+        prev = self._previous
+        return (prev.component, prev.version) if prev else (None, None)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "swaps": self.swaps,
+            "failed_swaps": self.failed_swaps,
+            "registry_errors": self.registry_errors,
+        }
+
+    # ------------------------------------------------------------------ control
+    def start(self) -> Slot:
+        """Try a first load now, then keep following the alias in a daemon thread."""
+        if self._thread is not None:
+            return self
+        try:
+            self.swap_now()
+        except Exception as exc:  # registry down at start: keep trying in the background
+            self.registry_errors += 1
+            log.warning("slot %s@%s: first load failed: %s", self.name, self.alias, exc)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=f"slot-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def __enter__(self) -> Slot:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def swap_now(self) -> bool:
+        """Check the alias once and swap if it moved. Returns True when a new version went live.
+        Raises only when the registry itself cannot be reached."""
+        with self._lock:
+            target = self.registry.resolve(self.name, self.alias, missing_ok=True)
+            if target != self._last_target:
+                self._refused.clear()  # the alias moved: a refused version may be retried later
+                self._last_target = target
+            if target is None or target == self._serving.version or target in self._refused:
+                return False
+            try:
+                component = self.registry.load(self.name, version=target)
+            except (ComponentError, ValueError, KeyError, TypeError) as exc:
+                self._refuse(target, exc)
+                return False
+            self._previous = self._serving if self._serving.component is not None else self._previous
+            self._serving = _Serving(component, target)
+            self.swaps += 1
+            self.events.append(SwapEvent(time.time(), target, True))
+            log.info("slot %s@%s: now serving version %s", self.name, self.alias, target)
+            return True
+
+    def _refuse(self, version: int, exc: Exception) -> None:
+        self._refused.add(version)
+        self.failed_swaps += 1
+        self.events.append(SwapEvent(time.time(), version, False, str(exc)))
+        log.error(
+            "slot %s@%s: refused version %s, still serving %s: %s",
+            self.name,
+            self.alias,
+            version,
+            self._serving.version,
+            exc,
+        )
+
+    def _run(self) -> None:
+        delay = self.interval_s
+        while not self._stop.is_set():
+            self._wake.wait(delay)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.swap_now()
+                delay = self.interval_s
+            except Exception as exc:  # registry unreachable: back off, keep serving
+                self.registry_errors += 1
+                delay = min(self.max_backoff_s, delay * 2)
+                log.warning(
+                    "slot %s@%s: registry unreachable (%s); serving %s, retry in %.1fs",
+                    self.name,
+                    self.alias,
+                    exc,
+                    self._serving.version,
+                    delay,
+                )

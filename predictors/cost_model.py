@@ -1,0 +1,146 @@
+"""`cost-model`: per-step batch time fitted to a real engine's step log.
+
+The replay engine's roofline is an assumption about hardware efficiency; this component replaces it
+with what an engine actually measured. It regresses step duration on the features every step log
+records (the same ones the roofline uses):
+
+    duration = c0 + c1 * tokens + c2 * sampled + c3 * attention_units + c4 * kv_read + c5 * decodes
+
+with non-negative coefficients (non-negative least squares: every feature can only add time), so
+it extrapolates sanely to batches bigger than those seen. Saved as JSON. It offers the cost-model
+interface of the replay engine (`time`, `decode_run_times`, `kv_capacity_tokens`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+
+from adapt.component import ComponentError, LearnedComponent, data_fingerprint
+
+FEATURES: tuple[str, ...] = ("intercept", "tokens", "sampled", "attn_units", "kv_read", "num_decodes")
+STEP_LOG_COLUMNS: tuple[str, ...] = (
+    "tokens",
+    "sampled",
+    "prefill_attn_units",
+    "prefill_kv_read",
+    "num_decodes",
+    "decode_ctx_sum",
+    "decode_ctx_max",
+    "duration_s",
+)
+
+
+def _design(columns: dict[str, Any]) -> np.ndarray:
+    """Feature matrix from step-log columns (arrays or scalars of equal length)."""
+    tokens = np.atleast_1d(np.asarray(columns["tokens"], dtype=np.float64))
+    n = len(tokens)
+
+    def col(name: str) -> np.ndarray:
+        return np.broadcast_to(np.asarray(columns.get(name, 0.0), dtype=np.float64), (n,))
+
+    decodes = col("num_decodes")
+    attn = col("prefill_attn_units") + col("decode_ctx_sum") + decodes
+    kv_read = col("prefill_kv_read") + col("decode_ctx_sum")
+    return np.column_stack([np.ones(n), tokens, col("sampled"), attn, kv_read, decodes])
+
+
+class FittedCostModel(LearnedComponent):
+    """Linear non-negative model of step time; `kv_capacity_tokens` is the engine's KV size."""
+
+    name = "cost-model"
+    primary_metric = "mape"
+    lower_is_better = True
+
+    def __init__(self, kv_capacity: int = 50_000) -> None:
+        super().__init__()
+        self.kv_capacity = kv_capacity
+        self.coef_: np.ndarray | None = None
+
+    def get_params(self) -> dict[str, Any]:
+        return {"kv_capacity": self.kv_capacity}
+
+    def fit(self, data: dict[str, Any]) -> Self:
+        """`data`: step-log columns (see STEP_LOG_COLUMNS), e.g. a pandas DataFrame or dict."""
+        from scipy.optimize import nnls
+
+        X = _design(data)
+        y = np.asarray(data["duration_s"], dtype=np.float64)
+        if len(y) < len(FEATURES):
+            raise ValueError(f"cost-model: need at least {len(FEATURES)} steps to fit, got {len(y)}")
+        # Scale columns so NNLS is well conditioned, then unscale the coefficients.
+        scale = np.maximum(np.abs(X).max(axis=0), 1e-12)
+        coef, _ = nnls(X / scale, y)
+        self.coef_ = coef / scale
+        self.metadata.update(
+            data_hash=data_fingerprint(X, y), data_window={"steps": len(y)}, trained_on="step log"
+        )
+        return self
+
+    def predict(self, data: dict[str, Any]) -> np.ndarray:
+        if self.coef_ is None:
+            raise ComponentError("cost-model: not fitted")
+        return _design(data) @ self.coef_
+
+    def evaluate(self, data: dict[str, Any]) -> dict[str, float]:
+        y = np.asarray(data["duration_s"], dtype=np.float64)
+        pred = self.predict(data)
+        ape = np.abs(pred - y) / np.maximum(y, 1e-9)
+        residual = np.sum((y - pred) ** 2)
+        total = np.sum((y - y.mean()) ** 2)
+        return {
+            "mape": float(ape.mean()),
+            "median_ape": float(np.median(ape)),
+            "r2": float(1 - residual / total) if total > 0 else 1.0,
+            "steps": float(len(y)),
+        }
+
+    # -------------------------------------------------- replay-engine interface
+    def time(self, batch) -> np.ndarray | float:
+        columns = {name: getattr(batch, name) for name in STEP_LOG_COLUMNS if hasattr(batch, name)}
+        out = self.predict(columns)
+        return float(out[0]) if np.ndim(batch.tokens) == 0 else out
+
+    def decode_run_times(
+        self, num_decodes: int, context_sum: int, context_max: int, steps: int
+    ) -> np.ndarray:
+        i = np.arange(steps, dtype=np.float64)
+        return self.predict(
+            {
+                "tokens": np.full(steps, float(num_decodes)),
+                "sampled": float(num_decodes),
+                "num_decodes": float(num_decodes),
+                "decode_ctx_sum": context_sum + num_decodes * i,
+            }
+        )
+
+    def kv_capacity_tokens(self) -> int:
+        return self.kv_capacity
+
+    # ------------------------------------------------------------ persistence
+    def save_state(self, directory: Path) -> None:
+        if self.coef_ is None:
+            raise ComponentError("cost-model: not fitted")
+        (directory / "coefficients.json").write_text(
+            json.dumps({"features": list(FEATURES), "coef": self.coef_.tolist()}, indent=2)
+        )
+
+    def load_state(self, directory: Path) -> None:
+        data = json.loads((directory / "coefficients.json").read_text())
+        if tuple(data["features"]) != FEATURES:
+            raise ComponentError(f"cost-model: unexpected features {data['features']}")
+        self.coef_ = np.asarray(data["coef"], dtype=np.float64)
+
+    def validate(self) -> None:
+        """Canaries: finite, positive, and more work never takes less time."""
+        if self.coef_ is None or not np.all(np.isfinite(self.coef_)) or np.any(self.coef_ < 0):
+            raise ComponentError("cost-model: coefficients must be finite and non-negative")
+        small = self.predict({"tokens": 1, "sampled": 1, "num_decodes": 1, "decode_ctx_sum": 100})
+        big = self.predict({"tokens": 2048, "sampled": 1, "prefill_attn_units": 2048 * 1024.5})
+        if not (small[0] > 0 and big[0] >= small[0]):
+            raise ComponentError(
+                f"cost-model: canary step times {small[0]:.4g}s / {big[0]:.4g}s are implausible"
+            )

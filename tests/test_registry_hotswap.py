@@ -1,0 +1,267 @@
+"""Registry and hot swap against a real sqlite-backed MLflow in a temp dir."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from adapt.component import ComponentError, PolicyConfig, read_component
+from adapt.hotswap import Slot
+from adapt.registry import Registry, RegistryError
+from predictors.cost_model import FittedCostModel
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def reg(tmp_path) -> Registry:
+    return Registry(f"sqlite:///{tmp_path / 'mlflow.db'}", cache_dir=tmp_path / "cache")
+
+
+def step_log(seed: int = 0, n: int = 400, noise: float = 0.0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    decodes = rng.integers(0, 64, n).astype(float)
+    chunk = rng.integers(0, 512, n).astype(float)
+    ctx = decodes * rng.integers(100, 2000, n)
+    data = {
+        "tokens": decodes + chunk,
+        "sampled": decodes + (chunk > 0),
+        "prefill_attn_units": chunk * (chunk + 1) / 2,
+        "prefill_kv_read": np.zeros(n),
+        "num_decodes": decodes,
+        "decode_ctx_sum": ctx,
+        "decode_ctx_max": ctx,
+    }
+    true = 0.004 + 2e-5 * data["tokens"] + 1e-9 * (data["prefill_attn_units"] + ctx + decodes) + 3e-8 * ctx
+    data["duration_s"] = true * (1 + noise * rng.standard_normal(n))
+    return data
+
+
+def artifact_dir(reg: Registry, name: str, version: int) -> Path:
+    """Where the store keeps a version's component files (to tamper with them in tests)."""
+    mv = reg.client.get_model_version(name, str(version))
+    model = reg.client.get_logged_model(mv.model_id or mv.source.removeprefix("models:/"))
+    root = Path(model.artifact_location.removeprefix("file://"))
+    return next(root.rglob("component.json")).parent
+
+
+def test_policy_config_round_trip_promote_rollback(reg):
+    v1 = reg.log(PolicyConfig("fcfs"), metrics={"ttlt_mean": 3.0})
+    v2 = reg.log(PolicyConfig("sarathi", {"token_budget": 256}), metrics={"ttlt_mean": 2.0})
+    assert (v1, v2) == (1, 2)
+    reg.promote("policy-config", v1)
+    reg.promote("policy-config", v2)
+    loaded = reg.load("policy-config")
+    assert isinstance(loaded, PolicyConfig)
+    assert (loaded.policy, loaded.params) == ("sarathi", {"token_budget": 256})
+    assert loaded.build().token_budget == 256
+    assert reg.resolve("policy-config", "previous") == v1
+    assert reg.rollback("policy-config") == v1
+    assert reg.load("policy-config").policy == "fcfs"
+    with pytest.raises(RegistryError, match="no previous champion"):
+        reg.rollback("policy-config")
+    infos = {v.version: v for v in reg.versions("policy-config")}
+    assert infos[1].aliases == ("champion",) and infos[2].metrics["ttlt_mean"] == 2.0
+    assert infos[2].tags["adapt.component"] == "policy-config"
+    assert len(infos[2].tags["adapt.manifest_sha256"]) == 64
+
+
+def test_numeric_component_round_trip_and_pyfunc(reg):
+    model = FittedCostModel(kv_capacity=1234).fit(step_log(noise=0.02))
+    metrics = model.evaluate(step_log(seed=1, noise=0.02))
+    assert metrics["mape"] < 0.05
+    version = reg.log(model, metrics=metrics)
+    reg.promote("cost-model", version)
+    loaded = reg.load("cost-model", version=version)
+    assert loaded.kv_capacity_tokens() == 1234
+    probe = step_log(seed=2, n=10)
+    assert np.allclose(loaded.predict(probe), model.predict(probe))
+    import mlflow
+
+    pyfunc = mlflow.pyfunc.load_model("models:/cost-model@champion")
+    assert np.allclose(pyfunc.predict(probe), model.predict(probe))
+
+
+def test_cost_model_recovers_a_known_linear_model():
+    data = step_log(n=2000)
+    model = FittedCostModel().fit(data)
+    assert model.evaluate(step_log(seed=5))["mape"] < 1e-6
+    assert model.coef_[0] == pytest.approx(0.004, rel=1e-6)
+
+
+def test_slot_follows_alias_within_two_poll_intervals(reg):
+    v1 = reg.log(PolicyConfig("fcfs"))
+    v2 = reg.log(PolicyConfig("spf"))
+    reg.promote("policy-config", v1)
+    with Slot(reg, "policy-config", interval_s=0.2) as slot:
+        assert slot.version == v1 and slot.get().policy == "fcfs"
+        moved = time.monotonic()
+        reg.promote("policy-config", v2)
+        while slot.version != v2 and time.monotonic() - moved < 2.0:
+            time.sleep(0.01)
+        assert slot.version == v2 and slot.get().policy == "spf"
+        assert time.monotonic() - moved <= 2 * 0.2 + 0.3  # two intervals plus load time
+        assert slot.previous[1] == v1
+        assert slot.swaps == 2 and slot.failed_swaps == 0
+
+
+def _serving_then_promote_bad(reg, bad_version) -> Slot:
+    slot = Slot(reg, "policy-config", interval_s=60).start()
+    reg.promote("policy-config", bad_version)
+    assert slot.swap_now() is False
+    return slot
+
+
+def test_corrupted_artifact_is_refused_and_old_version_keeps_serving(reg):
+    good = reg.log(PolicyConfig("fcfs"))
+    bad = reg.log(PolicyConfig("spf"))
+    reg.promote("policy-config", good)
+    header = artifact_dir(reg, "policy-config", bad) / "component.json"
+    header.write_text(header.read_text().replace('"spf"', '"edf"'))
+    slot = _serving_then_promote_bad(reg, bad)
+    assert slot.version == good and slot.get().policy == "fcfs"
+    assert slot.failed_swaps == 1 and "checksum mismatch" in slot.events[-1].detail
+    assert slot.swap_now() is False and slot.failed_swaps == 1  # not retried until the alias moves
+
+
+def test_artifact_that_would_need_pickle_is_refused(reg):
+    good = reg.log(PolicyConfig("fcfs"))
+    bad = reg.log(PolicyConfig("spf"))
+    reg.promote("policy-config", good)
+    (artifact_dir(reg, "policy-config", bad) / "model.pkl").write_bytes(b"\x80\x04K\x01.")
+    slot = _serving_then_promote_bad(reg, bad)
+    assert slot.version == good
+    assert "would need code to load" in slot.events[-1].detail
+
+
+def test_component_failing_validation_is_refused(reg):
+    good = reg.log(PolicyConfig("fcfs"))
+    bad = reg.log(PolicyConfig("no-such-policy"))
+    reg.promote("policy-config", good)
+    slot = _serving_then_promote_bad(reg, bad)
+    assert slot.version == good and slot.get().policy == "fcfs"
+    assert "unknown 'no-such-policy'" in slot.events[-1].detail
+
+
+def test_unsafe_state_cannot_even_be_saved(tmp_path):
+    class Pickly(PolicyConfig):
+        def save_state(self, directory):
+            (directory / "state.pkl").write_bytes(b"x")
+
+    with pytest.raises(ComponentError, match="unsafe formats"):
+        Pickly().save(tmp_path / "c")
+
+
+def test_schema_version_mismatch_is_refused(tmp_path):
+    directory = PolicyConfig("fcfs").save(tmp_path / "c")
+    assert read_component(directory).policy == "fcfs"
+    from adapt.component import MANIFEST, sha256_file
+
+    header = directory / "component.json"
+    header.write_text(header.read_text().replace('"schema_version": 1', '"schema_version": 99'))
+    manifest = directory / MANIFEST
+    manifest.write_text(
+        manifest.read_text().replace(
+            manifest.read_text().split('"component.json": "')[1][:64], sha256_file(header)
+        )
+    )
+    with pytest.raises(ComponentError, match="schema version 99"):
+        read_component(directory)
+
+
+def test_registry_unreachable_slot_keeps_serving_and_recovers(reg, tmp_path):
+    v1 = reg.log(PolicyConfig("fcfs"))
+    v2 = reg.log(PolicyConfig("spf"))
+    reg.promote("policy-config", v1)
+    db = tmp_path / "mlflow.db"
+    with Slot(reg, "policy-config", interval_s=0.1, max_backoff_s=0.4) as slot:
+        assert slot.version == v1
+        # Overwrite the database in place (open connections see it too), then restore it.
+        saved = db.read_bytes()
+        db.write_bytes(b"this is not a database" * 512)
+        time.sleep(1.0)
+        assert slot.registry_errors >= 1
+        assert slot.get().policy == "fcfs" and slot.version == v1
+        db.write_bytes(saved)
+        reg.promote("policy-config", v2)
+        deadline = time.monotonic() + 5
+        while slot.version != v2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert slot.version == v2
+
+
+def test_readers_never_see_none_or_errors_during_50_swaps(reg):
+    versions = [reg.log(PolicyConfig("fcfs")), reg.log(PolicyConfig("spf"))]
+    reg.promote("policy-config", versions[0])
+    slot = Slot(reg, "policy-config", interval_s=60).start()
+    stop = threading.Event()
+    problems: list[str] = []
+    reads = [0] * 8
+
+    def reader(index: int) -> None:
+        while not stop.is_set():
+            try:
+                component, version = slot.snapshot()
+                if component is None or version is None:
+                    problems.append("saw None")
+                elif component.policy != ("fcfs" if version == versions[0] else "spf"):
+                    problems.append(f"mismatched snapshot {version} {component.policy}")
+                reads[index] += 1
+                time.sleep(0.0002)  # a scheduler step does other work between reads
+            except Exception as exc:  # pragma: no cover - the assertion below reports it
+                problems.append(repr(exc))
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for i in range(50):
+        reg.promote("policy-config", versions[(i + 1) % 2])
+        assert slot.swap_now() is True
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert problems == []
+    assert slot.swaps == 51 and all(count > 0 for count in reads)
+
+
+def test_two_processes_initialising_the_store_together(tmp_path):
+    import subprocess
+    import sys
+
+    uri = f"sqlite:///{tmp_path / 'race.db'}"
+    code = (
+        "from adapt.registry import Registry; from adapt.component import PolicyConfig;"
+        f"r = Registry({uri!r}, cache_dir={str(tmp_path / 'c')!r}); print(r.log(PolicyConfig('fcfs')))"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1].decode()[-2000:] for o in outputs]
+    assert sorted(int(o[0].decode().split()[-1]) for o in outputs) == [1, 2]
+
+
+def test_models_cli_list_show_promote_rollback(tmp_path, capsys, monkeypatch):
+    from adapt.cli import main
+
+    uri = f"sqlite:///{tmp_path / 'cli.db'}"
+    reg = Registry(uri, cache_dir=tmp_path / "c")
+    reg.log(PolicyConfig("spf"), metrics={"ttlt_mean": 2.5})
+    reg.log(PolicyConfig("fcfs"))
+    assert main(["--tracking-uri", uri, "models", "promote", "policy-config", "1"]) == 0
+    assert main(["--tracking-uri", uri, "models", "promote", "policy-config", "2"]) == 0
+    capsys.readouterr()
+    assert main(["--tracking-uri", uri, "models", "list"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("policy-config"))
+    assert row.split()[1:4] == ["2", "2", "1"]  # versions, champion, previous
+    assert main(["--tracking-uri", uri, "models", "rollback", "policy-config"]) == 0
+    assert reg.resolve("policy-config") == 1
+    assert main(["--tracking-uri", uri, "models", "show", "policy-config"]) == 0
+    assert "ttlt_mean: 2.5" in capsys.readouterr().out
+    assert main(["--tracking-uri", uri, "models", "promote", "policy-config", "9"]) == 2
+    assert "no version 9" in capsys.readouterr().err
