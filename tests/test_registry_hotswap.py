@@ -265,3 +265,59 @@ def test_models_cli_list_show_promote_rollback(tmp_path, capsys, monkeypatch):
     assert "ttlt_mean: 2.5" in capsys.readouterr().out
     assert main(["--tracking-uri", uri, "models", "promote", "policy-config", "9"]) == 2
     assert "no version 9" in capsys.readouterr().err
+
+
+def test_replay_with_a_registered_fitted_cost_model(tmp_path, monkeypatch):
+    """Calibration loop: step log from one engine -> cost-model -> registry -> replay uses it."""
+    import json
+
+    from adapt.cli import main
+    from adapt.requests import Request
+    from experiments.replay.cost import roofline
+    from experiments.replay.engine import EngineConfig, ReplayEngine
+    from serving_hooks.policies import make_policy
+
+    uri = f"sqlite:///{tmp_path / 'cm.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    rng = np.random.default_rng(0)
+    requests = [
+        Request(f"r{i}", i * 0.05, int(rng.integers(50, 1500)), int(rng.integers(5, 200))) for i in range(300)
+    ]
+    engine = ReplayEngine(
+        make_policy("fcfs"), roofline("llama-2-7b", "a100-80g"), EngineConfig(record_steps=True)
+    )
+    reference = engine.run(requests).metrics()
+    steps = engine.recorder.step_log()
+    model = FittedCostModel(kv_capacity=roofline("llama-2-7b", "a100-80g").kv_capacity_tokens()).fit(steps)
+    assert model.evaluate(steps)["median_ape"] < 0.10  # a linear fit of the piecewise roofline
+    reg = Registry(uri, cache_dir=tmp_path / "c")
+    reg.promote("cost-model", reg.log(model))
+    trace = tmp_path / "t.csv"
+    trace.write_text(
+        "arrived_at,num_prefill_tokens,num_decode_tokens\n"
+        + "\n".join(f"{r.arrival_s},{r.prompt_tokens},{r.output_tokens}" for r in requests)
+    )
+    out = tmp_path / "r.json"
+    assert (
+        main(
+            [
+                "replay",
+                "--trace",
+                str(trace),
+                "--model",
+                "llama-2-7b",
+                "--policies",
+                "fcfs",
+                "--no-mlflow",
+                "--quiet",
+                "--cost-model",
+                "champion",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    fitted = json.loads(out.read_text())
+    assert fitted["workload"]["cost_model"] == "cost-model v1"
+    assert fitted["policies"]["fcfs"]["ttlt_mean"] == pytest.approx(reference["ttlt_mean"], rel=0.15)

@@ -73,6 +73,11 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=1, help="engine replicas behind a router")
     parser.add_argument("--router", choices=ROUTERS, default="least-outstanding")
     parser.add_argument("--decode-attention", choices=("sum", "max"), default="sum", help="see cost.py")
+    parser.add_argument(
+        "--cost-model",
+        default="roofline",
+        help="roofline (default), or a registered cost-model fitted to a real engine: champion or a version",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="OUT", help="write {workload, policies} JSON here")
     parser.add_argument("--no-mlflow", action="store_true", help="do not log runs to MLflow")
@@ -133,9 +138,11 @@ def replay_policy(
     seed: int = 0,
     progress: bool = False,
     config: EngineConfig | None = None,
+    cost=None,
 ) -> ReplayResult:
-    """Replay the setup's requests under one policy (fresh policy and engine per replica)."""
-    cost = roofline(setup.model, setup.gpu, tp=setup.tp, decode_attention=decode_attention)
+    """Replay the setup's requests under one policy (fresh policy and engine per replica).
+    `cost` overrides the preset roofline (e.g. a fitted `cost-model`)."""
+    cost = cost or roofline(setup.model, setup.gpu, tp=setup.tp, decode_attention=decode_attention)
     engines = [ReplayEngine(make_policy(policy_name), cost, config) for _ in range(replicas)]
     bar = None
     if progress and sys.stderr.isatty():
@@ -234,12 +241,22 @@ def run_replay_command(args: argparse.Namespace) -> int:
         config = EngineConfig(token_budget=args.token_budget, max_running=args.max_running)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+    cost = None
+    if args.cost_model != "roofline":
+        from adapt.registry import Registry
+
+        if args.cost_model.isdigit():
+            cost = Registry().load("cost-model", version=int(args.cost_model))
+        else:
+            cost = Registry().load("cost-model", alias=args.cost_model)
+        setup.workload["cost_model"] = f"cost-model v{cost.metadata['registry_version']}"
     results: dict[str, dict[str, Any]] = {}
     for policy in policies:
         result = replay_policy(
             setup,
             policy,
             config=config,
+            cost=cost,
             replicas=args.replicas,
             router=args.router,
             decode_attention=args.decode_attention,
