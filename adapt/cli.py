@@ -121,6 +121,59 @@ def cmd_models_rollback(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_outcome(name: str, outcome) -> None:
+    shown = ", ".join(f"{k}={v:.4g}" for k, v in outcome.metrics.items() if isinstance(v, float))
+    print(f"{name}: registered version {outcome.version} ({shown})")
+    if outcome.champion_metrics is not None:
+        champ = ", ".join(f"{k}={v:.4g}" for k, v in outcome.champion_metrics.items() if isinstance(v, float))
+        print(f"  champion on the same data: {champ}")
+    print(f"  promoted to champion: {'yes' if outcome.promoted else 'no'}")
+    if outcome.policy_config_version is not None:
+        print(f"  policy-config: registered version {outcome.policy_config_version}")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    registry = _registry(args)
+    if args.component == "slai-offset":
+        from pipelines.slai import train_slai_offset
+
+        outcome = train_slai_offset(
+            registry,
+            rate=args.rate or 2.8,
+            num_requests=args.num_requests or 800,
+            trials=args.trials,
+            promote_if_better=args.promote_if_better,
+            margin=args.margin,
+        )
+    else:
+        if not args.data:
+            raise UsageError("cost-model: --data STEPLOG (CSV/JSONL/parquet step log) is required")
+        from pipelines.cost_model import train_cost_model
+
+        outcome = train_cost_model(
+            registry, args.data, promote_if_better=args.promote_if_better, margin=args.margin
+        )
+    _print_outcome(args.component, outcome)
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    if args.workload not in (None, "slai-tiers") or args.trace:
+        raise UsageError("tune slai: only --workload slai-tiers is supported (SLAI's tiered TBT SLOs)")
+    from pipelines.slai import train_slai_offset
+
+    outcome = train_slai_offset(
+        _registry(args),
+        rate=args.rate or 2.8,
+        num_requests=args.num_requests or 800,
+        trials=args.trials,
+        promote_if_better=True,
+        with_policy_config=True,
+    )
+    _print_outcome("slai-offset", outcome)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adapt", description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -159,6 +212,26 @@ def build_parser() -> argparse.ArgumentParser:
     rollback = models_sub.add_parser("rollback", help="restore the previous champion")
     rollback.add_argument("name")
     rollback.set_defaults(func=cmd_models_rollback)
+
+    train = sub.add_parser("train", help="fit a component, log and register it (optionally promote)")
+    train.add_argument("component", choices=["slai-offset", "cost-model"])
+    train.add_argument("--data", help="training data (cost-model: a step log)")
+    train.add_argument("--promote-if-better", action="store_true")
+    train.add_argument("--margin", type=float, default=0.0, help="relative improvement required to promote")
+    train.add_argument("--rate", type=float, help="slai-offset: arrival rate to tune at (default 2.8)")
+    train.add_argument("--num-requests", type=int, help="slai-offset: requests per replay (default 800)")
+    train.add_argument("--trials", type=int, default=20, help="slai-offset: Optuna trials")
+    train.set_defaults(func=cmd_train)
+
+    tune = sub.add_parser("tune", help="Bayesian optimisation of a policy on replay; registers the best")
+    tune.add_argument("policy", choices=["slai"])
+    tune_source = tune.add_mutually_exclusive_group()
+    tune_source.add_argument("--workload")
+    tune_source.add_argument("--trace")
+    tune.add_argument("--trials", type=int, default=20)
+    tune.add_argument("--rate", type=float)
+    tune.add_argument("--num-requests", type=int)
+    tune.set_defaults(func=cmd_tune)
 
     quick = sub.add_parser("quickstart", help="end to end on the bundled data")
     quick.add_argument("--fast", action="store_true", help="smaller workloads (under 3 minutes)")

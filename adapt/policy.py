@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from adapt.requests import SLO, ProgramRef
 
-Phase = Literal["waiting", "prefill", "decode", "preempted"]
+Phase = Literal["waiting", "prefill", "decode", "preempted", "finished"]
 
 
 class RequestState:
@@ -129,12 +129,19 @@ class Plan:
     defer:   running requests to leave out of this step (decode deferral).
     preempt: running requests to preempt (their KV is freed; they return to waiting).
     drop:    waiting requests to drop (admission control); reported with outcome `dropped`.
+    running_order: if given, exactly these running requests are scheduled before admissions, in
+             this order (the rest are deferred or in `late`); default: every running request not
+             in `defer` or `late`, in admission order (vLLM's rule).
+    late:    running requests to schedule *after* admissions, in this order, while budget remains
+             (SLAI's non-critical decodes); a KV shortfall preempts as in the main pass.
     """
 
     admit: Iterable[RequestState] | None = None
     defer: set[RequestState] = field(default_factory=set)
     preempt: list[RequestState] = field(default_factory=list)
     drop: list[RequestState] = field(default_factory=list)
+    running_order: list[RequestState] | None = None
+    late: list[RequestState] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

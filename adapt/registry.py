@@ -205,7 +205,10 @@ class Registry:
 
         mv = self._version(name, version)
         digest = mv.tags.get("adapt.manifest_sha256")
-        target = self.cache_dir / name / str(version)
+        if not digest:
+            raise RegistryError(f"{name} v{version}: no manifest checksum recorded; not an adapt component")
+        # Content-addressed: two stores' "version 3" never share a cache entry.
+        target = self.cache_dir / name / f"v{version}-{digest[:16]}"
         if not (target / "component").is_dir():
             staging = Path(tempfile.mkdtemp(prefix="adapt-dl-", dir=self._mkcache()))
             mlflow.set_tracking_uri(self.tracking_uri)

@@ -14,3 +14,12 @@ def _cost_model():
 
 
 register_component("cost-model", _cost_model)
+
+
+def _slai_offset():
+    from predictors.slai_offset import SlaiOffset
+
+    return SlaiOffset
+
+
+register_component("slai-offset", _slai_offset)

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from adapt.requests import SLO, Request
 from experiments.replay.engine import EngineConfig, ReplayEngine
-from serving_hooks.policies import BASELINES, make_policy
+from serving_hooks.policies import POLICIES, make_policy
 from tests.replay_helpers import CheckedEngine, ConstantCost
 
 
@@ -131,7 +131,7 @@ def make_requests(rows):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rows=request_lists,
-    policy=st.sampled_from(BASELINES),
+    policy=st.sampled_from(tuple(POLICIES)),
     budget=st.integers(16, 512),
     max_running=st.integers(1, 12),
     kv_blocks=st.integers(30, 80),
@@ -174,7 +174,7 @@ def test_engine_invariants_and_fast_path_agree(rows, policy, budget, max_running
 
 
 @settings(max_examples=15, deadline=None)
-@given(rows=request_lists, policy=st.sampled_from(BASELINES))
+@given(rows=request_lists, policy=st.sampled_from(tuple(POLICIES)))
 def test_same_seed_same_result(rows, policy):
     from experiments.replay.cost import roofline
 

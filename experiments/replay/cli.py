@@ -6,12 +6,14 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from adapt.policy import Policy
 from adapt.requests import Request
 from adapt.traces import load_trace
 from adapt.workload import build_requests, poisson_arrivals, scale_to_rate
@@ -20,7 +22,7 @@ from experiments.replay.cost import GPUS, MODELS, roofline
 from experiments.replay.engine import EngineConfig, ReplayEngine
 from experiments.replay.metrics import ReplayResult
 from experiments.workloads import WORKLOADS, get_workload
-from serving_hooks.policies import BASELINES, make_policy
+from serving_hooks.policies import POLICIES, make_policy_from_spec, parse_policy_spec
 
 TABLE_COLUMNS = (
     ("completed", "done"),
@@ -56,7 +58,9 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--trace", metavar="FILE", help="any supported trace file (see adapt trace stats)")
     source.add_argument("--workload", choices=sorted(WORKLOADS), help="a named workload")
     parser.add_argument(
-        "--policies", default="fcfs,sjf-oracle", help=f"comma-separated, from {','.join(BASELINES)}"
+        "--policies",
+        default="fcfs,sjf-oracle",
+        help=f"comma-separated NAME or NAME:key=value:..., NAME from {','.join(POLICIES)}",
     )
     parser.add_argument("--rate", type=float, help="arrivals per second (a trace is time-scaled to it)")
     parser.add_argument("--duration", type=float, help="keep arrivals in the first S seconds")
@@ -139,11 +143,14 @@ def replay_policy(
     progress: bool = False,
     config: EngineConfig | None = None,
     cost=None,
+    policy_factory: Callable[[], Policy] | None = None,
 ) -> ReplayResult:
     """Replay the setup's requests under one policy (fresh policy and engine per replica).
-    `cost` overrides the preset roofline (e.g. a fitted `cost-model`)."""
+    `cost` overrides the preset roofline (e.g. a fitted `cost-model`); `policy_factory` builds the
+    policy instead of the spec (e.g. SLAI with a registered offset component)."""
     cost = cost or roofline(setup.model, setup.gpu, tp=setup.tp, decode_attention=decode_attention)
-    engines = [ReplayEngine(make_policy(policy_name), cost, config) for _ in range(replicas)]
+    build = policy_factory or (lambda: make_policy_from_spec(policy_name))
+    engines = [ReplayEngine(build(), cost, config) for _ in range(replicas)]
     bar = None
     if progress and sys.stderr.isatty():
         from tqdm import tqdm
@@ -221,11 +228,14 @@ def run_replay_command(args: argparse.Namespace) -> int:
     from adapt.cli import UsageError
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in BASELINES]
-    if not policies or unknown:
-        raise UsageError(
-            f"--policies: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(BASELINES)}"
-        )
+    if not policies:
+        raise UsageError("--policies: none given")
+    for spec in policies:
+        try:
+            parse_policy_spec(spec)
+            make_policy_from_spec(spec)
+        except ValueError as exc:
+            raise UsageError(f"--policies: {exc}") from exc
     if args.replicas < 1:
         raise UsageError(f"--replicas: must be >= 1, got {args.replicas}")
     try:

@@ -209,36 +209,58 @@ class ReplayEngine:
                 return admitted, changed, True
         budget = self.token_budget
         scheduled: list[tuple[RequestState, int]] = []
-        preempted_now = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            state = self.running[i]
-            if state in plan.defer:
-                i += 1
+        done: set[str] = set()
+        if plan.running_order is not None:
+            sequence = plan.running_order
+        else:
+            skip = plan.defer | set(plan.late) if plan.late else plan.defer
+            sequence = [r for r in self.running if r not in skip] if skip else list(self.running)
+        budget, preempted_now = self._schedule_running(sequence, budget, scheduled, done)
+        changed = changed or preempted_now
+        acted = changed or bool(plan.defer) or plan.running_order is not None or bool(plan.late)
+        if plan.admit is not None and not preempted_now and budget > 0:
+            admitted = self._admit(plan, budget, chunked=True)
+            scheduled.extend(admitted)
+            budget -= sum(n for _, n in admitted)
+            acted = acted or bool(admitted)
+        if plan.late:
+            _, preempted_late = self._schedule_running(plan.late, budget, scheduled, done)
+            changed = changed or preempted_late
+        return scheduled, changed, acted
+
+    def _schedule_running(
+        self,
+        sequence: Sequence[RequestState],
+        budget: int,
+        scheduled: list[tuple[RequestState, int]],
+        done: set[str],
+    ) -> tuple[int, bool]:
+        """Give running requests their next tokens in `sequence` order under the budget. When KV
+        blocks run out, the policy's victim among the requests not yet scheduled this step is
+        preempted by recompute (possibly the request itself), as vLLM does."""
+        preempted = False
+        for state in sequence:
+            if budget <= 0:
+                break
+            if state.phase not in ("prefill", "decode") or state.id in done:
                 continue
             tokens = min(state.tokens_to_compute, budget)
             while not self.kv.can_grow(state.id, state.tokens_computed + tokens):
-                candidates = self.running[i:]
+                candidates = [r for r in self.running if r.id not in done]
                 victim = self.policy.preemption_victim(candidates)
                 if victim not in candidates:
                     victim = candidates[-1]
                 self._preempt(victim)
-                preempted_now = True
+                preempted = True
                 if victim is state:
                     break
             if state.phase == "preempted":
-                continue  # `state` itself was the victim; running[i] is now the next request
+                continue  # `state` itself was the victim
             self.kv.grow(state.id, state.tokens_computed + tokens)
             scheduled.append((state, tokens))
+            done.add(state.id)
             budget -= tokens
-            i += 1
-        changed = changed or preempted_now
-        acted = changed or bool(plan.defer)
-        if plan.admit is not None and not preempted_now and budget > 0:
-            admitted = self._admit(plan, budget, chunked=True)
-            scheduled.extend(admitted)
-            acted = acted or bool(admitted)
-        return scheduled, changed, acted
+        return budget, preempted
 
     def _admit(self, plan: Plan, budget: int, *, chunked: bool) -> list[tuple[RequestState, int]]:
         """Admit waiting requests in the plan's order while the running cap, the budget and free
@@ -327,7 +349,7 @@ class ReplayEngine:
         self.running.remove(state)
         self.kv.release(state.id)
         state.finish_s = self.now
-        state.phase = "decode"
+        state.phase = "finished"
         self.recorder.finished(state)
         self.policy.on_finish(state, self.now)
 

@@ -18,8 +18,9 @@ from serving_hooks.policies.baselines import (
     Trail,
     VllmV0,
 )
+from serving_hooks.policies.slai import SLAI, SLAIFixed
 
-POLICIES: dict[str, Callable[..., Policy]] = {
+BASELINE_POLICIES: dict[str, Callable[..., Policy]] = {
     "fcfs": FCFS,
     "vllm-v0": VllmV0,
     "sarathi": Sarathi,
@@ -31,8 +32,12 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     "fastserve": FastServe,
     "plas": PLAS,
 }
-
-BASELINES: tuple[str, ...] = tuple(POLICIES)
+LEARNED_POLICIES: dict[str, Callable[..., Policy]] = {
+    "slai": SLAI,
+    "slai-fixed": SLAIFixed,
+}
+POLICIES: dict[str, Callable[..., Policy]] = {**BASELINE_POLICIES, **LEARNED_POLICIES}
+BASELINES: tuple[str, ...] = tuple(BASELINE_POLICIES)
 
 
 def make_policy(name: str, **params: Any) -> Policy:
@@ -40,3 +45,31 @@ def make_policy(name: str, **params: Any) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"policy: unknown {name!r}; expected one of {', '.join(POLICIES)}")
     return POLICIES[name](**params)
+
+
+def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """`name` or `name:key=value:key=value` (values parsed as JSON when they parse, else strings),
+    e.g. `sarathi:order=spf` or `slai-fixed:offset=5`, so the CLI can name configured variants."""
+    import json
+
+    name, *assignments = spec.strip().split(":")
+    params: dict[str, Any] = {}
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key:
+            raise ValueError(f"policy {spec!r}: expected key=value after ':', got {assignment!r}")
+        try:
+            params[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            params[key] = raw
+    if name not in POLICIES:
+        raise ValueError(f"policy: unknown {name!r}; expected one of {', '.join(POLICIES)}")
+    return name, params
+
+
+def make_policy_from_spec(spec: str) -> Policy:
+    name, params = parse_policy_spec(spec)
+    try:
+        return make_policy(name, **params)
+    except TypeError as exc:
+        raise ValueError(f"policy {spec!r}: {exc}") from exc

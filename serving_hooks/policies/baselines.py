@@ -43,16 +43,23 @@ class VllmV0(FCFS):
 
 class Sarathi(FCFS):
     """Sarathi-Serve: stall-free batching -- decodes first, then chunked prefills under a small
-    token budget (512, the setting the Sarathi-Serve and SLAI papers use)."""
+    token budget (512, the setting the Sarathi-Serve and SLAI papers use). New prefills FCFS, or
+    shortest prompt first with `order="spf"` (the SLAI paper's Sarathi-SPF baseline)."""
 
     name = "sarathi"
 
-    def __init__(self, token_budget: int = 512) -> None:
+    def __init__(self, token_budget: int = 512, order: str = "fcfs") -> None:
         super().__init__()
+        if order not in ("fcfs", "spf"):
+            raise ValueError(f"order: expected fcfs or spf, got {order!r}")
         self.token_budget = token_budget
+        self.order = order
+
+    def key(self, request: RequestState, now: float) -> tuple[Any, ...]:
+        return (request.prompt_tokens, request.arrival_s) if self.order == "spf" else (request.arrival_s,)
 
     def describe(self) -> dict[str, Any]:
-        return {"policy": self.name, "token_budget": self.token_budget}
+        return {"policy": self.name, "token_budget": self.token_budget, "order": self.order}
 
 
 class SPF(PriorityPolicy):

@@ -1,0 +1,165 @@
+"""SLAI study (issue: SLAI with a learned dynamic offset), reproducing the paper's section 7 setup.
+
+    .venv/bin/python -m experiments.slai_study [--requests N] [--trials N] [--tune-rate R] [--out DIR]
+
+1. Tunes the `slai-offset` component with Optuna on replay of `slai-tiers` at `--tune-rate`:
+   minimise median TTFT subject to P99 TBT <= SLO for both tiers (paying 0.1 s, free 0.5 s).
+2. Sweeps arrival rates and replays Sarathi-Serve (FCFS and SPF prefill order, budget 512),
+   vLLM V0, SLAI with the fixed offset 10, SLAI with the paper's dynamic rule (5 below 96% KV
+   usage, 10 above) and SLAI with the tuned offset; prints median TTFT and P99 TBT per tier, and the
+   largest rate each sustains (median TTFT <= 0.5 s and both tiers' P99 TBT within SLO).
+3. Plots KV usage over time at the highest rate for offsets fixed 5, fixed 10 and tuned (paper Fig. 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from adapt.policy import Policy
+from experiments.replay.cli import ReplaySetup
+from experiments.replay.cost import roofline
+from experiments.replay.engine import ReplayEngine
+from experiments.replay.metrics import ReplayResult
+from experiments.workloads import WORKLOADS, slai_tiers
+from predictors.slai_offset import SlaiOffset
+from serving_hooks.policies import make_policy
+from serving_hooks.policies.slai import SLAI
+
+TTFT_TARGET_S = 0.5
+RATES = (0.2, 0.4, 0.8, 1.2, 1.6, 2.0, 2.4, 2.8, 3.2)
+
+
+def make_setup(rate: float, num_requests: int, seed: int = 0, paying_share: float = 0.05) -> ReplaySetup:
+    spec = WORKLOADS["slai-tiers"]
+    requests = slai_tiers(rate, num_requests, seed, paying_share=paying_share)
+    return ReplaySetup(requests, spec.info(rate, num_requests, seed), spec.model, spec.gpu, spec.tp)
+
+
+def run(setup: ReplaySetup, policy: Policy) -> ReplayResult:
+    engine = ReplayEngine(policy, roofline(setup.model, setup.gpu, tp=setup.tp))
+    return engine.run(setup.requests)
+
+
+def summarise(result: ReplayResult, slos: dict[str, float]) -> dict[str, Any]:
+    """Median TTFT, P99 TBT per tier, and whether the run meets every target."""
+    metrics = result.metrics()
+    tiers = metrics.get("by_class", {})
+    summary: dict[str, Any] = {"ttft_p50": metrics["ttft_p50"], "completed": metrics["completed"]}
+    excess = 0.0
+    for tier, slo in slos.items():
+        p99 = tiers.get(tier, {}).get("tbt_p99")
+        summary[f"{tier}_tbt_p99"] = p99
+        if p99 is not None:
+            excess = max(excess, p99 / slo - 1.0)
+    summary["tbt_excess"] = max(0.0, excess)
+    summary["feasible"] = excess <= 0.0
+    summary["sustained"] = bool(summary["feasible"] and metrics["ttft_p50"] <= TTFT_TARGET_S)
+    summary["preemptions"] = metrics["preemptions"]
+    return summary
+
+
+SLOS = {"paying": 0.1, "free": 0.5}
+
+
+def replay_objective(rate: float, num_requests: int, seed: int = 0) -> Callable[[SlaiOffset], dict[str, Any]]:
+    """What `SlaiOffset.fit` optimises: replay SLAI (SPF) with a candidate offset."""
+    setup = make_setup(rate, num_requests, seed)
+
+    def evaluate(offset: SlaiOffset) -> dict[str, Any]:
+        return summarise(run(setup, SLAI(offset=offset)), SLOS)
+
+    return evaluate
+
+
+def policies(tuned: SlaiOffset) -> dict[str, Callable[[], Policy]]:
+    return {
+        "sarathi-fcfs": lambda: make_policy("sarathi"),
+        "sarathi-spf": lambda: make_policy("sarathi", order="spf"),
+        "vllm-v0": lambda: make_policy("vllm-v0"),
+        "slai-fixed(10)": lambda: make_policy("slai-fixed"),
+        "slai(paper rule)": lambda: make_policy("slai"),
+        "slai(tuned)": lambda: SLAI(offset=tuned),
+    }
+
+
+def kv_plot(rate: float, num_requests: int, tuned: SlaiOffset, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    setup = make_setup(rate, num_requests)
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    for label, policy in (
+        ("fixed offset 5", SLAI(offset=5.0)),
+        ("fixed offset 10", SLAI(offset=10.0)),
+        (f"tuned {tuned.thresholds}/{[round(v, 1) for v in tuned.levels]}", SLAI(offset=tuned)),
+    ):
+        times, usage = run(setup, policy).kv_timeline
+        ax.plot(times, usage * 100, label=label, linewidth=0.8)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("KV-cache usage (%)")
+    ax.set_title(f"slai-tiers at {rate} req/s: KV usage under SLAI offsets (cf. paper Fig. 8)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "slai_kv_usage.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=800)
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--tune-rate", type=float, default=2.8)
+    parser.add_argument("--rates", default=",".join(str(r) for r in RATES))
+    parser.add_argument("--out", default="reports/slai")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    print(f"tuning slai-offset at {args.tune_rate} req/s ({args.trials} trials)", file=sys.stderr)
+    tuned = SlaiOffset().fit(replay_objective(args.tune_rate, args.requests), n_trials=args.trials)
+    print(f"tuned offset: thresholds {tuned.thresholds}, levels {tuned.levels}", file=sys.stderr)
+
+    rates = [float(r) for r in args.rates.split(",")]
+    table: dict[str, dict[float, dict[str, Any]]] = {}
+    for rate in rates:
+        setup = make_setup(rate, args.requests)
+        for name, build in policies(tuned).items():
+            table.setdefault(name, {})[rate] = summarise(run(setup, build()), SLOS)
+        print(f"  rate {rate} done", file=sys.stderr)
+
+    header = f"{'policy':<18}" + "".join(f"{r:>20}" for r in rates) + f"{'capacity':>10}"
+    print("median TTFT s / P99 TBT paying / P99 TBT free  (* = sustained: TTFT <= 0.5 s, TBT within SLO)")
+    print(header)
+    for name, row in table.items():
+        cells = []
+        for rate in rates:
+            s = row[rate]
+            mark = "*" if s["sustained"] else " "
+            cells.append(f"{s['ttft_p50']:.3f}/{s['paying_tbt_p99']:.3f}/{s['free_tbt_p99']:.3f}{mark}")
+        capacity = max((r for r in rates if row[r]["sustained"]), default=0.0)
+        print(f"{name:<18}" + "".join(f"{c:>20}" for c in cells) + f"{capacity:>10}")
+    plot = kv_plot(max(rates), args.requests, tuned, out)
+    (out / "slai_study.json").write_text(
+        json.dumps(
+            {
+                "tuned": tuned.get_params(),
+                "rates": rates,
+                "table": {k: {str(r): v for r, v in row.items()} for k, row in table.items()},
+            },
+            indent=2,
+        )
+    )
+    print(f"plot: {plot}\njson: {out / 'slai_study.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""`slai-offset`: SLAI's dynamic decode offset as a learned function of KV-cache usage.
+
+SLAI marks a decode critical once `now >= last_token + TBT_slo - offset * mean_batch_time`. A small
+offset defers decodes longer (more room for prefills, lower TTFT) but keeps their KV resident
+longer; a large one protects TBT and frees memory sooner. The paper's rule is two levels: 5 below
+96% KV usage, 10 above. This component generalises it to a step function over KV usage --
+`thresholds` (ascending) and `levels` (one more than thresholds) -- whose values are tuned with
+Optuna on replay (`fit`) to minimise median TTFT subject to every tier's P99 TBT meeting its SLO.
+Saved as JSON.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Self
+
+from adapt.component import ComponentError, LearnedComponent
+
+PAPER_THRESHOLDS: tuple[float, ...] = (0.96,)
+PAPER_LEVELS: tuple[float, ...] = (5.0, 10.0)
+
+
+class SlaiOffset(LearnedComponent):
+    """offset(kv_usage) = levels[i] for the first threshold above kv_usage (levels[-1] past all)."""
+
+    name = "slai-offset"
+    primary_metric = "ttft_p50"
+    lower_is_better = True
+
+    def __init__(
+        self,
+        thresholds: list[float] | tuple[float, ...] = PAPER_THRESHOLDS,
+        levels: list[float] | tuple[float, ...] = PAPER_LEVELS,
+    ) -> None:
+        super().__init__()
+        self.thresholds = [float(t) for t in thresholds]
+        self.levels = [float(v) for v in levels]
+
+    def get_params(self) -> dict[str, Any]:
+        return {"thresholds": self.thresholds, "levels": self.levels}
+
+    def __call__(self, kv_usage: float) -> float:
+        return self.levels[bisect.bisect_right(self.thresholds, kv_usage)]
+
+    def fit(self, data: Callable[[SlaiOffset], dict[str, Any]], n_trials: int = 20, seed: int = 0) -> Self:
+        """Tune a two-level rule with Optuna. `data` evaluates a candidate offset (a replay of the
+        target workload) and returns its metrics including `feasible` (all tiers' P99 TBT within
+        SLO) and `ttft_p50`; see `experiments.slai_study.replay_objective`."""
+        from adapt.online import tune
+
+        def objective(params: dict[str, float]) -> tuple[float, dict[str, Any]]:
+            candidate = SlaiOffset([params["threshold"]], [params["low"], params["low"] + params["extra"]])
+            metrics = data(candidate)
+            penalty = 0.0 if metrics["feasible"] else 1e3 * (1 + metrics["tbt_excess"])
+            return metrics["ttft_p50"] + penalty, metrics
+
+        space = {"threshold": (0.5, 0.99), "low": (0.0, 15.0), "extra": (0.0, 20.0)}
+        paper = {"threshold": 0.96, "low": 5.0, "extra": 5.0}
+        best = tune(objective, space, n_trials=n_trials, seed=seed, warm_start=[paper], name="slai-offset")
+        self.thresholds = [best.params["threshold"]]
+        self.levels = [best.params["low"], best.params["low"] + best.params["extra"]]
+        self.metadata.update(tuning={"trials": n_trials, "best_value": best.value, "seed": seed})
+        return self
+
+    def evaluate(self, data: Callable[[SlaiOffset], dict[str, Any]]) -> dict[str, float]:
+        metrics = data(self)
+        return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float | bool)}
+
+    def save_state(self, directory: Path) -> None:
+        """Everything is in the header's params."""
+
+    def load_state(self, directory: Path) -> None:
+        """Everything is in the header's params."""
+
+    def validate(self) -> None:
+        if len(self.levels) != len(self.thresholds) + 1:
+            raise ComponentError("slai-offset: need exactly one more level than thresholds")
+        if self.thresholds != sorted(self.thresholds) or not all(0 <= t <= 1 for t in self.thresholds):
+            raise ComponentError(
+                f"slai-offset: thresholds must be ascending in [0, 1], got {self.thresholds}"
+            )
+        if not all(0 <= v <= 100 for v in self.levels):
+            raise ComponentError(f"slai-offset: levels must be in [0, 100] batch times, got {self.levels}")
+
+    def describe(self) -> str:
+        return json.dumps({"thresholds": self.thresholds, "levels": self.levels})

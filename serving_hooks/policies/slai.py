@@ -1,0 +1,130 @@
+"""SLAI (Bari, Hegde, de Veciana, SIGMETRICS'26, section 6): defer decodes until their TBT is at risk.
+
+For a running decode with TBT target `tbt`, whose previous token came out of the batch that ended
+at `t_prev`, the last schedulable time is
+
+    LST = t_prev + tbt - offset * mean_batch_time
+
+and the decode is *critical* once `now >= LST`. Each step the batch is, in order:
+  1. critical decodes, by increasing LST;
+  2. prefills already started (chunked prefills in flight), oldest first;
+  3. new prefills, shortest prompt first (SPF) or FCFS, optionally paying tier first, while the
+     token budget and the cap on active requests allow;
+  4. non-critical decodes by increasing LST, while budget remains, up to the decode limit.
+A decode without a TBT target is never critical (LST = +inf). `offset` is a number (`slai-fixed`)
+or a function of KV-cache usage (`slai`: the `slai-offset` component, by default the paper's rule:
+5 below 96% usage, 10 above).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from adapt.policy import EngineView, Horizon, Plan, RequestState
+from serving_hooks.policies.base import PriorityPolicy
+
+
+def last_schedulable_time(request: RequestState, offset: float, mean_batch_time_s: float) -> float:
+    """LST of a decode's next iteration (+inf without a TBT target or before its first token)."""
+    tbt = request.slo.tbt_s
+    if tbt is None or request.last_token_s is None:
+        return math.inf
+    return request.last_token_s + tbt - offset * mean_batch_time_s
+
+
+class SLAI(PriorityPolicy):
+    """SLAI with a fixed or KV-dependent offset (see module docstring)."""
+
+    name = "slai"
+
+    def __init__(
+        self,
+        offset: float | dict[str, list[float]] | Callable[[float], float] | None = None,
+        prefill_order: str = "spf",
+        paying_first: bool = False,
+        token_budget: int = 512,
+        max_active: int = 128,
+        decode_limit: int = 128,
+    ) -> None:
+        super().__init__()
+        if prefill_order not in ("spf", "fcfs"):
+            raise ValueError(f"prefill_order: expected spf or fcfs, got {prefill_order!r}")
+        if offset is None or isinstance(offset, dict):
+            from predictors.slai_offset import SlaiOffset
+
+            offset = SlaiOffset(**(offset or {}))  # a dict is a policy-config's serialised offset
+        self.offset = offset
+        self.prefill_order = prefill_order
+        self.paying_first = paying_first
+        self.token_budget = token_budget
+        self.max_active = max_active
+        self.decode_limit = decode_limit
+
+    def current_offset(self, kv_usage: float) -> float:
+        return self.offset(kv_usage) if callable(self.offset) else float(self.offset)
+
+    def key(self, request: RequestState, now: float) -> tuple[Any, ...]:
+        tier = 0 if (self.paying_first and request.slo.tier == "paying") else 1
+        size = request.prompt_tokens if self.prefill_order == "spf" else 0
+        return (tier, size, request.arrival_s)
+
+    def _admissions(self, room: int) -> Iterator[RequestState]:
+        for entry in self._waiting:
+            if room <= 0:
+                return
+            room -= 1
+            yield entry[-1]
+
+    def on_step(self, view: EngineView) -> Plan:
+        offset = self.current_offset(view.kv_usage)
+        critical: list[tuple[float, RequestState]] = []
+        optional: list[tuple[float, RequestState]] = []
+        started: list[RequestState] = []
+        for request in view.running:
+            if request.phase == "prefill":
+                started.append(request)
+                continue
+            lst = last_schedulable_time(request, offset, view.mean_batch_time_s)
+            (critical if view.now >= lst else optional).append((lst, request))
+        critical.sort(key=lambda item: item[0])
+        optional.sort(key=lambda item: item[0])
+        room_for_decodes = max(0, self.decode_limit - len(critical))
+        late = [request for _, request in optional[:room_for_decodes]]
+        return Plan(
+            admit=self._admissions(self.max_active - len(view.running)),
+            running_order=[request for _, request in critical] + started,
+            late=late,
+        )
+
+    def horizon(self, view: EngineView) -> Horizon:
+        """Wake up when the earliest deferred decode becomes critical."""
+        offset = self.current_offset(view.kv_usage)
+        times = [
+            last_schedulable_time(r, offset, view.mean_batch_time_s)
+            for r in view.running
+            if r.phase == "decode"
+        ]
+        return Horizon(steps=1, until_s=min(times, default=math.inf))
+
+    def describe(self) -> dict[str, Any]:
+        offset = self.offset.get_params() if hasattr(self.offset, "get_params") else self.offset
+        return {
+            "policy": self.name,
+            "offset": offset,
+            "prefill_order": self.prefill_order,
+            "paying_first": self.paying_first,
+            "token_budget": self.token_budget,
+            "max_active": self.max_active,
+            "decode_limit": self.decode_limit,
+        }
+
+
+class SLAIFixed(SLAI):
+    """SLAI with the paper's fixed offset of 10 batch times."""
+
+    name = "slai-fixed"
+
+    def __init__(self, offset: float = 10.0, **kwargs: Any) -> None:
+        super().__init__(offset=offset, **kwargs)

@@ -1,0 +1,84 @@
+"""Pipelines end to end on small real data against a temp sqlite MLflow store."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from adapt.cli import main
+from adapt.component import PolicyConfig
+from adapt.registry import Registry
+from pipelines.slai import better
+
+pytestmark = pytest.mark.slow
+
+
+def test_gate_rule():
+    feasible = {"feasible": True, "ttft_p50": 0.3}
+    assert better(feasible, None, 0.0)
+    assert better(feasible, {"feasible": False, "ttft_p50": 0.1}, 0.0)
+    assert not better(feasible, {"feasible": True, "ttft_p50": 0.31}, 0.05)
+    assert better(feasible, {"feasible": True, "ttft_p50": 0.4}, 0.05)
+    assert not better({"feasible": False, "ttft_p50": 0.01}, None, 0.0)
+
+
+def test_tune_slai_registers_component_and_policy_config(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'p.db'}"
+    args = [
+        "--tracking-uri",
+        uri,
+        "tune",
+        "slai",
+        "--workload",
+        "slai-tiers",
+        "--trials",
+        "5",
+        "--num-requests",
+        "150",
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "slai-offset: registered version 1" in out and "promoted to champion: yes" in out
+    reg = Registry(uri, cache_dir=tmp_path / "c")
+    offset = reg.load("slai-offset")
+    config = reg.load("policy-config")
+    assert isinstance(config, PolicyConfig) and config.policy == "slai"
+    assert config.params["offset"] == offset.get_params()
+    policy = config.build()
+    assert policy.current_offset(0.0) == offset(0.0)
+
+
+def test_cost_model_pipeline_gate_refuses_worse_and_accepts_better(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    n = 600
+    tokens = rng.integers(1, 2048, n).astype(float)
+    decodes = np.minimum(tokens, rng.integers(0, 64, n)).astype(float)
+    ctx = decodes * rng.integers(100, 3000, n)
+    frame = pd.DataFrame(
+        {
+            "start_s": np.arange(n) * 0.05,
+            "tokens": tokens,
+            "sampled": decodes + 1,
+            "num_decodes": decodes,
+            "decode_ctx_sum": ctx,
+            "prefill_attn_units": (tokens - decodes) ** 2 / 2,
+        }
+    )
+    frame["duration_s"] = 0.004 + 3e-5 * tokens + 2e-8 * ctx
+    good = tmp_path / "steps.csv"
+    frame.to_csv(good, index=False)
+    noisy = frame.copy()
+    noisy["duration_s"] *= 1 + 0.5 * rng.standard_normal(n).clip(-0.9, 3)
+    bad = tmp_path / "noisy.csv"
+    noisy.to_csv(bad, index=False)
+    uri = f"sqlite:///{tmp_path / 'cm.db'}"
+    base = ["--tracking-uri", uri, "train", "cost-model", "--promote-if-better", "--data"]
+    assert main([*base, str(good)]) == 0
+    assert main([*base, str(bad)]) == 0
+    reg = Registry(uri, cache_dir=tmp_path / "c")
+    assert reg.resolve("cost-model") == 1  # the noisy candidate was refused
+    out = capsys.readouterr().out
+    assert out.count("promoted to champion: yes") == 1 and "promoted to champion: no" in out
+    broken = tmp_path / "broken.csv"
+    broken.write_text("tokens\n1\n")
+    assert main([*base, str(broken)]) == 2
+    assert "missing column(s) duration_s" in capsys.readouterr().err

@@ -1,0 +1,105 @@
+"""SLAI: last schedulable time, critical marking, batch order, the offset switch (hand-made cases)."""
+
+import pytest
+
+from adapt.policy import EngineView, RequestState
+from adapt.requests import SLO, Request
+from experiments.replay.engine import EngineConfig
+from predictors.slai_offset import SlaiOffset
+from serving_hooks.policies import make_policy
+from serving_hooks.policies.slai import SLAI, last_schedulable_time
+from tests.replay_helpers import CheckedEngine, ConstantCost
+
+
+def state(rid, prompt=10, tbt=None, last=None, phase="decode", arrival=0.0):
+    s = RequestState(rid, arrival, prompt, 1000, SLO(kind="latency", tbt_s=tbt) if tbt else SLO())
+    s.phase = phase
+    s.last_token_s = last
+    return s
+
+
+def test_lst_formula_by_hand():
+    # LST = t_prev + TBT - offset * mean batch time = 10.0 + 0.5 - 5 * 0.02 = 10.4
+    assert last_schedulable_time(state("a", tbt=0.5, last=10.0), 5, 0.02) == pytest.approx(10.4)
+    assert last_schedulable_time(state("b", tbt=None, last=10.0), 5, 0.02) == float("inf")
+    assert last_schedulable_time(state("c", tbt=0.5, last=None), 5, 0.02) == float("inf")
+
+
+def test_offset_switch_paper_rule_and_validation():
+    rule = SlaiOffset()
+    assert rule(0.50) == 5 and rule(0.9599) == 5 and rule(0.96) == 10 and rule(1.0) == 10
+    finer = SlaiOffset([0.5, 0.9], [2, 6, 12])
+    assert [finer(u) for u in (0.1, 0.5, 0.7, 0.95)] == [2, 6, 6, 12]
+    finer.validate()
+    from adapt.component import ComponentError
+
+    with pytest.raises(ComponentError, match="one more level"):
+        SlaiOffset([0.5], [1.0]).validate()
+    with pytest.raises(ComponentError, match="ascending"):
+        SlaiOffset([0.9, 0.5], [1, 2, 3]).validate()
+
+
+def test_critical_marking_and_batch_order():
+    policy = SLAI(offset=5.0, prefill_order="spf")
+    d1 = state("d1", tbt=0.1, last=0.9)  # LST 0.9 -> critical at 1.0
+    d2 = state("d2", tbt=0.5, last=0.95)  # LST 1.35 -> not critical
+    d3 = state("d3", tbt=0.1, last=0.95)  # LST 0.95 -> critical
+    d4 = state("d4", tbt=None, last=0.5)  # no TBT target: never critical
+    p1 = state("p1", phase="prefill")
+    long, short = state("long", prompt=100, phase="waiting"), state("short", prompt=10, phase="waiting")
+    policy.on_arrival(long, 0.0)
+    policy.on_arrival(short, 0.1)
+    view = EngineView(1.0, [long, short], [d1, d2, p1, d3, d4], 0.5, 512, 256, 0.02)
+    plan = policy.on_step(view)
+    assert [r.id for r in plan.running_order] == ["d1", "d3", "p1"]
+    assert [r.id for r in plan.late] == ["d2", "d4"]
+    assert [r.id for r in plan.admit] == ["short", "long"]
+    fcfs = SLAI(offset=5.0, prefill_order="fcfs")
+    fcfs.on_arrival(long, 0.0)
+    fcfs.on_arrival(short, 0.1)
+    assert [r.id for r in fcfs.on_step(view).admit] == ["long", "short"]
+
+
+def test_decode_limit_and_active_cap():
+    policy = SLAI(offset=5.0, decode_limit=2, max_active=3)
+    running = [state(f"c{i}", tbt=0.1, last=0.0) for i in range(2)] + [state("n", tbt=5.0, last=0.9)]
+    waiting = [state(f"w{i}", phase="waiting") for i in range(3)]
+    for w in waiting:
+        policy.on_arrival(w, 0.0)
+    plan = policy.on_step(EngineView(1.0, waiting, running, 0.1, 512, 256, 0.02))
+    assert len(plan.running_order) == 2 and plan.late == []  # limit reached by critical decodes
+    assert len(list(plan.admit)) == 0  # 3 active already
+
+
+def test_paying_tier_first():
+    policy = SLAI(offset=5.0, paying_first=True)
+    free = RequestState("free", 0.0, 5, 100, SLO(kind="latency", tbt_s=0.5, tier="free"))
+    paying = RequestState("paying", 1.0, 50, 100, SLO(kind="latency", tbt_s=0.1, tier="paying"))
+    policy.on_arrival(free, 0.0)
+    policy.on_arrival(paying, 1.0)
+    plan = policy.on_step(EngineView(1.0, [free, paying], [], 0.0, 512, 256, 0.02))
+    assert [r.id for r in plan.admit] == ["paying", "free"]
+
+
+def test_noncritical_decode_yields_budget_to_a_new_prefill_in_the_engine():
+    # Constant 0.1 s steps, budget 8. A (TBT 10 s) decodes; B (8-token prompt) arrives at 0.15.
+    # Step 3 gives B the whole budget, so A's token 2 waits for step 4: a 0.2 s gap. Sarathi
+    # (decodes first) would emit it at 0.3.
+    requests = [
+        Request("a", 0.0, 4, 4, slo=SLO(kind="latency", tbt_s=10.0)),
+        Request("b", 0.15, 8, 2),
+    ]
+
+    def token_gaps(policy):
+        engine = CheckedEngine(
+            policy, ConstantCost(0.1), EngineConfig(token_budget=8, skip_decode_runs=False)
+        )
+        result = engine.run(requests)
+        assert engine.violations == []
+        return {r.request_id: r for r in result.records}, result
+
+    records, _ = token_gaps(SLAI(offset=5.0, token_budget=8))
+    assert records["b"].first_token_s == pytest.approx(0.3)
+    assert records["a"].finish_s == pytest.approx(0.5)
+    records, _ = token_gaps(make_policy("sarathi", token_budget=8))
+    assert records["a"].finish_s == pytest.approx(0.4)
