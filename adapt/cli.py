@@ -134,7 +134,11 @@ def _print_outcome(name: str, outcome) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     registry = _registry(args)
-    if args.component == "slai-offset":
+    if args.component == "ewsjf-meta-policy":
+        from pipelines.ewsjf import train_ewsjf_meta
+
+        outcome = train_ewsjf_meta(registry, promote_if_better=args.promote_if_better)
+    elif args.component == "slai-offset":
         from pipelines.slai import train_slai_offset
 
         outcome = train_slai_offset(
@@ -158,6 +162,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    if args.policy == "ewsjf":
+        if args.workload not in (None, "ewsjf-mixed") or args.trace:
+            raise UsageError("tune ewsjf: only --workload ewsjf-mixed is supported")
+        from pipelines.ewsjf import tune_ewsjf
+
+        outcome = tune_ewsjf(
+            _registry(args),
+            rate=args.rate or 40.0,
+            num_requests=args.num_requests or 1500,
+            trials=args.trials,
+            storage=args.storage,
+        )
+        _print_outcome("ewsjf-meta-policy", outcome)
+        return 0
     if args.workload not in (None, "slai-tiers") or args.trace:
         raise UsageError("tune slai: only --workload slai-tiers is supported (SLAI's tiered TBT SLOs)")
     from pipelines.slai import train_slai_offset
@@ -214,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollback.set_defaults(func=cmd_models_rollback)
 
     train = sub.add_parser("train", help="fit a component, log and register it (optionally promote)")
-    train.add_argument("component", choices=["slai-offset", "cost-model"])
+    train.add_argument("component", choices=["slai-offset", "cost-model", "ewsjf-meta-policy"])
     train.add_argument("--data", help="training data (cost-model: a step log)")
     train.add_argument("--promote-if-better", action="store_true")
     train.add_argument("--margin", type=float, default=0.0, help="relative improvement required to promote")
@@ -224,13 +242,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     tune = sub.add_parser("tune", help="Bayesian optimisation of a policy on replay; registers the best")
-    tune.add_argument("policy", choices=["slai"])
+    tune.add_argument("policy", choices=["slai", "ewsjf"])
     tune_source = tune.add_mutually_exclusive_group()
     tune_source.add_argument("--workload")
     tune_source.add_argument("--trace")
     tune.add_argument("--trials", type=int, default=20)
     tune.add_argument("--rate", type=float)
     tune.add_argument("--num-requests", type=int)
+    tune.add_argument(
+        "--storage", help="Optuna storage URL (e.g. sqlite:///mlruns/optuna.db, postgresql://...)"
+    )
     tune.set_defaults(func=cmd_tune)
 
     quick = sub.add_parser("quickstart", help="end to end on the bundled data")

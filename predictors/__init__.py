@@ -23,3 +23,12 @@ def _slai_offset():
 
 
 register_component("slai-offset", _slai_offset)
+
+
+def _ewsjf_meta():
+    from predictors.ewsjf_meta import EwsjfMetaPolicy
+
+    return EwsjfMetaPolicy
+
+
+register_component("ewsjf-meta-policy", _ewsjf_meta)

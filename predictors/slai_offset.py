@@ -48,7 +48,8 @@ class SlaiOffset(LearnedComponent):
     def fit(self, data: Callable[[SlaiOffset], dict[str, Any]], n_trials: int = 20, seed: int = 0) -> Self:
         """Tune a two-level rule with Optuna. `data` evaluates a candidate offset (a replay of the
         target workload) and returns its metrics including `feasible` (all tiers' P99 TBT within
-        SLO) and `ttft_p50`; see `experiments.slai_study.replay_objective`."""
+        SLO and the load kept up with), `tbt_excess` (how far from feasible) and `ttft_p50`; see
+        `experiments.slai_study.replay_objective`."""
         from adapt.online import tune
 
         def objective(params: dict[str, float]) -> tuple[float, dict[str, Any]]:

@@ -82,3 +82,26 @@ def test_cost_model_pipeline_gate_refuses_worse_and_accepts_better(tmp_path, cap
     broken.write_text("tokens\n1\n")
     assert main([*base, str(broken)]) == 2
     assert "missing column(s) duration_s" in capsys.readouterr().err
+
+
+def test_tune_ewsjf_registers_best_theta_and_policy_config(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'e.db'}"
+    args = ["--tracking-uri", uri, "tune", "ewsjf", "--trials", "5", "--num-requests", "200"]
+    assert main(args) == 0
+    assert "ewsjf-meta-policy: registered version 1" in capsys.readouterr().out
+    reg = Registry(uri, cache_dir=tmp_path / "c")
+    meta = reg.load("ewsjf-meta-policy")
+    assert meta.queues_ and reg.resolve("ewsjf-meta-policy") == 1
+    config = reg.load("policy-config", version=1)
+    policy = config.build()
+    assert policy.name == "ewsjf" and len(policy.queues) == len(meta.queues_)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    trials = client.search_runs([client.get_experiment_by_name("tune-ewsjf").experiment_id])
+    assert len(trials) == 5 and all("reward" in t.data.metrics for t in trials)
+    run_id = reg.client.get_model_version("ewsjf-meta-policy", "1").run_id
+    assert "reward_curve.png" in [a.path for a in client.list_artifacts(run_id)]
+    # Retraining the layout keeps the tuned Theta and is gated on the layout score.
+    assert main(["--tracking-uri", uri, "train", "ewsjf-meta-policy", "--promote-if-better"]) == 0
+    assert reg.load("ewsjf-meta-policy", version=2).b_u == meta.b_u

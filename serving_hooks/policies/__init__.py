@@ -18,6 +18,7 @@ from serving_hooks.policies.baselines import (
     Trail,
     VllmV0,
 )
+from serving_hooks.policies.ewsjf import EWSJF
 from serving_hooks.policies.slai import SLAI, SLAIFixed
 
 BASELINE_POLICIES: dict[str, Callable[..., Policy]] = {
@@ -33,6 +34,7 @@ BASELINE_POLICIES: dict[str, Callable[..., Policy]] = {
     "plas": PLAS,
 }
 LEARNED_POLICIES: dict[str, Callable[..., Policy]] = {
+    "ewsjf": EWSJF,
     "slai": SLAI,
     "slai-fixed": SLAIFixed,
 }

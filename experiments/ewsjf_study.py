@@ -1,0 +1,129 @@
+"""EWSJF study (issue: EWSJF), after the paper's section 6 on its mixed workload.
+
+    .venv/bin/python -m experiments.ewsjf_study [--requests N] [--trials N] [--out DIR]
+
+1. Tunes Theta with the Bayesian meta-optimiser (Optuna, reward of equation 5) on replay of
+   `ewsjf-mixed` at 40 req/s, layouts refit by Refine-and-Prune on a separate history window.
+2. Replays `ewsjf-mixed` (llama-2-13b on 4 x A100-80GB, the paper's setting) at 10-100 req/s under
+   fcfs, spf, ewsjf with the default Theta/layout and ewsjf tuned: tokens/s, mean TTFT of short
+   requests, P99 TTFT (queueing wait) of long requests, long requests completed.
+3. Queue-count study (paper Table 3): k-means with 5/10/30 queues versus Refine-and-Prune, at the
+   highest rate, with the tuned scoring weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from adapt.online import tune
+from experiments.replay.cli import ReplaySetup, replay_policy
+from experiments.workloads import WORKLOADS
+from pipelines.ewsjf import THETA_SPACE, ewsjf_objective, history_lengths
+from predictors.ewsjf_meta import EwsjfMetaPolicy
+from serving_hooks.policies.ewsjf import EWSJF
+
+RATES = (10, 20, 40, 60, 80, 100)
+
+
+def row(metrics: dict) -> dict:
+    short, long = metrics["by_class"]["short"], metrics["by_class"]["long"]
+    return {
+        "tokens_per_s": metrics["throughput_tps"],
+        "short_ttft_mean": short["ttft_mean"],
+        "long_ttft_p99": long["ttft_p99"],
+        "long_completed": long["completed"],
+        "long_total": long["num_requests"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--out", default="reports/ewsjf")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = WORKLOADS["ewsjf-mixed"]
+    lengths = history_lengths()
+
+    print(f"tuning Theta at 40 req/s ({args.trials} trials)", file=sys.stderr)
+    objective = ewsjf_objective(spec.build(40.0, 1500, 7), lengths)
+    result = tune(
+        objective,
+        THETA_SPACE,
+        n_trials=args.trials,
+        warm_start=[EwsjfMetaPolicy().get_params()],
+        name="ewsjf-study",
+    )
+    tuned = EwsjfMetaPolicy(**result.params).fit(lengths)
+    rewards = [h[2]["reward"] for h in result.history]
+    print(
+        f"tuned Theta {result.params} -> {len(tuned.queues_)} queues;"
+        f" rewards {[round(r, 3) for r in rewards]}",
+        file=sys.stderr,
+    )
+
+    variants = {
+        "fcfs": None,
+        "spf": None,
+        "ewsjf(default)": lambda: EWSJF(),
+        "ewsjf(tuned)": lambda: EWSJF(tuned),
+    }
+    table: dict[str, dict[int, dict]] = {}
+    for rate in RATES:
+        setup = ReplaySetup(spec.build(float(rate), args.requests, 0), {}, spec.model, spec.gpu, spec.tp)
+        for name, factory in variants.items():
+            metrics = replay_policy(
+                setup, name if factory is None else "fcfs", policy_factory=factory
+            ).metrics()
+            table.setdefault(name, {})[rate] = row(metrics)
+        print(f"  rate {rate} done", file=sys.stderr)
+
+    print("tokens/s | short mean TTFT s | long P99 TTFT s | long done/total")
+    print(f"{'policy':<16}" + "".join(f"{r:>34}" for r in RATES))
+    for name, rows in table.items():
+        cells = [
+            f"{x['tokens_per_s']:.0f} | {x['short_ttft_mean']:.2f} | {x['long_ttft_p99']:.1f}"
+            f" | {x['long_completed']}/{x['long_total']}"
+            for x in (rows[r] for r in RATES)
+        ]
+        print(f"{name:<16}" + "".join(f"{c:>34}" for c in cells))
+
+    top = RATES[-1]
+    setup = ReplaySetup(spec.build(float(top), args.requests, 0), {}, spec.model, spec.gpu, spec.tp)
+    print(
+        f"\nqueue-count study at {top} req/s (tuned weights):"
+        " queues, tokens/s, short mean TTFT, long P99 TTFT"
+    )
+    study = {}
+    for label, meta in [
+        *[
+            (f"k-means {k}", EwsjfMetaPolicy(**{**tuned.get_params(), "partition": "kmeans", "k": k}))
+            for k in (5, 10, 30)
+        ],
+        ("refine-and-prune", EwsjfMetaPolicy(**tuned.get_params())),
+    ]:
+        meta.fit(lengths)
+        metrics = replay_policy(setup, "fcfs", policy_factory=lambda m=meta: EWSJF(m)).metrics()
+        study[label] = {"queues": len(meta.queues_), **row(metrics)}
+        s = study[label]
+        print(
+            f"  {label:<18} {s['queues']:>3}  {s['tokens_per_s']:.0f}  {s['short_ttft_mean']:.2f}"
+            f"  {s['long_ttft_p99']:.1f}"
+        )
+    (out / "ewsjf_study.json").write_text(
+        json.dumps(
+            {"tuned": result.params, "rewards": rewards, "table": table, "queue_study": study},
+            indent=2,
+            default=str,
+        )
+    )
+    print(f"json: {out / 'ewsjf_study.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""EWSJF pipelines: Refine-and-Prune on a history window, and Bayesian meta-optimisation on replay.
+
+`adapt train ewsjf-meta-policy` fits the queue layout on a window of prompt lengths (keeping the
+champion's Theta when there is one) and registers it. `adapt tune ewsjf` runs Optuna ask/tell over
+Theta; each trial refits the layout with its `alpha` (the offline mode of the paper's optimiser),
+replays the workload, and scores equation 5's reward
+
+    R = l1 * C + l2 * L - l3 * S - l4 * U
+
+with C, L, S the layout's compactness, load balance and proliferation as routed during the replay,
+and U the mean TTFT relative to FCFS on the same requests. Every trial is an MLflow run, the
+reward curve is logged as a plot, and the best Theta is registered as a new `ewsjf-meta-policy`
+version and as a `policy-config`.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adapt.component import PolicyConfig
+from adapt.registry import Registry
+from experiments.replay.cost import roofline
+from experiments.replay.engine import ReplayEngine
+from experiments.workloads import WORKLOADS
+from pipelines.slai import TrainOutcome
+from predictors.ewsjf_meta import EwsjfMetaPolicy
+from serving_hooks.policies import make_policy
+from serving_hooks.policies.ewsjf import EWSJF
+
+REWARD_WEIGHTS = (1.0, 1.0, 1.0, 1.0)
+THETA_SPACE = {
+    "a_u": (-1e-3, 1e-3),
+    "b_u": (0.01, 10.0),
+    "a_f": (-1e-3, 1e-3),
+    "b_f": (0.0, 2.0),
+    "w_base": (0.0, 5.0),
+    "alpha": (1.5, 20.0),
+    "bubble_width": (16.0, 512.0),
+}
+
+
+@dataclass
+class EwsjfTrial:
+    """What one replay under a candidate Theta measured."""
+
+    reward: float
+    terms: dict[str, float]
+    metrics: dict[str, Any]
+
+
+def history_lengths(num_requests: int = 4000, seed: int = 1) -> np.ndarray:
+    """A history window of prompt lengths from the ewsjf-mixed sources (a different seed from the
+    evaluation traffic, so the layout is not fitted on the requests it is judged on)."""
+    spec = WORKLOADS["ewsjf-mixed"]
+    return np.array([r.prompt_tokens for r in spec.build(spec.rate, num_requests, seed)], dtype=np.float64)
+
+
+def replay_ewsjf(
+    meta: EwsjfMetaPolicy, requests, weights=REWARD_WEIGHTS, baseline_ttft: float | None = None
+) -> EwsjfTrial:
+    spec = WORKLOADS["ewsjf-mixed"]
+    cost = roofline(spec.model, spec.gpu, tp=spec.tp)
+    policy = EWSJF(meta)
+    metrics = ReplayEngine(policy, cost).run(requests).metrics()
+    if baseline_ttft is None:
+        baseline_ttft = ReplayEngine(make_policy("fcfs"), cost).run(requests).metrics()["ttft_mean"]
+    terms = policy.layout_report()
+    terms["latency"] = metrics["ttft_mean"] / baseline_ttft
+    l1, l2, l3, l4 = weights
+    reward = (
+        l1 * terms["compactness"]
+        + l2 * terms["balance"]
+        - l3 * terms["proliferation"]
+        - l4 * terms["latency"]
+    )
+    return EwsjfTrial(reward, terms, metrics)
+
+
+def ewsjf_objective(requests, lengths: np.ndarray):
+    """Optuna objective over Theta: refit the layout with the trial's alpha on the history window,
+    replay `requests`, return (-reward, measured terms)."""
+    spec = WORKLOADS["ewsjf-mixed"]
+    baseline = ReplayEngine(make_policy("fcfs"), roofline(spec.model, spec.gpu, tp=spec.tp)).run(requests)
+    baseline_ttft = baseline.metrics()["ttft_mean"]
+
+    def objective(theta: dict[str, float]) -> tuple[float, dict[str, Any]]:
+        meta = EwsjfMetaPolicy(**theta).fit(lengths)
+        trial = replay_ewsjf(meta, requests, baseline_ttft=baseline_ttft)
+        short = trial.metrics.get("by_class", {}).get("short", {})
+        return -trial.reward, {
+            "reward": trial.reward,
+            **trial.terms,
+            "short_ttft_mean": short.get("ttft_mean"),
+        }
+
+    return objective
+
+
+def train_ewsjf_meta(
+    registry: Registry, *, history: int = 4000, promote_if_better: bool = False
+) -> TrainOutcome:
+    """Refit the layout on a fresh history window with the champion's Theta (or the defaults)."""
+    champion_version = registry.resolve("ewsjf-meta-policy", missing_ok=True)
+    champion = registry.load("ewsjf-meta-policy", version=champion_version) if champion_version else None
+    lengths = history_lengths(history)
+    candidate = EwsjfMetaPolicy(**(champion.get_params() if champion else {})).fit(lengths)
+    metrics = candidate.evaluate(lengths)
+    metrics["layout_score"] = layout_score(metrics)
+    version = registry.log(candidate, metrics=metrics)
+    champion_metrics = None
+    if champion is not None:
+        champion_metrics = champion.evaluate(lengths)
+        champion_metrics["layout_score"] = layout_score(champion_metrics)
+    promoted = False
+    if promote_if_better and (
+        champion_metrics is None or metrics["layout_score"] >= champion_metrics["layout_score"]
+    ):
+        registry.promote("ewsjf-meta-policy", version)
+        promoted = True
+    return TrainOutcome(version, promoted, metrics, champion_metrics)
+
+
+def layout_score(terms: dict[str, float], weights=REWARD_WEIGHTS) -> float:
+    """Equation 5 without the latency term: what a layout alone is judged by on held-out lengths."""
+    l1, l2, l3, _ = weights
+    return l1 * terms["compactness"] + l2 * terms["balance"] - l3 * terms["proliferation"]
+
+
+def tune_ewsjf(
+    registry: Registry,
+    *,
+    rate: float = 40.0,
+    num_requests: int = 1500,
+    trials: int = 20,
+    seed: int = 0,
+    storage: str | None = None,
+    experiment: str = "tune-ewsjf",
+) -> TrainOutcome:
+    from adapt.online import tune
+
+    lengths = history_lengths()
+    objective = ewsjf_objective(WORKLOADS["ewsjf-mixed"].build(rate, num_requests, seed), lengths)
+
+    champion_version = registry.resolve("ewsjf-meta-policy", missing_ok=True)
+    warm = (
+        [registry.load("ewsjf-meta-policy", version=champion_version).get_params()]
+        if champion_version
+        else []
+    )
+    warm.append(EwsjfMetaPolicy().get_params())
+    print(
+        f"tuning EWSJF Theta on ewsjf-mixed at {rate} req/s, {num_requests} requests, {trials} trials",
+        file=sys.stderr,
+    )
+    result = tune(
+        objective,
+        THETA_SPACE,
+        n_trials=trials,
+        seed=seed,
+        warm_start=warm,
+        name="ewsjf",
+        storage=storage,
+        mlflow_experiment=experiment,
+    )
+    best = EwsjfMetaPolicy(**result.params).fit(lengths)
+    best.metadata["data_window"] = {
+        "history_prompts": len(lengths),
+        "tune_rate": rate,
+        "requests": num_requests,
+    }
+    rewards = [h[2]["reward"] for h in result.history]
+    metrics = {
+        "reward": max(rewards),
+        **{k: v for k, v in result.history[int(np.argmax(rewards))][2].items() if v is not None},
+    }
+    version = registry.log(best, metrics=metrics, params={"trials": trials, "tune_rate": rate})
+    _log_reward_curve(registry, version, rewards)
+    registry.promote("ewsjf-meta-policy", version)
+    config = PolicyConfig("ewsjf", {"meta": best.get_params(), "queues": [q.__dict__ for q in best.queues_]})
+    config_version = registry.log(config, metrics=metrics, run_name="policy-config:ewsjf")
+    return TrainOutcome(version, True, metrics, None, policy_config_version=config_version)
+
+
+def _log_reward_curve(registry: Registry, version: int, rewards: list[float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(rewards) + 1), rewards, "o-", label="trial reward")
+    ax.plot(range(1, len(rewards) + 1), np.maximum.accumulate(rewards), "-", label="best so far")
+    ax.set_xlabel("trial")
+    ax.set_ylabel("reward R (equation 5)")
+    ax.legend()
+    fig.tight_layout()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "reward_curve.png"
+        fig.savefig(path, dpi=100)
+        run_id = registry.client.get_model_version("ewsjf-meta-policy", str(version)).run_id
+        registry.client.log_artifact(run_id, str(path))
+    plt.close(fig)

@@ -1,0 +1,197 @@
+"""`ewsjf-meta-policy`: EWSJF's learned queue layout and scoring meta-parameters (KDD'26, sec. 4).
+
+Two things are learned, on two time scales:
+- the queue layout, by Refine-and-Prune on a window of prompt lengths (`fit`):
+    1. coarse k-means with k = 3 (short / medium / long regimes);
+    2. recursive refinement: split a cluster at its largest gap between consecutive sorted lengths
+       while that gap exceeds `alpha` times the cluster's mean gap and the cluster is wider than
+       `min_width`;
+    3. pruning: while there are more than `max_queues`, merge the adjacent pair with the lowest
+       scheduling utility U = (rho_i + rho_{i+1}) / (|mean_{i+1} - mean_i| + eps), rho = share of
+       requests (equation 3);
+  (`partition="kmeans"` with `k` clusters instead is the paper's Table 3 comparison);
+- the meta-parameters Theta of the context-aware score (equation 4): `w_urg(b) = a_u * b + b_u`,
+  `w_fair(b) = a_f * b + b_f` of a queue's mean prompt length b, `w_base`, plus `alpha`, the
+  bubble width and the empty-queue threshold; tuned by Bayesian optimisation (`adapt tune ewsjf`).
+Saved as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+
+from adapt.component import ComponentError, LearnedComponent, data_fingerprint
+
+EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class QueueSpec:
+    """A contiguous prompt-length interval [low, high] with the mean and share of its requests."""
+
+    low: float
+    high: float
+    mean: float
+    share: float
+
+
+def _gap_split(values: np.ndarray, alpha: float, min_width: float) -> list[np.ndarray]:
+    """Stage 2: split recursively at the largest significant gap (equation 2).
+
+    Gaps are taken between consecutive *distinct* lengths (token counts repeat a lot, and zero gaps
+    would make every 1-token step look significant), and a split is only made when both sides stay
+    at least `min_width` tokens wide -- the paper's minimum queue width.
+    """
+    if len(values) < 3 or values[-1] - values[0] < 2 * min_width:
+        return [values]
+    distinct = np.unique(values)
+    gaps = np.diff(distinct)
+    if len(gaps) == 0:
+        return [values]
+    mean_gap = gaps.mean()
+    # A split after distinct[j] leaves [distinct[0], distinct[j]] and [distinct[j+1], distinct[-1]].
+    allowed = (distinct[:-1] - distinct[0] >= min_width) & (distinct[-1] - distinct[1:] >= min_width)
+    allowed &= gaps > alpha * mean_gap
+    if not allowed.any():
+        return [values]
+    j = int(np.argmax(np.where(allowed, gaps, -np.inf)))
+    cut = int(np.searchsorted(values, distinct[j], side="right"))
+    return _gap_split(values[:cut], alpha, min_width) + _gap_split(values[cut:], alpha, min_width)
+
+
+def utility(a: np.ndarray, b: np.ndarray, total: int) -> float:
+    """Equation 3 for two adjacent clusters."""
+    return (len(a) / total + len(b) / total) / (abs(float(b.mean()) - float(a.mean())) + EPS)
+
+
+def _prune(clusters: list[np.ndarray], max_queues: int, total: int) -> list[np.ndarray]:
+    """Stage 3: merge the lowest-utility adjacent pair until at most `max_queues` remain."""
+    clusters = list(clusters)
+    while len(clusters) > max_queues:
+        scores = [utility(clusters[i], clusters[i + 1], total) for i in range(len(clusters) - 1)]
+        i = int(np.argmin(scores))
+        clusters[i : i + 2] = [np.concatenate([clusters[i], clusters[i + 1]])]
+    return clusters
+
+
+def kmeans_1d(values: np.ndarray, k: int, seed: int = 0) -> list[np.ndarray]:
+    """k-means on one dimension, clusters returned sorted by position (sorted values inside)."""
+    from sklearn.cluster import KMeans
+
+    k = max(1, min(k, len(np.unique(values))))
+    labels = KMeans(n_clusters=k, n_init=10, random_state=seed).fit_predict(values.reshape(-1, 1))
+    clusters = [np.sort(values[labels == c]) for c in range(k)]
+    return sorted((c for c in clusters if len(c)), key=lambda c: c[0])
+
+
+def refine_and_prune(
+    lengths: np.ndarray, alpha: float, min_width: float, max_queues: int, seed: int = 0
+) -> list[np.ndarray]:
+    values = np.sort(np.asarray(lengths, dtype=np.float64))
+    refined = [
+        part for cluster in kmeans_1d(values, 3, seed) for part in _gap_split(cluster, alpha, min_width)
+    ]
+    return _prune(refined, max_queues, len(values))
+
+
+class EwsjfMetaPolicy(LearnedComponent):
+    """Queue layout + scoring meta-parameters. Hyper-parameters are Theta and the partitioning."""
+
+    name = "ewsjf-meta-policy"
+    primary_metric = "reward"
+    lower_is_better = False
+
+    def __init__(
+        self,
+        a_u: float = 0.0,
+        b_u: float = 1.0,
+        a_f: float = 0.0,
+        b_f: float = 0.1,
+        w_base: float = 1.0,
+        alpha: float = 3.0,
+        min_width: float = 16.0,
+        max_queues: int = 32,
+        bubble_width: float = 64.0,
+        empty_threshold: int = 2000,
+        partition: str = "refine-and-prune",
+        k: int = 5,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.a_u, self.b_u, self.a_f, self.b_f, self.w_base = a_u, b_u, a_f, b_f, w_base
+        self.alpha, self.min_width, self.max_queues = alpha, min_width, max_queues
+        self.bubble_width, self.empty_threshold = bubble_width, empty_threshold
+        self.partition, self.k, self.seed = partition, k, seed
+        self.queues_: list[QueueSpec] = []
+
+    def get_params(self) -> dict[str, Any]:
+        return {
+            "a_u": self.a_u,
+            "b_u": self.b_u,
+            "a_f": self.a_f,
+            "b_f": self.b_f,
+            "w_base": self.w_base,
+            "alpha": self.alpha,
+            "min_width": self.min_width,
+            "max_queues": self.max_queues,
+            "bubble_width": self.bubble_width,
+            "empty_threshold": self.empty_threshold,
+            "partition": self.partition,
+            "k": self.k,
+            "seed": self.seed,
+        }
+
+    def fit(self, data: Any) -> Self:
+        """`data`: a window of prompt lengths (array-like)."""
+        lengths = np.asarray(data, dtype=np.float64)
+        if len(lengths) < 3:
+            raise ValueError(f"ewsjf-meta-policy: need at least 3 prompt lengths, got {len(lengths)}")
+        if self.partition == "kmeans":
+            clusters = kmeans_1d(np.sort(lengths), self.k, self.seed)
+        elif self.partition == "refine-and-prune":
+            clusters = refine_and_prune(lengths, self.alpha, self.min_width, self.max_queues, self.seed)
+        else:
+            raise ValueError(f"partition: expected refine-and-prune or kmeans, got {self.partition!r}")
+        total = len(lengths)
+        self.queues_ = [
+            QueueSpec(float(c[0]), float(c[-1]), float(c.mean()), len(c) / total) for c in clusters
+        ]
+        self.metadata.update(data_hash=data_fingerprint(lengths), data_window={"prompts": total})
+        return self
+
+    # Equation 4's weights as functions of a queue's mean prompt length.
+    def w_urg(self, mean_len: float) -> float:
+        """Kept strictly positive: the urgency term is what makes EWSJF starvation-free."""
+        return max(1e-3, self.a_u * mean_len + self.b_u)
+
+    def w_fair(self, mean_len: float) -> float:
+        return max(0.0, self.a_f * mean_len + self.b_f)
+
+    def evaluate(self, data: Any) -> dict[str, float]:
+        """Layout quality on a window of prompt lengths: compactness and balance (equation 5's
+        C and L terms) and the queue count."""
+        from serving_hooks.policies.ewsjf import layout_terms
+
+        return layout_terms(self.queues_, np.asarray(data, dtype=np.float64), self.max_queues)
+
+    def save_state(self, directory: Path) -> None:
+        (directory / "queues.json").write_text(json.dumps([asdict(q) for q in self.queues_], indent=2))
+
+    def load_state(self, directory: Path) -> None:
+        self.queues_ = [QueueSpec(**q) for q in json.loads((directory / "queues.json").read_text())]
+
+    def validate(self) -> None:
+        if not self.queues_:
+            raise ComponentError("ewsjf-meta-policy: no queues (not fitted)")
+        lows = [q.low for q in self.queues_]
+        if lows != sorted(lows) or any(q.low > q.high for q in self.queues_):
+            raise ComponentError("ewsjf-meta-policy: queues must be sorted, non-empty intervals")
+        if any(b.low < a.high for a, b in zip(self.queues_, self.queues_[1:], strict=False)):
+            raise ComponentError("ewsjf-meta-policy: queues overlap")
+        if not all(np.isfinite(v) for v in (self.a_u, self.b_u, self.a_f, self.b_f, self.w_base)):
+            raise ComponentError("ewsjf-meta-policy: non-finite meta-parameters")
