@@ -34,6 +34,8 @@ def test_tune_slai_registers_component_and_policy_config(tmp_path, capsys):
         "5",
         "--num-requests",
         "150",
+        "--rate",
+        "1.2",  # a load every candidate sustains, so the gate has a feasible winner
     ]
     assert main(args) == 0
     out = capsys.readouterr().out
