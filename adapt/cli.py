@@ -162,9 +162,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    """Both tuners register the best component version and a policy-config that uses it."""
+    workload = {"slai": "slai-tiers", "ewsjf": "ewsjf-mixed"}[args.policy]
+    if args.trace or args.workload not in (None, workload):
+        raise UsageError(f"tune {args.policy}: only --workload {workload} is supported")
     if args.policy == "ewsjf":
-        if args.workload not in (None, "ewsjf-mixed") or args.trace:
-            raise UsageError("tune ewsjf: only --workload ewsjf-mixed is supported")
         from pipelines.ewsjf import tune_ewsjf
 
         outcome = tune_ewsjf(
@@ -174,21 +176,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
             trials=args.trials,
             storage=args.storage,
         )
-        _print_outcome("ewsjf-meta-policy", outcome)
-        return 0
-    if args.workload not in (None, "slai-tiers") or args.trace:
-        raise UsageError("tune slai: only --workload slai-tiers is supported (SLAI's tiered TBT SLOs)")
-    from pipelines.slai import train_slai_offset
+    else:
+        from pipelines.slai import train_slai_offset
 
-    outcome = train_slai_offset(
-        _registry(args),
-        rate=args.rate or 2.8,
-        num_requests=args.num_requests or 800,
-        trials=args.trials,
-        promote_if_better=True,
-        with_policy_config=True,
-    )
-    _print_outcome("slai-offset", outcome)
+        outcome = train_slai_offset(
+            _registry(args),
+            rate=args.rate or 2.8,
+            num_requests=args.num_requests or 800,
+            trials=args.trials,
+            promote_if_better=True,
+            with_policy_config=True,
+        )
+    _print_outcome("ewsjf-meta-policy" if args.policy == "ewsjf" else "slai-offset", outcome)
     return 0
 
 

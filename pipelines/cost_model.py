@@ -1,6 +1,6 @@
 """`adapt train cost-model --data STEPLOG`: calibrate the replay engine's step time on a real engine.
 
-The step log (CSV, JSONL or parquet with the columns of `predictors.cost_model.STEP_LOG_COLUMNS`)
+The step log (CSV, JSONL or parquet with the columns of `adapt.steplog.STEP_LOG_COLUMNS`)
 is split by time -- the first 80% of steps train, the last 20% test -- so the held-out error is an
 honest forecast. The candidate is logged and registered; with `--promote-if-better` it becomes the
 champion only if its held-out MAPE beats the champion's on the same steps by `margin`.
@@ -13,9 +13,10 @@ from pathlib import Path
 import pandas as pd
 
 from adapt.registry import Registry
+from adapt.steplog import STEP_LOG_COLUMNS
 from adapt.traces import TraceError
 from pipelines.slai import TrainOutcome
-from predictors.cost_model import STEP_LOG_COLUMNS, FittedCostModel
+from predictors.cost_model import FittedCostModel
 
 
 def load_step_log(path: str | Path) -> pd.DataFrame:

@@ -20,18 +20,9 @@ from typing import Any, Self
 import numpy as np
 
 from adapt.component import ComponentError, LearnedComponent, data_fingerprint
+from adapt.steplog import STEP_FIELDS
 
 FEATURES: tuple[str, ...] = ("intercept", "tokens", "sampled", "attn_units", "kv_read", "num_decodes")
-STEP_LOG_COLUMNS: tuple[str, ...] = (
-    "tokens",
-    "sampled",
-    "prefill_attn_units",
-    "prefill_kv_read",
-    "num_decodes",
-    "decode_ctx_sum",
-    "decode_ctx_max",
-    "duration_s",
-)
 
 
 def _design(columns: dict[str, Any]) -> np.ndarray:
@@ -64,7 +55,7 @@ class FittedCostModel(LearnedComponent):
         return {"kv_capacity": self.kv_capacity}
 
     def fit(self, data: dict[str, Any]) -> Self:
-        """`data`: step-log columns (see STEP_LOG_COLUMNS), e.g. a pandas DataFrame or dict."""
+        """`data`: step-log columns (`adapt.steplog.STEP_LOG_COLUMNS`), e.g. a DataFrame or dict."""
         from scipy.optimize import nnls
 
         X = _design(data)
@@ -100,7 +91,7 @@ class FittedCostModel(LearnedComponent):
 
     # -------------------------------------------------- replay-engine interface
     def time(self, batch) -> np.ndarray | float:
-        columns = {name: getattr(batch, name) for name in STEP_LOG_COLUMNS if hasattr(batch, name)}
+        columns = {name: getattr(batch, name) for name in STEP_FIELDS}
         out = self.predict(columns)
         return float(out[0]) if np.ndim(batch.tokens) == 0 else out
 

@@ -25,17 +25,8 @@ from typing import Any
 import numpy as np
 
 from adapt.policy import RequestState
+from adapt.steplog import STEP_FIELDS
 from experiments.replay.cost import StepBatch
-
-STEP_FIELDS: tuple[str, ...] = (
-    "tokens",
-    "sampled",
-    "prefill_attn_units",
-    "prefill_kv_read",
-    "num_decodes",
-    "decode_ctx_sum",
-    "decode_ctx_max",
-)
 
 
 def _on_time_limit(state: RequestState, index: int) -> float:
