@@ -134,18 +134,6 @@ class ReplayEngine:
         self.policy.on_arrival(state, self.now)
 
     # ----------------------------------------------------------------- one step
-    def view(self) -> EngineView:
-        return EngineView(
-            now=self.now,
-            waiting=list(self.waiting.values()),
-            running=self.running,
-            kv_usage=self.kv.usage,
-            token_budget=self.token_budget,
-            max_running=self.config.max_running,
-            mean_batch_time_s=self.mean_batch_time,
-            step_index=self.step_index,
-        )
-
     def step(self) -> None:
         """Run one scheduling step (or a run of identical decode steps), advancing `now`."""
         if not self.waiting and not self.running:
