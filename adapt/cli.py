@@ -166,7 +166,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     workload = {"slai": "slai-tiers", "ewsjf": "ewsjf-mixed"}[args.policy]
     if args.trace or args.workload not in (None, workload):
         raise UsageError(f"tune {args.policy}: only --workload {workload} is supported")
-    if args.policy == "ewsjf":
+    if args.policy == "ewsjf" and args.online:
+        from pipelines.ewsjf import online_tune_ewsjf
+
+        outcome = online_tune_ewsjf(
+            _registry(args), rate=args.rate or 12.0, num_requests=args.num_requests or 4000
+        )
+    elif args.policy == "ewsjf":
         from pipelines.ewsjf import tune_ewsjf
 
         outcome = tune_ewsjf(
@@ -250,6 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--num-requests", type=int)
     tune.add_argument(
         "--storage", help="Optuna storage URL (e.g. sqlite:///mlruns/optuna.db, postgresql://...)"
+    )
+    tune.add_argument(
+        "--online",
+        action="store_true",
+        help="ewsjf: tune the scoring weights online, one trial per window of finished requests",
     )
     tune.set_defaults(func=cmd_tune)
 

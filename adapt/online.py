@@ -1,11 +1,11 @@
 """Bayesian optimisation of policy parameters with Optuna's ask/tell interface.
 
-Ask/tell (rather than `study.optimize`) keeps the loop in our hands: the same code drives offline
-tuning on replay and online tuning against a live engine, where one "trial" is a window of real
-traffic that ends when enough requests have finished. Each trial can be logged as an MLflow run so
-`mlflow ui` shows the reward curve next to the resulting model versions. Storage defaults to
-in-memory; pass an RDB URL (e.g. `sqlite:///mlruns/optuna.db` or PostgreSQL) so several machines can
-work one study.
+Ask/tell (rather than `study.optimize`) keeps the loop in our hands: `tune` drives offline
+tuning (each trial a replay), `OnlineTuner` online tuning inside a running engine, where one trial
+is a window of live traffic that ends when enough requests have finished. Each trial can be logged
+as an MLflow run so `mlflow ui` shows the reward curve next to the resulting model versions.
+Storage defaults to in-memory; pass an RDB URL (e.g. `sqlite:///mlruns/optuna.db` or PostgreSQL)
+so several machines can work one study.
 """
 
 from __future__ import annotations
@@ -106,3 +106,72 @@ class _TrialLogger:
         finally:
             self.client.set_terminated(run.info.run_id)
         logging.getLogger("adapt.online").debug("logged trial %s", index)
+
+
+class OnlineTuner:
+    """Ask/tell over consecutive windows of live traffic inside a running engine.
+
+    Each trial applies a candidate (`apply(params)`), lets `window` requests finish under it, scores
+    them with `reward(finished) -> (reward, metrics)` and tells Optuna, then asks for the next
+    candidate. The first trials are the warm-start points (e.g. the current champion), so a server
+    starts from what it already trusts. `observe` is O(1) per finished request; Optuna is consulted
+    once per window. Works in any engine that calls the policy's `on_finish`: the replay engine in
+    tests and studies, the vLLM adapter in production.
+    """
+
+    def __init__(
+        self,
+        space: dict[str, tuple[float, float]],
+        apply: Callable[[dict[str, float]], None],
+        reward: Callable[[list[Any]], tuple[float, dict[str, Any]]],
+        *,
+        window: int = 200,
+        warm_start: Sequence[dict[str, float]] = (),
+        seed: int = 0,
+        name: str = "online",
+        storage: str | None = None,
+        mlflow_experiment: str | None = None,
+    ) -> None:
+        import optuna
+
+        if window < 1:
+            raise ValueError(f"window: must be >= 1, got {window}")
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.space, self.apply, self.reward, self.window = space, apply, reward, window
+        self.study = optuna.create_study(
+            study_name=name,
+            storage=storage,
+            sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=3),
+            direction="maximize",
+            load_if_exists=True,
+        )
+        for point in warm_start:
+            self.study.enqueue_trial({k: v for k, v in point.items() if k in space}, skip_if_exists=True)
+        self.logger = _TrialLogger(mlflow_experiment, name) if mlflow_experiment else None
+        self.history: list[tuple[dict[str, float], float, dict[str, Any]]] = []
+        self._finished: list[Any] = []
+        self._start_trial()
+
+    def _start_trial(self) -> None:
+        self._trial = self.study.ask()
+        self._params = {
+            key: self._trial.suggest_float(key, low, high) for key, (low, high) in self.space.items()
+        }
+        self.apply(self._params)
+
+    def observe(self, finished: Any) -> None:
+        """Record one finished request; closes the trial when the window is full."""
+        self._finished.append(finished)
+        if len(self._finished) < self.window:
+            return
+        value, metrics = self.reward(self._finished)
+        self._finished = []
+        self.study.tell(self._trial, value)
+        self.history.append((self._params, value, metrics))
+        if self.logger is not None:
+            self.logger.log(len(self.history) - 1, self._params, -value, {"reward": value, **metrics})
+        self._start_trial()
+
+    @property
+    def best_params(self) -> dict[str, float]:
+        return dict(self.study.best_params)

@@ -21,8 +21,8 @@ from pathlib import Path
 from adapt.online import tune
 from experiments.replay.cli import ReplaySetup, replay_policy
 from experiments.workloads import WORKLOADS
-from pipelines.ewsjf import THETA_SPACE, ewsjf_objective, history_lengths
-from predictors.ewsjf_meta import EwsjfMetaPolicy
+from pipelines.ewsjf import ewsjf_objective, history_lengths
+from predictors.ewsjf_meta import THETA_SPACE, EwsjfMetaPolicy
 from serving_hooks.policies.ewsjf import EWSJF
 
 RATES = (10, 20, 40, 60, 80, 100)

@@ -29,20 +29,9 @@ from experiments.replay.cost import roofline
 from experiments.replay.engine import ReplayEngine
 from experiments.workloads import WORKLOADS
 from pipelines.slai import TrainOutcome
-from predictors.ewsjf_meta import EwsjfMetaPolicy
+from predictors.ewsjf_meta import REWARD_WEIGHTS, THETA_SPACE, EwsjfMetaPolicy
 from serving_hooks.policies import make_policy
 from serving_hooks.policies.ewsjf import EWSJF
-
-REWARD_WEIGHTS = (1.0, 1.0, 1.0, 1.0)
-THETA_SPACE = {
-    "a_u": (-1e-3, 1e-3),
-    "b_u": (0.01, 10.0),
-    "a_f": (-1e-3, 1e-3),
-    "b_f": (0.0, 2.0),
-    "w_base": (0.0, 5.0),
-    "alpha": (1.5, 20.0),
-    "bubble_width": (16.0, 512.0),
-}
 
 
 @dataclass
@@ -206,3 +195,41 @@ def _log_reward_curve(registry: Registry, version: int, rewards: list[float]) ->
         run_id = registry.client.get_model_version("ewsjf-meta-policy", str(version)).run_id
         registry.client.log_artifact(run_id, str(path))
     plt.close(fig)
+
+
+def online_tune_ewsjf(
+    registry: Registry,
+    *,
+    rate: float = 12.0,
+    num_requests: int = 4000,
+    window: int = 200,
+    margin: float = 0.1,
+) -> TrainOutcome:
+    """Run the online meta-optimiser inside an engine serving `ewsjf-mixed` traffic (the replay
+    engine stands in for a live server until the vLLM hooks land), warm-started from the champion.
+    The best window's Theta is registered; it is promoted only if its reward beats the champion's
+    own window by `margin` (windows are noisy: one lucky window should not move the alias)."""
+    from serving_hooks.policies.ewsjf import OnlineEWSJF
+
+    spec = WORKLOADS["ewsjf-mixed"]
+    champion_version = registry.resolve("ewsjf-meta-policy", missing_ok=True)
+    champion = registry.load("ewsjf-meta-policy", version=champion_version) if champion_version else None
+    if champion is None:
+        champion = EwsjfMetaPolicy().fit(history_lengths())
+    policy = OnlineEWSJF(champion, window=window, mlflow_experiment="tune-ewsjf-online")
+    ReplayEngine(policy, roofline(spec.model, spec.gpu, tp=spec.tp)).run(spec.build(rate, num_requests, 0))
+    history = policy.tuner.history
+    if not history:
+        raise ValueError(f"online tuning: fewer than {window} requests finished; nothing to compare")
+    best_index = int(np.argmax([value for _, value, _ in history]))
+    best_params, best_reward, best_metrics = history[best_index]
+    candidate = EwsjfMetaPolicy(**{**champion.get_params(), **best_params})
+    candidate.queues_ = list(champion.queues_)
+    candidate.metadata["data_window"] = {"online_windows": len(history), "window": window, "rate": rate}
+    baseline = history[0][1]
+    metrics = {"reward": best_reward, "champion_window_reward": baseline, "windows": float(len(history))}
+    version = registry.log(candidate, metrics=metrics, params={"mode": "online", "window": window})
+    promoted = best_index != 0 and best_reward > baseline + margin * abs(baseline)
+    if promoted:
+        registry.promote("ewsjf-meta-policy", version)
+    return TrainOutcome(version, promoted, {**metrics, **best_metrics}, None)

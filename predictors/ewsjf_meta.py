@@ -28,6 +28,20 @@ import numpy as np
 from adapt.component import ComponentError, LearnedComponent, data_fingerprint
 
 EPS = 1e-6
+REWARD_WEIGHTS = (1.0, 1.0, 1.0, 1.0)  # lambda_1..4 of equation 5
+# Theta's search box for the offline meta-optimiser; the online one tunes the scoring subset.
+SCORING_SPACE: dict[str, tuple[float, float]] = {
+    "a_u": (-1e-3, 1e-3),
+    "b_u": (0.01, 10.0),
+    "a_f": (-1e-3, 1e-3),
+    "b_f": (0.0, 2.0),
+    "w_base": (0.0, 5.0),
+}
+THETA_SPACE: dict[str, tuple[float, float]] = {
+    **SCORING_SPACE,
+    "alpha": (1.5, 20.0),
+    "bubble_width": (16.0, 512.0),
+}
 
 
 @dataclass(frozen=True)

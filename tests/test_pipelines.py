@@ -107,3 +107,13 @@ def test_tune_ewsjf_registers_best_theta_and_policy_config(tmp_path, capsys):
     # Retraining the layout keeps the tuned Theta and is gated on the layout score.
     assert main(["--tracking-uri", uri, "train", "ewsjf-meta-policy", "--promote-if-better"]) == 0
     assert reg.load("ewsjf-meta-policy", version=2).b_u == meta.b_u
+
+
+def test_online_ewsjf_tuning_registers_a_candidate(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'o.db'}"
+    assert main(["--tracking-uri", uri, "tune", "ewsjf", "--online", "--num-requests", "1000"]) == 0
+    assert "ewsjf-meta-policy: registered version 1" in capsys.readouterr().out
+    reg = Registry(uri, cache_dir=tmp_path / "c")
+    version = reg.versions("ewsjf-meta-policy")[0]
+    assert version.metrics["windows"] == 5.0  # 1,000 finished requests / windows of 200
+    assert "champion_window_reward" in version.metrics
