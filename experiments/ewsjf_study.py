@@ -44,6 +44,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--out", default="reports/ewsjf")
+    parser.add_argument(
+        "--decode-attention",
+        choices=("sum", "max"),
+        default="sum",
+        help="max: uneven batches are paced by their longest context (where EWSJF's throughput gain shows)",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -78,7 +84,10 @@ def main() -> None:
         setup = ReplaySetup(spec.build(float(rate), args.requests, 0), {}, spec.model, spec.gpu, spec.tp)
         for name, factory in variants.items():
             metrics = replay_policy(
-                setup, name if factory is None else "fcfs", policy_factory=factory
+                setup,
+                name if factory is None else "fcfs",
+                policy_factory=factory,
+                decode_attention=args.decode_attention,
             ).metrics()
             table.setdefault(name, {})[rate] = row(metrics)
         print(f"  rate {rate} done", file=sys.stderr)
@@ -108,7 +117,9 @@ def main() -> None:
         ("refine-and-prune", EwsjfMetaPolicy(**tuned.get_params())),
     ]:
         meta.fit(lengths)
-        metrics = replay_policy(setup, "fcfs", policy_factory=lambda m=meta: EWSJF(m)).metrics()
+        metrics = replay_policy(
+            setup, "fcfs", policy_factory=lambda m=meta: EWSJF(m), decode_attention=args.decode_attention
+        ).metrics()
         study[label] = {"queues": len(meta.queues_), **row(metrics)}
         s = study[label]
         print(
