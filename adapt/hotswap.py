@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from adapt.component import ComponentError, LearnedComponent
@@ -38,7 +38,6 @@ class _Serving:
 
     component: LearnedComponent | None = None
     version: int | None = None
-    loaded_at_s: float = field(default_factory=time.time)
 
 
 class Slot:

@@ -158,7 +158,7 @@ FOREVER = Horizon()
 
 
 class Policy:
-    """Base class: FCFS-free defaults (admit nothing) so that a subclass states its order.
+    """Base class. It admits nothing by default, so every subclass states its own order.
 
     Class attributes tell the engine about mechanics the policy relies on:
     `prefill_first` -- vLLM V0 style: a step with admissible prefills runs only prefills;
