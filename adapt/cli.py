@@ -197,6 +197,36 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_retrain(args: argparse.Namespace) -> int:
+    from pipelines.retrain import (
+        EXIT_FAILED,
+        EXIT_LOCKED,
+        EXIT_OK,
+        RetrainLocked,
+        format_result,
+        retrain_on_schedule,
+        retrain_once,
+    )
+
+    registry = _registry(args)
+    if args.schedule:
+        try:
+            retrain_on_schedule(registry, args.data_dir, args.schedule, margin=args.margin)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+        return EXIT_OK
+    try:
+        results = retrain_once(registry, args.data_dir, margin=args.margin)
+    except RetrainLocked as exc:
+        print(f"adapt: {exc}", file=sys.stderr)
+        return EXIT_LOCKED
+    except FileNotFoundError as exc:
+        raise UsageError(str(exc)) from exc
+    for result in results:
+        print(format_result(result))
+    return EXIT_FAILED if any(r.status == "failed" for r in results) else EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adapt", description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -263,6 +293,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="ewsjf: tune the scoring weights online, one trial per window of finished requests",
     )
     tune.set_defaults(func=cmd_tune)
+
+    retrain = sub.add_parser("retrain", help="refit components whose data moved; gate; promote")
+    when = retrain.add_mutually_exclusive_group(required=True)
+    when.add_argument(
+        "--once", action="store_true", help="one pass (exit 0 ok, 1 a component failed, 75 locked)"
+    )
+    when.add_argument("--schedule", metavar="CRON", help='in-process scheduler, e.g. "0 * * * *"')
+    retrain.add_argument(
+        "--data-dir", default="mlruns/data", help="steps*.csv|jsonl|parquet and requests*.jsonl"
+    )
+    retrain.add_argument("--margin", type=float, default=0.0)
+    retrain.set_defaults(func=cmd_retrain)
 
     quick = sub.add_parser("quickstart", help="end to end on the bundled data")
     quick.add_argument("--fast", action="store_true", help="smaller workloads (under 3 minutes)")

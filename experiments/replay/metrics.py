@@ -16,15 +16,18 @@ one array of step times with the number of requests that decoded in it as the we
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from adapt.policy import RequestState
+from adapt.requests import CompletedRequest
 from adapt.steplog import STEP_FIELDS
 from experiments.replay.cost import StepBatch
 
@@ -100,6 +103,25 @@ class ReplayResult:
             kv_timeline=results[0].kv_timeline,
             preemptions=sum(r.preemptions for r in results),
         )
+
+    def write_request_log(self, path: str | Path) -> Path:
+        """The run as a request log (JSONL of `CompletedRequest`), the format the pipelines read."""
+        path = Path(path)
+        with open(path, "w") as handle:
+            for r in self.records:
+                record = CompletedRequest(
+                    request_id=r.request_id,
+                    arrival_s=r.arrival_s,
+                    prompt_tokens=r.prompt_tokens,
+                    output_tokens=r.output_tokens if r.dropped is None else 0,
+                    first_token_s=r.first_token_s,
+                    finish_s=r.finish_s,
+                    outcome="dropped" if r.dropped is not None else "finished",
+                    label=r.label,
+                    preemptions=r.preemptions,
+                )
+                handle.write(json.dumps(record.to_dict()) + "\n")
+        return path
 
     def makespan_s(self) -> float:
         if not self.records:

@@ -1,0 +1,175 @@
+"""`adapt retrain`: refit every component whose training data moved, gate, promote.
+
+Made for cron, systemd timers and Kubernetes CronJobs:
+- one run at a time per store: an exclusive, non-blocking lock file beside the data; a second
+  concurrent run exits at once with EXIT_LOCKED;
+- idempotent: a candidate whose training-data hash equals the latest registered version's is not
+  registered again, so re-running on unchanged data changes nothing;
+- a failure in one component is reported and leaves its champion untouched; the others still run.
+
+Data comes from a directory the serving side fills (the vLLM monitor's logs, or files you drop in):
+`steps*.csv|jsonl|parquet` step logs for `cost-model`, `requests*.jsonl` request logs for
+`ewsjf-meta-policy` (its queue layout is refit on the logged prompt lengths, keeping Theta).
+Components tuned on replay (`slai-offset`, EWSJF's Theta) are retrained by `adapt tune`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from adapt.registry import Registry, RegistryError
+from adapt.traces import load_trace
+from pipelines.cost_model import load_step_log
+from pipelines.ewsjf import layout_score
+from predictors.cost_model import FittedCostModel
+from predictors.ewsjf_meta import EwsjfMetaPolicy
+
+EXIT_OK, EXIT_FAILED, EXIT_LOCKED = 0, 1, 75  # 75 = EX_TEMPFAIL: try again later
+
+
+class RetrainLocked(RuntimeError):
+    """Another retrain run holds the lock."""
+
+
+@dataclass
+class RetrainResult:
+    component: str
+    status: str  # registered | unchanged | no data | failed
+    version: int | None = None
+    promoted: bool = False
+    detail: str = ""
+
+
+def _latest_data_hash(registry: Registry, name: str) -> str | None:
+    try:
+        versions = registry.versions(name)
+    except RegistryError:  # nothing registered yet
+        return None
+    return versions[-1].tags.get("adapt.data_hash") if versions else None
+
+
+def _files(data_dir: Path, patterns: tuple[str, ...]) -> list[Path]:
+    return sorted({p for pattern in patterns for p in data_dir.glob(pattern) if p.is_file()})
+
+
+def retrain_cost_model(registry: Registry, data_dir: Path, margin: float) -> RetrainResult:
+    files = _files(data_dir, ("steps*.csv", "steps*.jsonl", "steps*.parquet"))
+    if not files:
+        return RetrainResult("cost-model", "no data", detail=f"no steps*.csv|jsonl|parquet in {data_dir}")
+    frame = pd.concat([load_step_log(f) for f in files], ignore_index=True)
+    if "start_s" in frame.columns:
+        frame = frame.sort_values("start_s", kind="stable").reset_index(drop=True)
+    cut = int(len(frame) * 0.8)
+    train, test = frame.iloc[:cut], frame.iloc[cut:]
+    champion_version = registry.resolve("cost-model", missing_ok=True)
+    champion = registry.load("cost-model", version=champion_version) if champion_version else None
+    candidate = FittedCostModel(kv_capacity=champion.kv_capacity if champion else 50_000).fit(train)
+    if candidate.metadata["data_hash"] == _latest_data_hash(registry, "cost-model"):
+        return RetrainResult("cost-model", "unchanged", detail="step logs unchanged since the last version")
+    candidate.metadata["data_window"] = {
+        "files": [f.name for f in files],
+        "train_steps": cut,
+        "test_steps": len(test),
+    }
+    metrics = candidate.evaluate(test)
+    version = registry.log(candidate, metrics=metrics)
+    better = champion is None or metrics["mape"] < champion.evaluate(test)["mape"] * (1 - margin)
+    if better:
+        registry.promote("cost-model", version)
+    return RetrainResult("cost-model", "registered", version, better, f"held-out MAPE {metrics['mape']:.4f}")
+
+
+def retrain_ewsjf_layout(registry: Registry, data_dir: Path, margin: float) -> RetrainResult:
+    files = _files(data_dir, ("requests*.jsonl",))
+    if not files:
+        return RetrainResult("ewsjf-meta-policy", "no data", detail=f"no requests*.jsonl in {data_dir}")
+    lengths = np.concatenate([load_trace(f, "requestlog").prompt_tokens for f in files]).astype(np.float64)
+    champion_version = registry.resolve("ewsjf-meta-policy", missing_ok=True)
+    champion = registry.load("ewsjf-meta-policy", version=champion_version) if champion_version else None
+    candidate = EwsjfMetaPolicy(**(champion.get_params() if champion else {})).fit(lengths)
+    if candidate.metadata["data_hash"] == _latest_data_hash(registry, "ewsjf-meta-policy"):
+        return RetrainResult(
+            "ewsjf-meta-policy", "unchanged", detail="request logs unchanged since the last version"
+        )
+    metrics = candidate.evaluate(lengths)
+    metrics["layout_score"] = layout_score(metrics)
+    version = registry.log(candidate, metrics=metrics)
+    old = None
+    if champion is not None:
+        old = layout_score(champion.evaluate(lengths))
+    better = old is None or metrics["layout_score"] > old + margin * abs(old)
+    if better:
+        registry.promote("ewsjf-meta-policy", version)
+    return RetrainResult(
+        "ewsjf-meta-policy",
+        "registered",
+        version,
+        better,
+        f"{len(candidate.queues_)} queues, score {metrics['layout_score']:.3f}",
+    )
+
+
+RETRAINERS: dict[str, Callable[[Registry, Path, float], RetrainResult]] = {
+    "cost-model": retrain_cost_model,
+    "ewsjf-meta-policy": retrain_ewsjf_layout,
+}
+
+
+def retrain_once(
+    registry: Registry, data_dir: str | Path, *, margin: float = 0.0, lock_path: Path | None = None
+) -> list[RetrainResult]:
+    """One pass over every retrainable component, under an exclusive lock."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"{data_dir}: no such data directory")
+    lock_path = lock_path or data_dir / ".retrain.lock"
+    with open(lock_path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RetrainLocked(f"{lock_path}: another retrain is running") from None
+        results = []
+        for name, retrain in RETRAINERS.items():
+            print(f"retrain: {name} ...", file=sys.stderr)
+            try:
+                results.append(retrain(registry, data_dir, margin))
+            except Exception as exc:  # one component's failure must not stop the others
+                results.append(RetrainResult(name, "failed", detail=f"{type(exc).__name__}: {exc}"))
+        return results
+
+
+def retrain_on_schedule(
+    registry: Registry, data_dir: str | Path, cron: str, *, margin: float = 0.0, max_runs: int | None = None
+) -> None:
+    """Run `retrain_once` at every fire time of a 5-field cron expression, in this process."""
+    from datetime import datetime
+
+    from croniter import croniter
+
+    if not croniter.is_valid(cron):
+        raise ValueError(f"--schedule: invalid cron expression {cron!r}")
+    schedule = croniter(cron, datetime.now())
+    runs = 0
+    while max_runs is None or runs < max_runs:
+        fire = schedule.get_next(float)
+        time.sleep(max(0.0, fire - time.time()))
+        try:
+            for result in retrain_once(registry, data_dir, margin=margin):
+                print(format_result(result))
+        except RetrainLocked as exc:
+            print(f"retrain: skipped: {exc}", file=sys.stderr)
+        runs += 1
+
+
+def format_result(result: RetrainResult) -> str:
+    version = f" v{result.version}" if result.version is not None else ""
+    promoted = " (promoted)" if result.promoted else ""
+    return f"{result.component:<20} {result.status}{version}{promoted}  {result.detail}"
