@@ -227,6 +227,17 @@ def cmd_retrain(args: argparse.Namespace) -> int:
     return EXIT_FAILED if any(r.status == "failed" for r in results) else EXIT_OK
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from experiments.compare import METRICS, run_compare
+
+    if args.metric not in METRICS:
+        raise UsageError(f"--metric: expected one of {', '.join(METRICS)}, got {args.metric!r}")
+    try:
+        return run_compare(args.experiment, args.metric, args.out, args.json, log=not args.no_mlflow)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adapt", description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -305,6 +316,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     retrain.add_argument("--margin", type=float, default=0.0)
     retrain.set_defaults(func=cmd_retrain)
+
+    compare = sub.add_parser("compare", help="replay runs side by side (policies x workloads), plots vs load")
+    compare.add_argument(
+        "--experiment", default="quickstart", help="MLflow experiment (replay's default: replay)"
+    )
+    compare.add_argument("--metric", default="ttlt_mean")
+    compare.add_argument("--out", default="reports/compare")
+    compare.add_argument("--json", metavar="OUT")
+    compare.add_argument("--no-mlflow", action="store_true", help="do not log the comparison as a run")
+    compare.set_defaults(func=cmd_compare)
 
     quick = sub.add_parser("quickstart", help="end to end on the bundled data")
     quick.add_argument("--fast", action="store_true", help="smaller workloads (under 3 minutes)")

@@ -200,6 +200,7 @@ def run_quickstart(*, fast: bool = False, out_dir: str = "reports/quickstart", m
 
         print(f"runs:   MLflow experiment 'quickstart' in {tracking.tracking_uri()}")
         print(f"        browse: .venv/bin/mlflow ui --backend-store-uri {tracking.tracking_uri()}")
+        print("        table:  .venv/bin/adapt compare --experiment quickstart --metric ttlt_mean")
     print(f"done in {time.perf_counter() - started:.0f} s")
     return 0
 

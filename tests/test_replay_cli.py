@@ -108,3 +108,49 @@ def test_replay_logs_one_mlflow_run_per_policy(tmp_path):
     runs = client.search_runs([experiment.experiment_id])
     assert sorted(r.data.params["policy"] for r in runs) == ["fcfs", "spf"]
     assert all("short.ttft_mean" in r.data.metrics for r in runs)
+
+
+@pytest.mark.slow
+def test_compare_lines_up_runs_and_plots_goodput_versus_load(tmp_path, capsys):
+    for rate in ("1.0", "2.0"):
+        args = [
+            "replay",
+            "--workload",
+            "slai-tiers",
+            "--policies",
+            "fcfs,sarathi",
+            "--num-requests",
+            "40",
+            "--rate",
+            rate,
+            "--quiet",
+            "--experiment",
+            "cmp",
+        ]
+        assert main(args) == 0
+    capsys.readouterr()
+    out = tmp_path / "cmp"
+    assert (
+        main(
+            [
+                "compare",
+                "--experiment",
+                "cmp",
+                "--metric",
+                "ttft_mean",
+                "--out",
+                str(out),
+                "--json",
+                str(tmp_path / "c.json"),
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    header = text.splitlines()[1]
+    assert "slai-tiers@1.0" in header and "slai-tiers@2.0" in header
+    assert any(line.startswith("sarathi") for line in text.splitlines())
+    assert (out / "slai-tiers_vs_load.png").is_file()
+    rows = json.loads((tmp_path / "c.json").read_text())
+    assert len(rows) == 4
+    assert main(["compare", "--experiment", "nope"]) == 2
