@@ -238,6 +238,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
 
 
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from serving_hooks.tiny_model import make_tiny_model
+
+    print(f"tiny model written to {make_tiny_model(args.dir)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adapt", description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -326,6 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--json", metavar="OUT")
     compare.add_argument("--no-mlflow", action="store_true", help="do not log the comparison as a run")
     compare.set_defaults(func=cmd_compare)
+
+    tiny = sub.add_parser("tiny-model", help="a tiny random Llama + tokenizer for trying vLLM on a CPU")
+    tiny.add_argument("dir")
+    tiny.set_defaults(func=cmd_tiny_model)
 
     quick = sub.add_parser("quickstart", help="end to end on the bundled data")
     quick.add_argument("--fast", action="store_true", help="smaller workloads (under 3 minutes)")

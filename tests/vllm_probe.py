@@ -1,0 +1,65 @@
+"""Run a real vLLM engine (tiny model) under an adapt policy; print the order requests finished in.
+
+    python tests/vllm_probe.py MODEL_DIR POLICY_SPEC
+
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so a test-only policy
+registered below is visible to the scheduler. Output: one JSON line {"order": [...], "errors": N}.
+"""
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+class ExplodingPolicy:
+    """Raises on every step: the adapter must fall back to FCFS and keep serving."""
+
+    name = "explode"
+    prefill_first = False
+    token_budget = None
+    needs_oracle = False
+
+    def on_arrival(self, request, now):
+        pass
+
+    on_admit = on_preempt = on_finish = on_arrival
+
+    def on_step(self, view):
+        raise RuntimeError("policy bug")
+
+
+def main(model: str, spec: str) -> None:
+    from serving_hooks import policies
+
+    policies.POLICIES["explode"] = ExplodingPolicy
+    os.environ["ADAPT_POLICY"] = spec
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=model,
+        max_model_len=1024,
+        max_num_seqs=1,
+        enforce_eager=True,
+        dtype="float32",
+        gpu_memory_utilization=0.3,
+        scheduler_cls="serving_hooks.vllm_adapter.PolicyScheduler",
+        async_scheduling=True,
+    )
+    engine = llm.llm_engine
+    short = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine.add_request("blocker", "the request", SamplingParams(max_tokens=64, ignore_eos=True))
+    engine.add_request("long", "the request queue " * 60, short)
+    engine.add_request("short", "the request", short)
+    order, deadline = [], time.time() + 120
+    while engine.has_unfinished_requests() and time.time() < deadline:
+        order.extend(out.request_id for out in engine.step() if out.finished)
+    scheduler = engine.engine_core.engine_core.scheduler
+    print(json.dumps({"order": order, "errors": scheduler.policy_errors}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
