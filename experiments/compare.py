@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt import tracking
+from experiments.plots import figure, save
 
 METRICS = ("ttft_mean", "ttlt_mean", "tbt_p99", "throughput_tps", "goodput_tokens", "slo_attainment")
 
@@ -65,11 +66,6 @@ def _as_float(text: str) -> float:
 
 def plot_versus_load(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     """Goodput and mean TTLT versus arrival rate, one figure per workload with >= 2 rates."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     by_workload: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         by_workload[row["workload"]].append(row)
@@ -78,7 +74,7 @@ def plot_versus_load(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         rates = {_as_float(r["rate"]) for r in items}
         if len(rates) < 2 or float("inf") in rates:
             continue
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        fig, axes = figure(2, (11, 4))
         for policy in sorted({r["policy"] for r in items}):
             points = sorted((_as_float(r["rate"]), r["metrics"]) for r in items if r["policy"] == policy)
             xs = [x for x, _ in points]
@@ -91,12 +87,9 @@ def plot_versus_load(rows: list[dict[str, Any]], out: Path) -> list[Path]:
             ax.set_xlabel("arrival rate (req/s)")
             ax.grid(alpha=0.3)
         axes[1].legend(fontsize=7)
-        fig.suptitle(f"{workload}: goodput and latency versus load")
-        fig.tight_layout()
-        path = out / f"{workload}_vs_load.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(
+            save(fig, out / f"{workload}_vs_load.png", f"{workload}: goodput and latency versus load")
+        )
     return paths
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt.policy import Policy
+from experiments.plots import figure, save
 from experiments.replay.cli import ReplaySetup, log_to_mlflow, replay_policy
 from experiments.replay.cost import roofline
 from experiments.replay.engine import EngineConfig, ReplayEngine
@@ -57,13 +58,9 @@ SIZES: dict[str, dict[bool, tuple[float, int]]] = {
 
 
 def _cdf_plot(results: dict[str, ReplayResult], workload: str, out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = figure(2, (11, 4))
     for name, result in results.items():
         done = [r for r in result.records if r.finish_s is not None]
         for ax, values in (
@@ -78,12 +75,7 @@ def _cdf_plot(results: dict[str, ReplayResult], workload: str, out: Path) -> Pat
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
-    fig.suptitle(f"{workload}: latency CDFs")
-    fig.tight_layout()
-    path = out / f"{workload}_cdf.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out / f"{workload}_cdf.png", f"{workload}: latency CDFs")
 
 
 def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt.policy import Policy
+from experiments.plots import figure, save
 from experiments.replay.cli import ReplaySetup
 from experiments.replay.cost import roofline
 from experiments.replay.engine import ReplayEngine
@@ -109,13 +110,8 @@ def policies(tuned: SlaiOffset) -> dict[str, Callable[[], Policy]]:
 
 
 def kv_plot(rate: float, num_requests: int, tuned: SlaiOffset, out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     setup = make_setup(rate, num_requests)
-    fig, ax = plt.subplots(figsize=(9, 3.5))
+    fig, ax = figure()
     for label, policy in (
         ("fixed offset 5", SLAI(offset=5.0)),
         ("fixed offset 10", SLAI(offset=10.0)),
@@ -125,13 +121,12 @@ def kv_plot(rate: float, num_requests: int, tuned: SlaiOffset, out: Path) -> Pat
         ax.plot(times, usage * 100, label=label, linewidth=0.8)
     ax.set_xlabel("time (s)")
     ax.set_ylabel("KV-cache usage (%)")
-    ax.set_title(f"slai-tiers at {rate} req/s: KV usage under SLAI offsets (cf. paper Fig. 8)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "slai_kv_usage.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(
+        fig,
+        out / "slai_kv_usage.png",
+        f"slai-tiers at {rate} req/s: KV usage under SLAI offsets (cf. paper Fig. 8)",
+    )
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ import numpy as np
 
 from adapt.component import PolicyConfig
 from adapt.registry import Registry
+from experiments.plots import figure, save
 from experiments.replay.cost import roofline
 from experiments.replay.engine import ReplayEngine
 from experiments.workloads import WORKLOADS
@@ -177,24 +178,16 @@ def tune_ewsjf(
 
 
 def _log_reward_curve(registry: Registry, version: int, rewards: list[float]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = figure(1, (6, 3.5))
     ax.plot(range(1, len(rewards) + 1), rewards, "o-", label="trial reward")
     ax.plot(range(1, len(rewards) + 1), np.maximum.accumulate(rewards), "-", label="best so far")
     ax.set_xlabel("trial")
     ax.set_ylabel("reward R (equation 5)")
     ax.legend()
-    fig.tight_layout()
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "reward_curve.png"
-        fig.savefig(path, dpi=100)
+        path = save(fig, Path(tmp) / "reward_curve.png")
         run_id = registry.client.get_model_version("ewsjf-meta-policy", str(version)).run_id
         registry.client.log_artifact(run_id, str(path))
-    plt.close(fig)
 
 
 def online_tune_ewsjf(
