@@ -199,6 +199,11 @@ class Registry:
                 return None
             raise RegistryError(f"{name}@{alias}: {exc.message}") from exc
 
+    def champion(self, name: str) -> LearnedComponent | None:
+        """The serving champion, loaded and verified; None when no version has been promoted."""
+        version = self.resolve(name, CHAMPION, missing_ok=True)
+        return None if version is None else self.load(name, version=version)
+
     def download(self, name: str, version: int) -> tuple[Path, str]:
         """Local directory of a version's component files (cached), and its recorded manifest digest."""
         import mlflow

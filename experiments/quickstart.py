@@ -131,8 +131,8 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
         file=sys.stderr,
     )
     factories: dict[str, Callable[[], Policy]] = {}
-    if registry.resolve("slai-offset", missing_ok=True) is not None:
-        offset = registry.load("slai-offset")
+    offset = registry.champion("slai-offset")
+    if offset is not None:
         factories["slai"] = lambda: SLAI(offset=offset)
     else:
         print("  no feasible slai-offset champion yet: slai runs the paper's rule", file=sys.stderr)

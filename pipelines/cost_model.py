@@ -15,7 +15,7 @@ import pandas as pd
 from adapt.registry import Registry
 from adapt.steplog import STEP_LOG_COLUMNS
 from adapt.traces import TraceError
-from pipelines.slai import TrainOutcome
+from pipelines.outcome import TrainOutcome, beats, latest_data_hash
 from predictors.cost_model import FittedCostModel
 
 
@@ -44,27 +44,36 @@ def load_step_log(path: str | Path) -> pd.DataFrame:
 
 def train_cost_model(
     registry: Registry,
-    data: str | Path,
+    data: str | Path | pd.DataFrame,
     *,
-    kv_capacity: int = 50_000,
+    kv_capacity: int | None = None,
     promote_if_better: bool = False,
     margin: float = 0.0,
+    skip_unchanged: bool = False,
 ) -> TrainOutcome:
-    frame = load_step_log(data)
+    """Fit on the first 80% of the steps, evaluate on the rest, register, gate on held-out MAPE.
+    `kv_capacity` defaults to the champion's (the engine did not change size), else 50,000.
+    With `skip_unchanged`, nothing is registered when the data equals the latest version's."""
+    frame = data if isinstance(data, pd.DataFrame) else load_step_log(data)
     cut = int(len(frame) * 0.8)
     train, test = frame.iloc[:cut], frame.iloc[cut:]
+    champion = registry.champion("cost-model")
+    if kv_capacity is None:
+        kv_capacity = champion.kv_capacity if champion is not None else 50_000
     candidate = FittedCostModel(kv_capacity=kv_capacity).fit(train)
-    candidate.metadata["data_window"] = {"file": str(data), "train_steps": cut, "test_steps": len(test)}
+    if skip_unchanged and candidate.metadata["data_hash"] == latest_data_hash(registry, "cost-model"):
+        return TrainOutcome(None, False, {}, None)
+    source = "dataframe" if isinstance(data, pd.DataFrame) else str(data)
+    candidate.metadata["data_window"] = {"source": source, "train_steps": cut, "test_steps": len(test)}
     metrics = candidate.evaluate(test)
     version = registry.log(candidate, metrics=metrics)
-    champion_version = registry.resolve("cost-model", missing_ok=True)
-    champion_metrics = None
-    if champion_version is not None:
-        champion_metrics = registry.load("cost-model", version=champion_version).evaluate(test)
-    promoted = False
-    if promote_if_better and (
-        champion_metrics is None or metrics["mape"] < champion_metrics["mape"] * (1 - margin)
-    ):
+    champion_metrics = champion.evaluate(test) if champion is not None else None
+    promoted = promote_if_better and beats(
+        metrics["mape"],
+        None if champion_metrics is None else champion_metrics["mape"],
+        lower_is_better=True,
+        margin=margin,
+    )
+    if promoted:
         registry.promote("cost-model", version)
-        promoted = True
     return TrainOutcome(version, promoted, metrics, champion_metrics)

@@ -29,8 +29,8 @@ from experiments.plots import figure, save
 from experiments.replay.cost import roofline
 from experiments.replay.engine import ReplayEngine
 from experiments.workloads import WORKLOADS
-from pipelines.slai import TrainOutcome
-from predictors.ewsjf_meta import REWARD_WEIGHTS, THETA_SPACE, EwsjfMetaPolicy
+from pipelines.outcome import TrainOutcome, beats, latest_data_hash
+from predictors.ewsjf_meta import REWARD_WEIGHTS, THETA_SPACE, EwsjfMetaPolicy, equation5
 from serving_hooks.policies import make_policy
 from serving_hooks.policies.ewsjf import EWSJF
 
@@ -62,14 +62,7 @@ def replay_ewsjf(
         baseline_ttft = ReplayEngine(make_policy("fcfs"), cost).run(requests).metrics()["ttft_mean"]
     terms = policy.layout_report()
     terms["latency"] = metrics["ttft_mean"] / baseline_ttft
-    l1, l2, l3, l4 = weights
-    reward = (
-        l1 * terms["compactness"]
-        + l2 * terms["balance"]
-        - l3 * terms["proliferation"]
-        - l4 * terms["latency"]
-    )
-    return EwsjfTrial(reward, terms, metrics)
+    return EwsjfTrial(equation5(terms, weights), terms, metrics)
 
 
 def ewsjf_objective(requests, lengths: np.ndarray):
@@ -93,33 +86,39 @@ def ewsjf_objective(requests, lengths: np.ndarray):
 
 
 def train_ewsjf_meta(
-    registry: Registry, *, history: int = 4000, promote_if_better: bool = False
+    registry: Registry,
+    *,
+    lengths: np.ndarray | None = None,
+    history: int = 4000,
+    promote_if_better: bool = False,
+    margin: float = 0.0,
+    skip_unchanged: bool = False,
 ) -> TrainOutcome:
-    """Refit the layout on a fresh history window with the champion's Theta (or the defaults)."""
-    champion_version = registry.resolve("ewsjf-meta-policy", missing_ok=True)
-    champion = registry.load("ewsjf-meta-policy", version=champion_version) if champion_version else None
-    lengths = history_lengths(history)
+    """Refit the layout on a window of prompt lengths (default: a fresh ewsjf-mixed history) with
+    the champion's Theta (or the defaults); gate on equation 5 without its latency term, scored on
+    the same window for candidate and champion. With `skip_unchanged`, nothing is registered when
+    the lengths equal the latest version's."""
+    champion = registry.champion("ewsjf-meta-policy")
+    lengths = history_lengths(history) if lengths is None else lengths
     candidate = EwsjfMetaPolicy(**(champion.get_params() if champion else {})).fit(lengths)
+    if skip_unchanged and candidate.metadata["data_hash"] == latest_data_hash(registry, "ewsjf-meta-policy"):
+        return TrainOutcome(None, False, {}, None)
     metrics = candidate.evaluate(lengths)
-    metrics["layout_score"] = layout_score(metrics)
+    metrics["layout_score"] = equation5(metrics)
     version = registry.log(candidate, metrics=metrics)
     champion_metrics = None
     if champion is not None:
         champion_metrics = champion.evaluate(lengths)
-        champion_metrics["layout_score"] = layout_score(champion_metrics)
-    promoted = False
-    if promote_if_better and (
-        champion_metrics is None or metrics["layout_score"] >= champion_metrics["layout_score"]
-    ):
+        champion_metrics["layout_score"] = equation5(champion_metrics)
+    promoted = promote_if_better and beats(
+        metrics["layout_score"],
+        None if champion_metrics is None else champion_metrics["layout_score"],
+        lower_is_better=False,
+        margin=margin,
+    )
+    if promoted:
         registry.promote("ewsjf-meta-policy", version)
-        promoted = True
     return TrainOutcome(version, promoted, metrics, champion_metrics)
-
-
-def layout_score(terms: dict[str, float], weights=REWARD_WEIGHTS) -> float:
-    """Equation 5 without the latency term: what a layout alone is judged by on held-out lengths."""
-    l1, l2, l3, _ = weights
-    return l1 * terms["compactness"] + l2 * terms["balance"] - l3 * terms["proliferation"]
 
 
 def tune_ewsjf(
@@ -137,12 +136,8 @@ def tune_ewsjf(
     lengths = history_lengths()
     objective = ewsjf_objective(WORKLOADS["ewsjf-mixed"].build(rate, num_requests, seed), lengths)
 
-    champion_version = registry.resolve("ewsjf-meta-policy", missing_ok=True)
-    warm = (
-        [registry.load("ewsjf-meta-policy", version=champion_version).get_params()]
-        if champion_version
-        else []
-    )
+    champion = registry.champion("ewsjf-meta-policy")
+    warm = [champion.get_params()] if champion is not None else []
     warm.append(EwsjfMetaPolicy().get_params())
     print(
         f"tuning EWSJF Theta on ewsjf-mixed at {rate} req/s, {num_requests} requests, {trials} trials",
@@ -205,10 +200,7 @@ def online_tune_ewsjf(
     from serving_hooks.policies.ewsjf import OnlineEWSJF
 
     spec = WORKLOADS["ewsjf-mixed"]
-    champion_version = registry.resolve("ewsjf-meta-policy", missing_ok=True)
-    champion = registry.load("ewsjf-meta-policy", version=champion_version) if champion_version else None
-    if champion is None:
-        champion = EwsjfMetaPolicy().fit(history_lengths())
+    champion = registry.champion("ewsjf-meta-policy") or EwsjfMetaPolicy().fit(history_lengths())
     policy = OnlineEWSJF(champion, window=window, mlflow_experiment="tune-ewsjf-online")
     ReplayEngine(policy, roofline(spec.model, spec.gpu, tp=spec.tp)).run(spec.build(rate, num_requests, 0))
     history = policy.tuner.history
@@ -222,7 +214,7 @@ def online_tune_ewsjf(
     baseline = history[0][1]
     metrics = {"reward": best_reward, "champion_window_reward": baseline, "windows": float(len(history))}
     version = registry.log(candidate, metrics=metrics, params={"mode": "online", "window": window})
-    promoted = best_index != 0 and best_reward > baseline + margin * abs(baseline)
+    promoted = best_index != 0 and beats(best_reward, baseline, lower_is_better=False, margin=margin)
     if promoted:
         registry.promote("ewsjf-meta-policy", version)
     return TrainOutcome(version, promoted, {**metrics, **best_metrics}, None)

@@ -25,12 +25,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from adapt.registry import Registry, RegistryError
+from adapt.registry import Registry
 from adapt.traces import load_trace
-from pipelines.cost_model import load_step_log
-from pipelines.ewsjf import layout_score
-from predictors.cost_model import FittedCostModel
-from predictors.ewsjf_meta import EwsjfMetaPolicy
+from pipelines.cost_model import load_step_log, train_cost_model
+from pipelines.ewsjf import train_ewsjf_meta
+from pipelines.outcome import TrainOutcome
 
 EXIT_OK, EXIT_FAILED, EXIT_LOCKED = 0, 1, 75  # 75 = EX_TEMPFAIL: try again later
 
@@ -48,16 +47,14 @@ class RetrainResult:
     detail: str = ""
 
 
-def _latest_data_hash(registry: Registry, name: str) -> str | None:
-    try:
-        versions = registry.versions(name)
-    except RegistryError:  # nothing registered yet
-        return None
-    return versions[-1].tags.get("adapt.data_hash") if versions else None
-
-
 def _files(data_dir: Path, patterns: tuple[str, ...]) -> list[Path]:
     return sorted({p for pattern in patterns for p in data_dir.glob(pattern) if p.is_file()})
+
+
+def _result(name: str, outcome: TrainOutcome, detail: str) -> RetrainResult:
+    if outcome.version is None:
+        return RetrainResult(name, "unchanged", detail="training data unchanged since the last version")
+    return RetrainResult(name, "registered", outcome.version, outcome.promoted, detail)
 
 
 def retrain_cost_model(registry: Registry, data_dir: Path, margin: float) -> RetrainResult:
@@ -65,26 +62,10 @@ def retrain_cost_model(registry: Registry, data_dir: Path, margin: float) -> Ret
     if not files:
         return RetrainResult("cost-model", "no data", detail=f"no steps*.csv|jsonl|parquet in {data_dir}")
     frame = pd.concat([load_step_log(f) for f in files], ignore_index=True)
-    if "start_s" in frame.columns:
+    if "start_s" in frame.columns:  # each file is sorted; together they need sorting again
         frame = frame.sort_values("start_s", kind="stable").reset_index(drop=True)
-    cut = int(len(frame) * 0.8)
-    train, test = frame.iloc[:cut], frame.iloc[cut:]
-    champion_version = registry.resolve("cost-model", missing_ok=True)
-    champion = registry.load("cost-model", version=champion_version) if champion_version else None
-    candidate = FittedCostModel(kv_capacity=champion.kv_capacity if champion else 50_000).fit(train)
-    if candidate.metadata["data_hash"] == _latest_data_hash(registry, "cost-model"):
-        return RetrainResult("cost-model", "unchanged", detail="step logs unchanged since the last version")
-    candidate.metadata["data_window"] = {
-        "files": [f.name for f in files],
-        "train_steps": cut,
-        "test_steps": len(test),
-    }
-    metrics = candidate.evaluate(test)
-    version = registry.log(candidate, metrics=metrics)
-    better = champion is None or metrics["mape"] < champion.evaluate(test)["mape"] * (1 - margin)
-    if better:
-        registry.promote("cost-model", version)
-    return RetrainResult("cost-model", "registered", version, better, f"held-out MAPE {metrics['mape']:.4f}")
+    outcome = train_cost_model(registry, frame, promote_if_better=True, margin=margin, skip_unchanged=True)
+    return _result("cost-model", outcome, f"held-out MAPE {outcome.metrics.get('mape', float('nan')):.4f}")
 
 
 def retrain_ewsjf_layout(registry: Registry, data_dir: Path, margin: float) -> RetrainResult:
@@ -92,28 +73,14 @@ def retrain_ewsjf_layout(registry: Registry, data_dir: Path, margin: float) -> R
     if not files:
         return RetrainResult("ewsjf-meta-policy", "no data", detail=f"no requests*.jsonl in {data_dir}")
     lengths = np.concatenate([load_trace(f, "requestlog").prompt_tokens for f in files]).astype(np.float64)
-    champion_version = registry.resolve("ewsjf-meta-policy", missing_ok=True)
-    champion = registry.load("ewsjf-meta-policy", version=champion_version) if champion_version else None
-    candidate = EwsjfMetaPolicy(**(champion.get_params() if champion else {})).fit(lengths)
-    if candidate.metadata["data_hash"] == _latest_data_hash(registry, "ewsjf-meta-policy"):
-        return RetrainResult(
-            "ewsjf-meta-policy", "unchanged", detail="request logs unchanged since the last version"
-        )
-    metrics = candidate.evaluate(lengths)
-    metrics["layout_score"] = layout_score(metrics)
-    version = registry.log(candidate, metrics=metrics)
-    old = None
-    if champion is not None:
-        old = layout_score(champion.evaluate(lengths))
-    better = old is None or metrics["layout_score"] > old + margin * abs(old)
-    if better:
-        registry.promote("ewsjf-meta-policy", version)
-    return RetrainResult(
+    outcome = train_ewsjf_meta(
+        registry, lengths=lengths, promote_if_better=True, margin=margin, skip_unchanged=True
+    )
+    queues = outcome.metrics.get("queues", float("nan"))
+    return _result(
         "ewsjf-meta-policy",
-        "registered",
-        version,
-        better,
-        f"{len(candidate.queues_)} queues, score {metrics['layout_score']:.3f}",
+        outcome,
+        f"{queues:.0f} queues, score {outcome.metrics.get('layout_score', float('nan')):.3f}",
     )
 
 

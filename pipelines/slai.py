@@ -7,22 +7,13 @@ tuned policy as a `policy-config` version, so a server can swap to it in one mov
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 from adapt.component import PolicyConfig
 from adapt.registry import Registry
 from experiments.slai_study import replay_objective
+from pipelines.outcome import TrainOutcome, beats
 from predictors.slai_offset import SlaiOffset
-
-
-@dataclass
-class TrainOutcome:
-    version: int
-    promoted: bool
-    metrics: dict[str, float]
-    champion_metrics: dict[str, float] | None
-    policy_config_version: int | None = None
 
 
 def better(candidate: dict[str, Any], champion: dict[str, Any] | None, margin: float) -> bool:
@@ -31,7 +22,7 @@ def better(candidate: dict[str, Any], champion: dict[str, Any] | None, margin: f
         return False
     if champion is None or not champion.get("feasible"):
         return True
-    return candidate["ttft_p50"] < champion["ttft_p50"] * (1.0 - margin)
+    return beats(candidate["ttft_p50"], champion["ttft_p50"], lower_is_better=True, margin=margin)
 
 
 def train_slai_offset(
@@ -59,10 +50,8 @@ def train_slai_offset(
     }
     metrics = candidate.evaluate(objective)
     version = registry.log(candidate, metrics=metrics, params={"tune_rate": rate, "trials": trials})
-    champion_version = registry.resolve("slai-offset", missing_ok=True)
-    champion_metrics = None
-    if champion_version is not None:
-        champion_metrics = registry.load("slai-offset", version=champion_version).evaluate(objective)
+    champion = registry.champion("slai-offset")
+    champion_metrics = champion.evaluate(objective) if champion is not None else None
     promoted = False
     if promote_if_better and better(metrics, champion_metrics, margin):
         registry.promote("slai-offset", version)

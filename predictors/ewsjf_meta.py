@@ -44,6 +44,18 @@ THETA_SPACE: dict[str, tuple[float, float]] = {
 }
 
 
+def equation5(terms: dict[str, float], weights: tuple[float, float, float, float] = REWARD_WEIGHTS) -> float:
+    """The meta-optimiser's reward R = l1 * C + l2 * L - l3 * S - l4 * U (compactness, load
+    balance, queue proliferation, user latency). A layout judged on its own has no latency term."""
+    l1, l2, l3, l4 = weights
+    return (
+        l1 * terms["compactness"]
+        + l2 * terms["balance"]
+        - l3 * terms["proliferation"]
+        - l4 * terms.get("latency", 0.0)
+    )
+
+
 @dataclass(frozen=True)
 class QueueSpec:
     """A contiguous prompt-length interval [low, high] with the mean and share of its requests."""

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from adapt.policy import EngineView, Plan, Policy, RequestState
-from predictors.ewsjf_meta import REWARD_WEIGHTS, SCORING_SPACE, EwsjfMetaPolicy, QueueSpec
+from predictors.ewsjf_meta import REWARD_WEIGHTS, SCORING_SPACE, EwsjfMetaPolicy, QueueSpec, equation5
 
 
 class LengthQueue:
@@ -249,16 +249,9 @@ class OnlineEWSJF(EWSJF):
             by_queue.setdefault(queue_id, []).append(length)
         self._routed = []
         groups = [np.asarray(v, dtype=np.float64) for v in by_queue.values()]
-        terms = _terms(groups, len(self.queues), self.meta.max_queues) if groups else {}
+        terms = _terms(groups, len(self.queues), self.meta.max_queues)
         terms["latency"] = ttft / self._reference_ttft
-        l1, l2, l3, l4 = self.weights
-        reward = (
-            l1 * terms.get("compactness", 1.0)
-            + l2 * terms.get("balance", 1.0)
-            - l3 * terms.get("proliferation", 0.0)
-            - l4 * terms["latency"]
-        )
-        return reward, {"ttft_mean": ttft, **terms}
+        return equation5(terms, self.weights), {"ttft_mean": ttft, **terms}
 
 
 # A hand-set layout for bimodal short/long workloads, used only when no fitted component is given

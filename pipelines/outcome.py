@@ -1,0 +1,38 @@
+"""What every training pipeline returns, and the champion/challenger comparisons they share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from adapt.registry import Registry, RegistryError
+
+
+@dataclass
+class TrainOutcome:
+    """`version` is None when nothing was registered because the training data had not moved."""
+
+    version: int | None
+    promoted: bool
+    metrics: dict[str, float]
+    champion_metrics: dict[str, float] | None
+    policy_config_version: int | None = None
+
+
+def beats(candidate: float, champion: float | None, *, lower_is_better: bool, margin: float = 0.0) -> bool:
+    """Whether a candidate's score improves on the champion's by at least `margin` (relative).
+    With no champion, anything beats it."""
+    if champion is None:
+        return True
+    if lower_is_better:
+        return candidate < champion * (1.0 - margin)
+    return candidate > champion + margin * abs(champion)
+
+
+def latest_data_hash(registry: Registry, name: str) -> str | None:
+    """Training-data hash of the newest registered version (None if none): retraining on the same
+    data must register nothing new."""
+    try:
+        versions = registry.versions(name)
+    except RegistryError:  # nothing registered yet
+        return None
+    return versions[-1].tags.get("adapt.data_hash") if versions else None
