@@ -1,7 +1,7 @@
 """Hand-computed engine cases and property tests of the engine's invariants under every policy."""
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from adapt.requests import SLO, Request
@@ -129,6 +129,10 @@ def make_requests(rows):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Regression: a decode run used to step past FastServe's quantum boundary (horizon floored at 1).
+@example(
+    rows=[(9.0, 1, 1, "x"), (8.625, 1, 34, "x")], policy="fastserve", budget=16, max_running=1, kv_blocks=30
+)
 @given(
     rows=request_lists,
     policy=st.sampled_from(tuple(POLICIES)),

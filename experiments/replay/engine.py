@@ -360,7 +360,8 @@ class ReplayEngine:
         held = np.fromiter(
             (self.kv.held(s.id) for s in self.running), dtype=np.int64, count=len(self.running)
         )
-        limit = self._kv_step_limit(computed, held, limit)
+        threshold = horizon.kv_usage_below if view.kv_usage < horizon.kv_usage_below else math.inf
+        limit = self._kv_step_limit(computed, held, limit, threshold)
         if limit < 1:
             return
         times = self.cost.decode_run_times(len(self.running), int(computed.sum()), int(computed.max()), limit)
@@ -388,15 +389,21 @@ class ReplayEngine:
         for state in finished:
             self._finish(state)
 
-    def _kv_step_limit(self, computed: np.ndarray, held: np.ndarray, limit: int) -> int:
-        """Largest j <= limit such that growing every context by j tokens fits in the free blocks.
-        Step j computes one more token for each request, so it needs room for computed + j."""
+    def _kv_step_limit(self, computed: np.ndarray, held: np.ndarray, limit: int, usage_below: float) -> int:
+        """Largest k <= limit such that growing every context by k tokens fits in the free blocks
+        and KV usage stays below `usage_below` at the start of every run step (the policy would
+        re-plan once it is reached). Step j computes one more token for each request, so it needs
+        room for computed + j, and starts with the blocks of steps 1..j-1 taken."""
         bs = self.kv.block_size
         free = self.kv.free_blocks
         j = np.arange(1, limit + 1)
         extra = np.maximum(0, -(-(computed[None, :] + j[:, None]) // bs) - held[None, :]).sum(axis=1)
-        fits = np.flatnonzero(extra > free)
-        return limit if len(fits) == 0 else int(fits[0])
+        over = extra > free
+        if math.isfinite(usage_below):
+            free_at_start = free - np.concatenate(([0], extra[:-1]))
+            over |= 1.0 - free_at_start / self.kv.num_blocks >= usage_below  # BlockPool.usage's formula
+        stop = np.flatnonzero(over)
+        return limit if len(stop) == 0 else int(stop[0])
 
     # ------------------------------------------------------------------ driver
     def run(self, requests: Sequence[Request], *, progress=None) -> ReplayResult:

@@ -18,6 +18,7 @@ from adapt.policy import EngineView, Horizon, Plan, Policy, RequestState
 from serving_hooks.policies.base import PriorityPolicy
 
 LengthPredictor = Callable[[RequestState], float]
+FULL_KV_USAGE = 0.95  # trail/fastserve treat the engine as full (and preempt) above this usage
 
 
 class FCFS(PriorityPolicy):
@@ -180,7 +181,7 @@ class Trail(PriorityPolicy):
                 request.cache["trail_total"] = max(self.predict(request), request.tokens_generated + 1.0)
                 request.cache["trail_at"] = request.tokens_generated
         plan = Plan(admit=self.waiting_in_order())
-        full = len(view.running) >= view.max_running or view.kv_usage >= 0.95
+        full = len(view.running) >= view.max_running or view.kv_usage >= FULL_KV_USAGE
         if full and self._waiting:
             best = self._waiting[0][-1]
             victims = [r for r in view.running if r.tokens_generated < self.preempt_before]
@@ -194,7 +195,8 @@ class Trail(PriorityPolicy):
         if not view.running:
             return Horizon()
         steps = min(self.refresh - (r.tokens_generated - r.cache["trail_at"]) for r in view.running)
-        return Horizon(steps=max(1, steps))
+        # 0 at a boundary: the next step must re-plan; so must crossing the KV level of `full`.
+        return Horizon(steps=max(0, steps), kv_usage_below=FULL_KV_USAGE)
 
 
 class FastServe(PriorityPolicy):
@@ -234,7 +236,7 @@ class FastServe(PriorityPolicy):
                 request.cache["mlfq_level"] = level + 1
                 request.cache["mlfq_base"] = request.tokens_generated
         plan = Plan(admit=self.waiting_in_order())
-        full = len(view.running) >= view.max_running or view.kv_usage >= 0.95
+        full = len(view.running) >= view.max_running or view.kv_usage >= FULL_KV_USAGE
         if full and self._waiting and view.running:
             best_level = self._waiting[0][0]
             worst = max(reversed(view.running), key=lambda r: (self._level(r), r.arrival_s))
@@ -249,7 +251,8 @@ class FastServe(PriorityPolicy):
             self._quantum(self._level(r)) - (r.tokens_generated - r.cache.get("mlfq_base", 0))
             for r in view.running
         )
-        return Horizon(steps=max(1, steps))
+        # 0 at a boundary: the next step must re-plan; so must crossing the KV level of `full`.
+        return Horizon(steps=max(0, steps), kv_usage_below=FULL_KV_USAGE)
 
 
 class PLAS(PriorityPolicy):

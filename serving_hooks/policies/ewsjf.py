@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from adapt.policy import EngineView, Plan, Policy, RequestState
+from adapt.policy import FOREVER, EngineView, Horizon, Plan, Policy, RequestState
 from predictors.ewsjf_meta import REWARD_WEIGHTS, SCORING_SPACE, EwsjfMetaPolicy, QueueSpec, equation5
 
 
@@ -162,6 +162,11 @@ class EWSJF(Policy):
                 if value > best_score:
                     best, best_score = index, value
         return Plan(admit=self._fill_order(best) if best >= 0 else None)
+
+    def horizon(self, view: EngineView) -> Horizon:
+        """Scores grow with waiting time, so the admission order can change at any step while
+        anything waits (a smaller head may start to fit); with empty queues nothing changes."""
+        return Horizon(steps=0) if any(queue.items for queue in self.queues) else FOREVER
 
     def _fill_order(self, primary: int) -> Iterator[RequestState]:
         """The primary queue first, then its neighbours outward, nearest first."""
