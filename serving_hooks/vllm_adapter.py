@@ -159,6 +159,7 @@ class PolicyScheduler(AsyncScheduler):
             token_budget=int(self.max_num_scheduled_tokens),
             max_running=int(self.max_num_running_reqs),
             mean_batch_time_s=self._mean_batch_s,
+            step_index=int(getattr(self, "current_step", 0)),
         )
 
     def _apply(self, plan: Plan) -> list[Any]:

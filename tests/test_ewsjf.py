@@ -121,11 +121,13 @@ def test_empty_queues_are_pruned_after_threshold():
     policy = _policy([(1, 10), (11, 100)], empty_threshold=3)
     from adapt.policy import EngineView
 
-    view = EngineView(0.0, [], [], 0.0, 512, 256, 0.02)
-    for _ in range(3):
-        policy.on_step(view)
+    def view(step):
+        return EngineView(0.0, [], [], 0.0, 512, 256, 0.02, step_index=step)
+
+    for step in range(3):
+        policy.on_step(view(step))
     assert len(policy.queues) == 2
-    policy.on_step(view)
+    policy.on_step(view(3))
     assert policy.queues == []
     policy.on_arrival(req("late", 42), 0)  # an empty layout grows a bubble for the newcomer
     assert len(policy.queues) == 1 and policy.bubbles_created == 1

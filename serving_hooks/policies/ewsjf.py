@@ -30,12 +30,12 @@ from predictors.ewsjf_meta import REWARD_WEIGHTS, SCORING_SPACE, EwsjfMetaPolicy
 class LengthQueue:
     """One prompt-length interval and its FIFO of waiting requests."""
 
-    __slots__ = ("assigned", "bubble", "empty_steps", "high", "items", "low", "mean")
+    __slots__ = ("assigned", "bubble", "empty_since", "high", "items", "low", "mean")
 
     def __init__(self, low: float, high: float, mean: float, bubble: bool = False) -> None:
         self.low, self.high, self.mean, self.bubble = low, high, mean, bubble
         self.items: OrderedDict[str, RequestState] = OrderedDict()
-        self.empty_steps = 0
+        self.empty_since: int | None = None  # engine step at which the queue went empty
         self.assigned: list[int] = []
 
 
@@ -147,12 +147,15 @@ class EWSJF(Policy):
         best, best_score = -1, -math.inf
         survivors = []
         for queue in self.queues:
+            # Counted in engine steps, not calls: the replay engine's decode runs advance many
+            # steps per call, and pruning must not depend on that.
             if queue.items:
-                queue.empty_steps = 0
+                queue.empty_since = None
                 survivors.append(queue)
             else:
-                queue.empty_steps += 1
-                if queue.empty_steps <= self.meta.empty_threshold:
+                if queue.empty_since is None:
+                    queue.empty_since = view.step_index
+                if view.step_index - queue.empty_since < self.meta.empty_threshold:
                     survivors.append(queue)
         self.queues = survivors
         for index, queue in enumerate(self.queues):
