@@ -134,7 +134,17 @@ def _print_outcome(name: str, outcome) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     registry = _registry(args)
-    if args.component == "ewsjf-meta-policy":
+    if args.component == "semantic-history":
+        from pipelines.semantic_history import train_semantic_history
+
+        outcome = train_semantic_history(
+            registry,
+            args.data,
+            test_share=args.test_share,
+            promote_if_better=args.promote_if_better,
+            margin=args.margin,
+        )
+    elif args.component == "ewsjf-meta-policy":
         from pipelines.ewsjf import train_ewsjf_meta
 
         outcome = train_ewsjf_meta(registry, promote_if_better=args.promote_if_better)
@@ -158,6 +168,20 @@ def cmd_train(args: argparse.Namespace) -> int:
             registry, args.data, promote_if_better=args.promote_if_better, margin=args.margin
         )
     _print_outcome(args.component, outcome)
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from pipelines.semantic_history import evaluate_semantic_history
+
+    metrics = evaluate_semantic_history(_registry(args), args.data, version=args.version)
+    print(f"{args.component} on {args.data} (leave-one-prompt-out, {int(metrics['prompts'])} prompts)")
+    print(f"{'predictor':<12}{'wasserstein':>14}{'crps':>10}{'bucket_overlap':>16}{'mean_abs_error':>16}")
+    for mode, prefix in (("semantic", ""), ("length", "length_"), ("point", "point_")):
+        row = [metrics[f"{prefix}{k}"] for k in ("wasserstein", "crps", "bucket_overlap", "mean_abs_error")]
+        print(f"{mode:<12}{row[0]:>14.1f}{row[1]:>10.1f}{row[2]:>16.3f}{row[3]:>16.1f}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(metrics, indent=2))
     return 0
 
 
@@ -285,14 +309,30 @@ def build_parser() -> argparse.ArgumentParser:
     rollback.set_defaults(func=cmd_models_rollback)
 
     train = sub.add_parser("train", help="fit a component, log and register it (optionally promote)")
-    train.add_argument("component", choices=["slai-offset", "cost-model", "ewsjf-meta-policy"])
-    train.add_argument("--data", help="training data (cost-model: a step log)")
+    train.add_argument(
+        "component", choices=["slai-offset", "cost-model", "ewsjf-meta-policy", "semantic-history"]
+    )
+    train.add_argument(
+        "--data",
+        help="training data (cost-model: a step log; semantic-history: a prompt/response file,"
+        " default the bundled AlpacaEval slice)",
+    )
+    train.add_argument(
+        "--test-share", type=float, default=0.3, help="semantic-history: share of instructions held out"
+    )
     train.add_argument("--promote-if-better", action="store_true")
     train.add_argument("--margin", type=float, default=0.0, help="relative improvement required to promote")
     train.add_argument("--rate", type=float, help="slai-offset: arrival rate to tune at (default 2.8)")
     train.add_argument("--num-requests", type=int, help="slai-offset: requests per replay (default 800)")
     train.add_argument("--trials", type=int, default=20, help="slai-offset: Optuna trials")
     train.set_defaults(func=cmd_train)
+
+    evaluate = sub.add_parser("evaluate", help="score a registered component on any data file")
+    evaluate.add_argument("component", choices=["semantic-history"])
+    evaluate.add_argument("--data", required=True, help="prompt/response file (alpaca format)")
+    evaluate.add_argument("--version", type=int, help="a version number (default: the champion)")
+    evaluate.add_argument("--json", dest="json_out", metavar="OUT", help="also write the metrics here")
+    evaluate.set_defaults(func=cmd_evaluate)
 
     tune = sub.add_parser("tune", help="Bayesian optimisation of a policy on replay; registers the best")
     tune.add_argument("policy", choices=["slai", "ewsjf"])

@@ -12,8 +12,9 @@ Supported formats (auto-detected from the extension and the header/first record)
 - `burstgpt`: BurstGPT CSV (`Timestamp`, `Request tokens`, `Response tokens`, ...); rows with zero
   response tokens are failed requests in that dataset and are counted under `skipped`.
 - `mooncake`: Mooncake JSONL (`timestamp` in ms, `input_length`, `output_length`, `hash_ids`).
-- `alpaca`: AlpacaEval-style prompt/response JSON or JSONL (`instruction`, `output`, optional
-  `generator`, `category`); token counts come from a named tokenizer (see `adapt.tokenizer`).
+- `alpaca`: AlpacaEval-style prompt/response JSON or JSONL (`instruction`, `output` or a counted
+  `output_tokens`, optional `generator`, `category`); token counts come from a named tokenizer (see
+  `adapt.tokenizer`).
 - `requestlog`: this project's own request logs (JSONL of `CompletedRequest` records).
 """
 
@@ -166,7 +167,7 @@ def _first_json_record(path: Path, handle: io.TextIOBase, suffix: str) -> dict[s
 def _json_format(path: Path, record: dict[str, Any]) -> str:
     if {"timestamp", "input_length", "output_length"} <= set(record):
         return "mooncake"
-    if {"instruction", "output"} <= set(record):
+    if "instruction" in record and ({"output", "output_tokens"} & set(record)):
         return "alpaca"
     if {"request_id", "outcome", "arrival_s"} <= set(record):
         return "requestlog"
@@ -349,25 +350,51 @@ def _load_mooncake(path: Path) -> Trace:
 
 
 def _load_alpaca(path: Path, tokenizer: str) -> Trace:
+    """AlpacaEval rows. A row carries the response text (`output`) or, in the bundled slice, only
+    its length (`output_tokens`, already counted with the MiniLM tokenizer)."""
     report = ImportReport(path=str(path), format="alpaca", tokenizer=tokenizer)
     instructions, outputs_text, generators, categories = [], [], [], []
+    counted: list[int | None] = []
     for lineno, record in _iter_json_records(path):
         report.rows_read += 1
-        for name in ("instruction", "output"):
-            value = _require(path, lineno, record, name)
-            if not isinstance(value, str):
+        instruction = _require(path, lineno, record, "instruction")
+        if not isinstance(instruction, str):
+            raise TraceError(
+                path, f"expected a string, got {type(instruction).__name__}", line=lineno, field="instruction"
+            )
+        if "output" in record or "output_tokens" not in record:
+            output = _require(path, lineno, record, "output")
+            if not isinstance(output, str):
                 raise TraceError(
-                    path, f"expected a string, got {type(value).__name__}", line=lineno, field=name
+                    path, f"expected a string, got {type(output).__name__}", line=lineno, field="output"
                 )
-        instructions.append(record["instruction"])
-        outputs_text.append(record["output"])
+            outputs_text.append(output)
+            counted.append(None)
+        else:
+            tokens = record["output_tokens"]
+            if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+                raise TraceError(
+                    path, f"expected a count >= 0, got {tokens!r}", line=lineno, field="output_tokens"
+                )
+            outputs_text.append("")
+            counted.append(tokens)
+        instructions.append(instruction)
         generators.append(str(record.get("generator", "")))
         categories.append(str(record.get("category", "")))
     prompt_counts = count_tokens(instructions, tokenizer)
-    output_counts = count_tokens(outputs_text, tokenizer)
+    text_counts = count_tokens(outputs_text, tokenizer)
+    output_counts = [
+        text if given is None else given for text, given in zip(text_counts, counted, strict=True)
+    ]
     keep = [i for i in range(len(instructions)) if prompt_counts[i] > 0 and output_counts[i] > 0]
     skipped = Counter({"empty instruction or output": len(instructions) - len(keep)})
     skipped = +skipped
+    columns = {
+        "generator": [generators[i] for i in keep],
+        "category": [categories[i] for i in keep],
+    }
+    if any(c is None for c in counted):
+        columns["output_text"] = [outputs_text[i] for i in keep]
     return _finish(
         path,
         report,
@@ -376,11 +403,7 @@ def _load_alpaca(path: Path, tokenizer: str) -> Trace:
         [prompt_counts[i] for i in keep],
         [output_counts[i] for i in keep],
         prompt_text=[instructions[i] for i in keep],
-        columns={
-            "output_text": [outputs_text[i] for i in keep],
-            "generator": [generators[i] for i in keep],
-            "category": [categories[i] for i in keep],
-        },
+        columns=columns,
     )
 
 

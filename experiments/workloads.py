@@ -113,6 +113,47 @@ def azure_conv(rate: float, num_requests: int, seed: int) -> list[Request]:
     return build_requests(trace, scale_to_rate(trace.arrival_s, rate))
 
 
+def sagesched_mix(
+    rate: float,
+    num_requests: int,
+    seed: int,
+    shares: tuple[float, float, float] = (0.6, 0.2, 0.2),
+    max_total_tokens: int = 8192,
+) -> list[Request]:
+    """SageSched's hybrid workload: real AlpacaEval prompts with the real length of one of 24
+    models' responses (label `alpaca`), chat requests with ShareGPT lengths (`chat`) and
+    long-input/short-output arXiv summarisation requests (`summarize`), 60/20/20 by default, Poisson.
+
+    Only instructions in the held-out split (`instruction_split`, 30%) are drawn, so a
+    `semantic-history` trained by `adapt train semantic-history` has never seen them and learns them
+    online, as a deployment would. ShareGPT/arXiv rows carry no text; predictors see their length only.
+    Alpaca prompts are counted with the MiniLM tokenizer, the others with Llama-2's."""
+    from predictors.semantic_history import instruction_split
+
+    rng = np.random.default_rng(seed)
+    alpaca = load_trace(bundled("alpaca_eval_lengths.jsonl.gz"))
+    alpaca = alpaca.take(np.flatnonzero(instruction_split(alpaca.prompt_text)))
+    chat = load_trace(bundled("sharegpt_lengths.csv.gz"))
+    summarize = load_trace(bundled("arxiv_summarization_lengths.csv.gz"))
+    sources = (("alpaca", alpaca), ("chat", chat), ("summarize", summarize))
+    kind = rng.choice(len(sources), size=num_requests, p=np.asarray(shares) / sum(shares))
+    prompts = np.empty(num_requests, dtype=np.int64)
+    outputs = np.empty(num_requests, dtype=np.int64)
+    texts: list[str | None] = [None] * num_requests
+    for k, (_, source) in enumerate(sources):
+        rows = np.flatnonzero(kind == k)
+        picks = rng.integers(0, len(source), size=len(rows))
+        prompts[rows] = source.prompt_tokens[picks]
+        outputs[rows] = source.output_tokens[picks]
+        if source.prompt_text is not None:
+            for row, pick in zip(rows, picks, strict=True):
+                texts[row] = source.prompt_text[pick]
+    trace = Trace("sagesched-mix", prompts, outputs, prompt_text=texts)
+    labels = [sources[k][0] for k in kind]
+    arrivals = poisson_arrivals(num_requests, rate, rng)
+    return build_requests(trace, arrivals, labels=labels, max_total_tokens=max_total_tokens)
+
+
 WORKLOADS: dict[str, WorkloadSpec] = {
     "ewsjf-mixed": WorkloadSpec(
         "ewsjf-mixed",
@@ -143,6 +184,17 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         5.53,
         19366,
         azure_conv,
+    ),
+    "sagesched-mix": WorkloadSpec(
+        "sagesched-mix",
+        "60% AlpacaEval prompts (real responses' lengths) / 20% ShareGPT chat / 20% arXiv"
+        " summarisation, Poisson; llama-3-8b on 1 x A40 (the paper's testbed)",
+        "llama-3-8b",
+        "a40",
+        1,
+        3.0,
+        2000,
+        sagesched_mix,
     ),
 }
 

@@ -32,3 +32,12 @@ def _ewsjf_meta():
 
 
 register_component("ewsjf-meta-policy", _ewsjf_meta)
+
+
+def _semantic_history():
+    from predictors.semantic_history import SemanticHistory
+
+    return SemanticHistory
+
+
+register_component("semantic-history", _semantic_history)

@@ -19,6 +19,7 @@ from serving_hooks.policies.baselines import (
     VllmV0,
 )
 from serving_hooks.policies.ewsjf import EWSJF
+from serving_hooks.policies.sagesched import SageSched
 from serving_hooks.policies.slai import SLAI, SLAIFixed
 
 BASELINE_POLICIES: dict[str, Callable[..., Policy]] = {
@@ -37,6 +38,7 @@ LEARNED_POLICIES: dict[str, Callable[..., Policy]] = {
     "ewsjf": EWSJF,
     "slai": SLAI,
     "slai-fixed": SLAIFixed,
+    "sagesched": SageSched,
 }
 POLICIES: dict[str, Callable[..., Policy]] = {**BASELINE_POLICIES, **LEARNED_POLICIES}
 BASELINES: tuple[str, ...] = tuple(BASELINE_POLICIES)

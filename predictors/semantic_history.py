@@ -1,0 +1,353 @@
+"""`semantic-history`: SageSched's output-length distribution from the most similar past prompts.
+
+The component keeps a FIFO window (default 10,000) of recently completed requests -- prompt
+embedding, prompt length, output length -- and predicts a new request's output-length distribution
+as the empirical distribution of its neighbours' output lengths (paper section 3.1):
+
+- `mode="semantic"` (SageSched): neighbours are the window entries whose prompt embedding has cosine
+  similarity >= `threshold` (0.8) with the new prompt, found with a FAISS flat inner-product index.
+  With fewer than `min_neighbors` of them -- a warming-up window, or a prompt unlike anything seen --
+  the `fallback_neighbors` most similar entries serve as the prior (the paper augments the search
+  set with public-dataset requests; `fit` seeds the window with exactly that).
+- `mode="length"`: the ablation baseline -- the `fallback_neighbors` entries nearest in prompt length.
+- `mode="point"`: the ablation baseline -- the semantic prediction collapsed to its mean.
+
+A request without prompt text (length-only traces) is predicted by prompt length in every mode.
+`observe` adds completions online, so a deployment learns from its own traffic; old entries leave
+the FAISS index in batches of `window // 8`, keeping eviction amortised O(1) per completion.
+Saved as a FAISS index of the window's embeddings plus an npz of its lengths (no pickle).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self
+
+import numpy as np
+
+from adapt.component import ComponentError, LearnedComponent, data_fingerprint
+from predictors.length_distribution import LengthDistribution, bucket_overlap, crps, wasserstein
+
+if TYPE_CHECKING:
+    from predictors.embedding import EmbeddingCache
+
+MODES = ("semantic", "length", "point")
+COLD_PRIOR_MAX_TOKENS = 2048  # an empty window predicts a uniform length up to this
+_SEARCH_MARGIN = 64  # extra FAISS hits fetched so that excluded same-prompt entries do not starve
+
+
+def prompt_hash(text: str | None) -> int:
+    """A stable 63-bit fingerprint of a prompt (0 for no text), to recognise repeats cheaply."""
+    if text is None:
+        return 0
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") >> 1 or 1
+
+
+def instruction_split(texts: Sequence[str], test_share: float = 0.3) -> np.ndarray:
+    """True for rows whose text falls in the held-out share, decided by a hash of the text, so that
+    every copy of an instruction lands on the same side and the split never changes between runs."""
+    if not 0.0 < test_share < 1.0:
+        raise ValueError(f"test_share: expected a number in (0, 1), got {test_share!r}")
+    cut = int(test_share * 1000)
+    return np.array([prompt_hash(t) % 1000 < cut for t in texts], dtype=bool)
+
+
+class SemanticHistory(LearnedComponent):
+    """Output-length distributions from a FIFO window of completed requests (see module docstring)."""
+
+    name = "semantic-history"
+    primary_metric = "wasserstein"
+    lower_is_better = True
+
+    def __init__(
+        self,
+        window: int = 10_000,
+        threshold: float = 0.8,
+        min_neighbors: int = 5,
+        fallback_neighbors: int = 100,
+        max_neighbors: int = 256,
+        max_support: int = 32,
+        mode: str = "semantic",
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+        if window < 1 or min_neighbors < 1 or fallback_neighbors < 1 or max_neighbors < min_neighbors:
+            raise ValueError(
+                "window, min_neighbors, fallback_neighbors must be >= 1 and max_neighbors >= min_neighbors"
+            )
+        if not -1.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold: a cosine similarity in [-1, 1], got {threshold!r}")
+        self.window = int(window)
+        self.threshold = float(threshold)
+        self.min_neighbors = int(min_neighbors)
+        self.fallback_neighbors = int(fallback_neighbors)
+        self.max_neighbors = int(max_neighbors)
+        self.max_support = int(max_support)
+        self.mode = mode
+        self._reset()
+
+    def get_params(self) -> dict[str, Any]:
+        return {
+            "window": self.window,
+            "threshold": self.threshold,
+            "min_neighbors": self.min_neighbors,
+            "fallback_neighbors": self.fallback_neighbors,
+            "max_neighbors": self.max_neighbors,
+            "max_support": self.max_support,
+            "mode": self.mode,
+        }
+
+    # ----------------------------------------------------------------- window
+    def _reset(self) -> None:
+        import faiss
+
+        from predictors.embedding import DIMENSION
+
+        self._slack = max(1, self.window // 8)
+        capacity = self.window + self._slack
+        self._prompt_tokens = np.zeros(capacity, dtype=np.int64)
+        self._output_tokens = np.zeros(capacity, dtype=np.int64)
+        self._prompt_hash = np.zeros(capacity, dtype=np.int64)
+        self._has_text = np.zeros(capacity, dtype=bool)
+        self._next_id = 0  # sequence number of the next entry; entry i lives in slot i % capacity
+        self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(DIMENSION))
+        self._index_floor = 0  # ids below this have been removed from the FAISS index
+
+    @property
+    def size(self) -> int:
+        """Entries currently in the window."""
+        return min(self._next_id, self.window)
+
+    @property
+    def _oldest(self) -> int:
+        return max(0, self._next_id - self.window)
+
+    def _live_ids(self) -> np.ndarray:
+        return np.arange(self._oldest, self._next_id)
+
+    def observe(
+        self,
+        prompt_tokens: Sequence[int] | np.ndarray,
+        output_tokens: Sequence[int] | np.ndarray,
+        embeddings: np.ndarray,
+        has_text: Sequence[bool] | np.ndarray,
+        prompt_hashes: Sequence[int] | np.ndarray | None = None,
+    ) -> None:
+        """Add completed requests to the window (rows of `embeddings` without text are ignored)."""
+        count = len(prompt_tokens)
+        if count == 0:
+            return
+        has_text = np.asarray(has_text, dtype=bool)
+        ids = np.arange(self._next_id, self._next_id + count)
+        slots = ids % len(self._prompt_tokens)
+        self._prompt_tokens[slots] = prompt_tokens
+        self._output_tokens[slots] = output_tokens
+        self._prompt_hash[slots] = 0 if prompt_hashes is None else prompt_hashes
+        self._has_text[slots] = has_text
+        if has_text.any():
+            self._index.add_with_ids(
+                np.ascontiguousarray(embeddings[has_text], dtype=np.float32), ids[has_text]
+            )
+        self._next_id += count
+        if self._oldest - self._index_floor >= self._slack:
+            import faiss
+
+            self._index.remove_ids(faiss.IDSelectorRange(self._index_floor, self._oldest))
+            self._index_floor = self._oldest
+
+    def clone(self) -> SemanticHistory:
+        """An independent copy (window and index): each policy instance learns online on its own."""
+        import faiss
+
+        twin = SemanticHistory(**self.get_params())
+        for name in ("_prompt_tokens", "_output_tokens", "_prompt_hash", "_has_text"):
+            setattr(twin, name, getattr(self, name).copy())
+        twin._next_id, twin._index_floor = self._next_id, self._index_floor
+        twin._index = faiss.clone_index(self._index)
+        twin.metadata = dict(self.metadata)
+        return twin
+
+    # ----------------------------------------------------------- prediction
+    def _distribution(self, ids: np.ndarray) -> LengthDistribution:
+        samples = self._output_tokens[ids % len(self._output_tokens)]
+        return LengthDistribution.from_samples(samples, self.max_support)
+
+    def _by_length(self, prompt_tokens: int, exclude_hash: int = 0) -> np.ndarray:
+        ids = self._live_ids()
+        if exclude_hash:
+            ids = ids[self._prompt_hash[ids % len(self._prompt_hash)] != exclude_hash]
+        if len(ids) <= self.fallback_neighbors:
+            return ids
+        gap = np.abs(np.log(self._prompt_tokens[ids % len(self._prompt_tokens)]) - np.log(prompt_tokens))
+        return ids[np.argpartition(gap, self.fallback_neighbors - 1)[: self.fallback_neighbors]]
+
+    def predict_embedded(
+        self,
+        prompt_tokens: Sequence[int],
+        embeddings: np.ndarray,
+        has_text: Sequence[bool] | np.ndarray,
+        exclude_hashes: Sequence[int] | None = None,
+    ) -> list[LengthDistribution]:
+        """Distributions for requests whose prompts are already embedded; one FAISS search for the
+        batch. `exclude_hashes` leaves each request's own prompt out of its neighbours (evaluation
+        on data the window has seen)."""
+        count = len(prompt_tokens)
+        if self.size == 0:
+            return [LengthDistribution.uniform(1, COLD_PRIOR_MAX_TOKENS) for _ in range(count)]
+        exclude = [0] * count if exclude_hashes is None else list(exclude_hashes)
+        has_text = np.asarray(has_text, dtype=bool)
+        results: list[LengthDistribution | None] = [None] * count
+        semantic = has_text & (self.mode != "length") & (self._index.ntotal > 0)
+        if semantic.any():
+            dead = self._oldest - self._index_floor
+            k = min(
+                self._index.ntotal, max(self.max_neighbors, self.fallback_neighbors) + dead + _SEARCH_MARGIN
+            )
+            rows = np.flatnonzero(semantic)
+            sims, hits = self._index.search(np.ascontiguousarray(embeddings[rows], dtype=np.float32), k)
+            for row, sim, hit in zip(rows, sims, hits, strict=True):
+                keep = hit >= self._oldest  # -1 (no hit) and evicted ids fall out here
+                if exclude[row]:
+                    keep &= self._prompt_hash[hit % len(self._prompt_hash)] != exclude[row]
+                sim, hit = sim[keep], hit[keep]
+                if hit.size == 0:
+                    continue
+                close = hit[sim >= self.threshold][: self.max_neighbors]
+                chosen = close if close.size >= self.min_neighbors else hit[: self.fallback_neighbors]
+                results[row] = self._distribution(chosen)
+        for row in range(count):
+            if results[row] is None:
+                ids = self._by_length(int(prompt_tokens[row]), exclude[row])
+                results[row] = (
+                    self._distribution(ids)
+                    if ids.size
+                    else LengthDistribution.uniform(1, COLD_PRIOR_MAX_TOKENS)
+                )
+        if self.mode == "point":
+            return [LengthDistribution.point(d.mean) for d in results]  # type: ignore[union-attr]
+        return results  # type: ignore[return-value]
+
+    def predict(self, prompt_tokens: Sequence[int], texts: Sequence[str | None]) -> list[LengthDistribution]:
+        """Distributions for raw requests (embeds the texts in one batch)."""
+        embeddings, has_text = embed_prompts(texts)
+        return self.predict_embedded(prompt_tokens, embeddings, has_text)
+
+    # ------------------------------------------------------- fit / evaluate
+    def fit(self, data: Any) -> Self:
+        """Seed the window with the last `window` rows of a trace that has prompt text and real
+        output lengths (e.g. AlpacaEval); the prior the paper draws from public datasets."""
+        texts, prompts, outputs = _columns(data)
+        texts, prompts, outputs = texts[-self.window :], prompts[-self.window :], outputs[-self.window :]
+        print(f"semantic-history: embedding {len(set(texts)):,} distinct prompts", file=sys.stderr)
+        embeddings, has_text = embed_prompts(texts)
+        self._reset()
+        self.observe(prompts, outputs, embeddings, has_text, [prompt_hash(t) for t in texts])
+        self.metadata.update(
+            rows=len(texts),
+            distinct_prompts=len(set(texts)),
+            data_hash=data_fingerprint(np.asarray(prompts), np.asarray(outputs), list(texts)),
+        )
+        return self
+
+    def evaluate(self, data: Any, exclude_same_prompt: bool = False) -> dict[str, float]:
+        """Score predictions for each distinct prompt of `data` against all lengths recorded for it.
+        `exclude_same_prompt` hides that prompt's own entries from the window (leave-one-prompt-out,
+        for data the window has seen)."""
+        texts, prompts, outputs = _columns(data)
+        groups: dict[str, list[int]] = {}
+        for row, text in enumerate(texts):
+            groups.setdefault(text, []).append(row)
+        distinct = list(groups)
+        first_rows = [groups[t][0] for t in distinct]
+        embeddings, has_text = embed_prompts(distinct)
+        exclude = [prompt_hash(t) for t in distinct] if exclude_same_prompt else None
+        predictions = self.predict_embedded([prompts[r] for r in first_rows], embeddings, has_text, exclude)
+        scores: dict[str, list[float]] = {
+            "wasserstein": [],
+            "crps": [],
+            "bucket_overlap": [],
+            "mean_abs_error": [],
+        }
+        for text, predicted in zip(distinct, predictions, strict=True):
+            observed = np.asarray([outputs[r] for r in groups[text]], dtype=np.float64)
+            scores["wasserstein"].append(wasserstein(predicted, observed))
+            scores["crps"].append(crps(predicted, observed))
+            scores["bucket_overlap"].append(bucket_overlap(predicted, observed))
+            scores["mean_abs_error"].append(abs(predicted.mean - float(observed.mean())))
+        metrics = {name: float(np.mean(values)) for name, values in scores.items()}
+        metrics["prompts"] = float(len(distinct))
+        return metrics
+
+    # ------------------------------------------------------------ save / load
+    def save_state(self, directory: Path) -> None:
+        import faiss
+
+        ids = self._live_ids()
+        slots = ids % len(self._prompt_tokens)
+        text_ids = ids[self._has_text[slots]]
+        flat = faiss.IndexFlatIP(self._index.d)
+        if text_ids.size:
+            flat.add(np.vstack([self._index.reconstruct(int(i)) for i in text_ids]))
+        faiss.write_index(flat, str(directory / "embeddings.faiss"))
+        np.savez(
+            directory / "window.npz",
+            prompt_tokens=self._prompt_tokens[slots],
+            output_tokens=self._output_tokens[slots],
+            prompt_hash=self._prompt_hash[slots],
+            has_text=self._has_text[slots],
+        )
+
+    def load_state(self, directory: Path) -> None:
+        import faiss
+
+        flat = faiss.read_index(str(directory / "embeddings.faiss"))
+        with np.load(directory / "window.npz", allow_pickle=False) as state:
+            arrays = {
+                key: state[key] for key in ("prompt_tokens", "output_tokens", "prompt_hash", "has_text")
+            }
+        has_text = arrays["has_text"].astype(bool)
+        if int(has_text.sum()) != flat.ntotal:
+            raise ComponentError(f"{directory}: {flat.ntotal} embeddings for {int(has_text.sum())} prompts")
+        embeddings = np.zeros((len(has_text), flat.d), dtype=np.float32)
+        if flat.ntotal:
+            embeddings[has_text] = flat.reconstruct_n(0, flat.ntotal)
+        self._reset()
+        self.observe(
+            arrays["prompt_tokens"], arrays["output_tokens"], embeddings, has_text, arrays["prompt_hash"]
+        )
+
+    def validate(self) -> None:
+        if self.size and self._index.ntotal > self.window + self._slack:
+            raise ComponentError("semantic-history: FAISS index larger than its window")
+        probe = self.predict_embedded([16], np.zeros((1, self._index.d), dtype=np.float32), [False])[0]
+        if not (np.all(probe.support > 0) and abs(probe.probs.sum() - 1.0) < 1e-6):
+            raise ComponentError("semantic-history: canary prediction is not a length distribution")
+
+
+def embed_prompts(
+    texts: Sequence[str | None], cache: EmbeddingCache | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Embeddings (zero rows where there is no text) and the has-text mask, in one batch; through
+    `cache`, or the process-wide one (evaluations and ablations embed the same prompts again)."""
+    from predictors.embedding import DIMENSION, shared_cache
+
+    has_text = np.array([bool(t) for t in texts], dtype=bool)
+    embeddings = np.zeros((len(texts), DIMENSION), dtype=np.float32)
+    if has_text.any():
+        present = [t for t in texts if t]
+        embeddings[has_text] = (cache or shared_cache()).embed(present)
+    return embeddings, has_text
+
+
+def _columns(data: Any) -> tuple[list[str], list[int], list[int]]:
+    """(texts, prompt tokens, output tokens) of a Trace with prompt text."""
+    texts = getattr(data, "prompt_text", None)
+    if texts is None:
+        raise ValueError(
+            "semantic-history needs prompt texts (an alpaca-format file or a request log with text)"
+        )
+    return list(texts), [int(x) for x in data.prompt_tokens], [int(x) for x in data.output_tokens]

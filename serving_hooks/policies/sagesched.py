@@ -1,0 +1,304 @@
+"""SageSched (section 3): order requests by the Gittins index of their predicted service-cost
+distribution.
+
+1. Prediction: each arriving request gets an output-length distribution from the `semantic-history`
+   component (embedded in one batch per step with the other arrivals of that step).
+2. Cost: a request with input l_in that generates l_out tokens occupies `l_in * l_out + l_out^2 / 2`
+   token-steps of KV cache (`cost="kv"`, the paper's compute+memory model: both are proportional to
+   it); `cost="output"` is l_out alone and `cost="weighted"` is `l_out + memory_weight * kv`.
+3. Order: the Gittins index of the cost distribution S given attained service a,
+
+       G(a) = min over support points s_j > a of  E[min(S, s_j) - a | S > a] / P(S <= s_j | S > a),
+
+   lowest first: the best ratio of expected work to completion probability over all budgets. With
+   the support sorted, prefix sums give every budget's ratio at once, O(K) per request.
+4. Refresh: a running request's index is recomputed when it crosses a bucket boundary (every
+   `bucket` generated tokens, 200 by default); when the engine is full and the best waiting index
+   is below the worst running one, the running one is preempted ("the order flips").
+5. Learning online: every completion is added to the history window.
+
+Ablations from the paper: `order="mean"` (mean remaining cost), `order="static"` (Gittins without
+refresh), `uniform_mix=0.2` (predictions mixed 1:4 with a uniform distribution).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from adapt.policy import EngineView, Horizon, Plan, RequestState
+from predictors.embedding import EmbeddingCache
+from predictors.length_distribution import LengthDistribution
+from serving_hooks.policies.base import PriorityPolicy
+from serving_hooks.policies.baselines import FULL_KV_USAGE
+
+COSTS = ("kv", "output", "weighted")
+ORDERS = ("gittins", "mean", "static")
+UNIFORM_MAX_TOKENS = 2048
+MAX_FLIPS_PER_STEP = 4  # upper end of the uniform noise of the uniform_mix ablation
+
+
+def service_cost(
+    prompt_tokens: float, output_tokens: np.ndarray | float, cost: str = "kv", memory_weight: float = 0.01
+):
+    """Cost of generating `output_tokens` after a prompt of `prompt_tokens` (see module docstring)."""
+    l_out = np.asarray(output_tokens, dtype=np.float64)
+    kv = prompt_tokens * l_out + l_out * l_out / 2.0
+    if cost == "kv":
+        return kv
+    if cost == "output":
+        return l_out
+    if cost == "weighted":
+        return l_out + memory_weight * kv
+    raise ValueError(f"cost: expected one of {', '.join(COSTS)}, got {cost!r}")
+
+
+def gittins_index(costs: np.ndarray, probs: np.ndarray, attained: np.ndarray) -> np.ndarray:
+    """Gittins index of each row's discrete cost distribution given its attained service.
+
+    `costs` (n, K) ascending per row (pad with +inf), `probs` (n, K) (pad with 0), `attained` (n,).
+    Rows with no support above their attained service get +inf (the caller decides what that means).
+    For budget s_j the ratio's numerator is sum_{a < s_k <= s_j} p_k (s_k - a) + (s_j - a) * P(S > s_j),
+    its denominator sum_{a < s_k <= s_j} p_k (the 1 / P(S > a) normalisations cancel).
+    """
+    a = np.asarray(attained, dtype=np.float64)[:, None]
+    alive = (costs > a) & (probs > 0)
+    p = np.where(alive, probs, 0.0)
+    c = np.where(alive, costs, 0.0)  # padding (+inf) must not reach a product: 0 * inf is nan
+    mass = np.cumsum(p, axis=1)
+    work = np.cumsum(p * c, axis=1)
+    tail = mass[:, -1:] - mass
+    with np.errstate(invalid="ignore", over="ignore"):
+        numerator = work - a * mass + np.where(alive, c - a, 0.0) * tail
+        ratio = np.where(alive, numerator / np.where(mass > 0, mass, 1.0), np.inf)
+    return ratio.min(axis=1)
+
+
+def mean_remaining(costs: np.ndarray, probs: np.ndarray, attained: np.ndarray) -> np.ndarray:
+    """E[S - a | S > a] per row (the `order="mean"` ablation); +inf where no support is above a."""
+    a = np.asarray(attained, dtype=np.float64)[:, None]
+    alive = (costs > a) & (probs > 0)
+    p = np.where(alive, probs, 0.0)
+    total = p.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        expected = (p * (np.where(alive, costs, 0.0) - a)).sum(axis=1) / total
+    return np.where(total > 0, expected, np.inf)
+
+
+class SageSched(PriorityPolicy):
+    """See the module docstring. `history` is a fitted `SemanticHistory` (the policy works on its own
+    copy), a dict of its parameters (an empty window that learns online), a registry reference
+    (`champion`, `v3`), or None (an empty default window); `history_mode` overrides its mode."""
+
+    name = "sagesched"
+
+    def __init__(
+        self,
+        history: Any = None,
+        history_mode: str | None = None,
+        cost: str = "kv",
+        memory_weight: float = 0.01,
+        order: str = "gittins",
+        bucket: int = 200,
+        uniform_mix: float = 0.0,
+        learn_online: bool = True,
+        preempt_on_flip: bool = False,
+        flip_ratio: float = 4.0,
+        preempt_below_tokens: int = 512,
+    ) -> None:
+        super().__init__()
+        if cost not in COSTS:
+            raise ValueError(f"cost: expected one of {', '.join(COSTS)}, got {cost!r}")
+        if order not in ORDERS:
+            raise ValueError(f"order: expected one of {', '.join(ORDERS)}, got {order!r}")
+        if bucket < 1:
+            raise ValueError(f"bucket: expected >= 1 tokens, got {bucket!r}")
+        if not 0.0 <= uniform_mix <= 1.0:
+            raise ValueError(f"uniform_mix: expected a weight in [0, 1], got {uniform_mix!r}")
+        self.history = _resolve_history(history)
+        if history_mode is not None:
+            from predictors.semantic_history import MODES
+
+            if history_mode not in MODES:
+                raise ValueError(f"history_mode: expected one of {', '.join(MODES)}, got {history_mode!r}")
+            self.history.mode = history_mode  # the policy's own copy: the predictor ablation
+        self.cost = cost
+        self.memory_weight = memory_weight
+        self.order = order
+        self.bucket = int(bucket)
+        self.uniform_mix = float(uniform_mix)
+        self.learn_online = learn_online
+        self.preempt_on_flip = preempt_on_flip
+        self.flip_ratio = flip_ratio
+        self.preempt_below_tokens = preempt_below_tokens
+        self._pending: dict[str, RequestState] = {}
+        self._embeddings = EmbeddingCache()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "policy": self.name,
+            "predictor": self.history.mode,
+            "history_size": self.history.size,
+            "history_version": self.history.metadata.get("registry_version"),
+            "cost": self.cost,
+            "order": self.order,
+            "bucket": self.bucket,
+            "uniform_mix": self.uniform_mix,
+        }
+
+    # ------------------------------------------------------------ lifecycle
+    def on_arrival(self, request: RequestState, now: float) -> None:
+        self._pending[request.id] = request  # predicted with the step's other arrivals in one batch
+
+    def on_preempt(self, request: RequestState, now: float) -> None:
+        self._refresh([request])
+        super().on_preempt(request, now)
+
+    def on_finish(self, request: RequestState, now: float) -> None:
+        self._pending.pop(request.id, None)
+        super().on_finish(request, now)
+        if self.learn_online and request.tokens_generated > 0 and "sage_embedding" in request.cache:
+            has_text = request.cache["sage_has_text"]
+            self.history.observe(
+                [request.prompt_tokens],
+                [request.tokens_generated],
+                request.cache["sage_embedding"][None, :],
+                [has_text],
+                [request.cache["sage_hash"]],
+            )
+
+    def key(self, request: RequestState, now: float) -> tuple[Any, ...]:
+        # A request the policy never indexed (an engine fell back to FCFS for a step) sorts last.
+        return (request.cache.get("sage_index", np.inf), request.arrival_s)
+
+    # ----------------------------------------------------------- prediction
+    def _predict_pending(self) -> None:
+        from predictors.semantic_history import embed_prompts, prompt_hash
+
+        batch = list(self._pending.values())
+        self._pending.clear()
+        texts = [r.prompt_text for r in batch]
+        embeddings, has_text = embed_prompts(texts, self._embeddings)
+        distributions = self.history.predict_embedded([r.prompt_tokens for r in batch], embeddings, has_text)
+        for request, distribution, embedding, text_flag, text in zip(
+            batch, distributions, embeddings, has_text, texts, strict=True
+        ):
+            if self.uniform_mix > 0:
+                high = min(request.max_tokens or UNIFORM_MAX_TOKENS, UNIFORM_MAX_TOKENS)
+                distribution = distribution.mix(LengthDistribution.uniform(1, max(2, high)), self.uniform_mix)
+            request.cache.update(
+                sage_distribution=distribution,
+                sage_embedding=embedding,
+                sage_has_text=bool(text_flag),
+                sage_hash=prompt_hash(text),
+            )
+        self._refresh(batch)
+        for request in batch:
+            self._insert(request, request.arrival_s)
+
+    def _refresh(self, requests: Sequence[RequestState]) -> None:
+        """Recompute the index of each request at its attained service, all in one vectorised pass."""
+        if not requests:
+            return
+        width = max(r.cache["sage_distribution"].support.size for r in requests)
+        costs = np.full((len(requests), width), np.inf)
+        probs = np.zeros((len(requests), width))
+        attained = np.empty(len(requests))
+        for row, request in enumerate(requests):
+            distribution: LengthDistribution = request.cache["sage_distribution"]
+            size = distribution.support.size
+            costs[row, :size] = service_cost(
+                request.prompt_tokens, distribution.support, self.cost, self.memory_weight
+            )
+            probs[row, :size] = distribution.probs
+            attained[row] = service_cost(
+                request.prompt_tokens, request.tokens_generated, self.cost, self.memory_weight
+            )
+        index = (mean_remaining if self.order == "mean" else gittins_index)(costs, probs, attained)
+        for row, request in enumerate(requests):
+            value = index[row]
+            if not np.isfinite(value):
+                # Longer than anything predicted: expect one more bucket of tokens.
+                more = request.tokens_generated + self.bucket
+                value = float(
+                    service_cost(request.prompt_tokens, more, self.cost, self.memory_weight) - attained[row]
+                )
+            request.cache["sage_index"] = float(value)
+            request.cache["sage_at"] = request.tokens_generated
+
+    # ------------------------------------------------------------------ step
+    def on_step(self, view: EngineView) -> Plan:
+        if self._pending:
+            self._predict_pending()
+        if self.order != "static":
+            crossed = [
+                r for r in view.running if r.tokens_generated - r.cache.get("sage_at", 0) >= self.bucket
+            ]
+            self._refresh(crossed)
+        plan = Plan(admit=self.waiting_in_order())
+        full = len(view.running) >= view.max_running or view.kv_usage >= FULL_KV_USAGE
+        if self.preempt_on_flip and full and self._waiting:
+            victims = [r for r in view.running if r.tokens_computed < self.preempt_below_tokens]
+            worst_first = sorted(victims, key=lambda r: self.key(r, view.now), reverse=True)
+            for waiting, running in zip(self.waiting_in_order(), worst_first, strict=False):
+                if len(plan.preempt) >= MAX_FLIPS_PER_STEP:
+                    break
+                if waiting.cache["sage_index"] * self.flip_ratio >= running.cache.get("sage_index", np.inf):
+                    break
+                plan.preempt.append(running)
+        return plan
+
+    def horizon(self, view: EngineView) -> Horizon:
+        if not view.running or self.order == "static":
+            return Horizon(kv_usage_below=FULL_KV_USAGE) if view.running else Horizon()
+        steps = min(self.bucket - (r.tokens_generated - r.cache.get("sage_at", 0)) for r in view.running)
+        return Horizon(steps=max(0, steps), kv_usage_below=FULL_KV_USAGE)
+
+
+def _resolve_history(history: Any):
+    from predictors.semantic_history import SemanticHistory
+
+    if history is None:
+        return SemanticHistory()
+    if isinstance(history, SemanticHistory):
+        return history.clone()
+    if isinstance(history, dict):
+        return SemanticHistory(**history)
+    if isinstance(history, str):
+        from adapt.registry import Registry
+
+        registry = Registry()
+        if history.startswith("v") and history[1:].isdigit():
+            return registry.load("semantic-history", version=int(history[1:]))
+        return registry.load("semantic-history", alias=history)
+    raise ValueError(
+        f"history: expected a SemanticHistory, a dict, an alias or vN, got {type(history).__name__}"
+    )
+
+
+def history_length_predictor(history: Any, bucket: int = 200) -> Callable[[RequestState], float]:
+    """A point predictor of the total output length from a `semantic-history`, for the point-based
+    baselines (`ltr`, `trail`) in place of their noisy oracle: the mean of the predicted
+    distribution conditioned on the tokens generated so far (E[S | S > g]; g + bucket past the
+    support), so TRAIL's refinement sees the same information SageSched's refresh does."""
+    history = _resolve_history(history)
+    cache = EmbeddingCache()
+
+    def predict(request: RequestState) -> float:
+        from predictors.semantic_history import embed_prompts
+
+        if "point_distribution" not in request.cache:
+            embeddings, has_text = embed_prompts([request.prompt_text], cache)
+            request.cache["point_distribution"] = history.predict_embedded(
+                [request.prompt_tokens], embeddings, has_text
+            )[0]
+        distribution: LengthDistribution = request.cache["point_distribution"]
+        above = distribution.support > request.tokens_generated
+        if not above.any():
+            return float(request.tokens_generated + bucket)
+        probs = distribution.probs[above]
+        return float(distribution.support[above] @ probs / probs.sum())
+
+    return predict

@@ -1,0 +1,327 @@
+"""SageSched: length distributions and their scores, the semantic history window, the Gittins
+index (against brute force), the cost models, and the policy in the replay engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from adapt.component import read_component
+from adapt.policy import EngineView, RequestState
+from adapt.requests import Request
+from experiments.replay.engine import EngineConfig, ReplayEngine
+from predictors.length_distribution import LengthDistribution, bucket_overlap, crps, wasserstein
+from predictors.semantic_history import SemanticHistory, instruction_split, prompt_hash
+from serving_hooks.policies import make_policy
+from serving_hooks.policies.sagesched import SageSched, gittins_index, mean_remaining, service_cost
+from tests.replay_helpers import CheckedEngine, ConstantCost
+
+# ---------------------------------------------------------------- distributions and scores
+
+
+def test_from_samples_keeps_small_supports_and_the_mean_of_large_ones():
+    small = LengthDistribution.from_samples(np.array([10, 10, 30]))
+    assert small.support.tolist() == [10, 30] and small.probs.tolist() == pytest.approx([2 / 3, 1 / 3])
+    samples = np.arange(1, 1001)
+    large = LengthDistribution.from_samples(samples, max_support=8)
+    assert large.support.size == 8 and large.mean == pytest.approx(samples.mean())
+    assert large.probs.sum() == pytest.approx(1.0)
+
+
+def test_scores_by_hand():
+    point = LengthDistribution.point(100)
+    observed = np.array([100, 200])
+    assert wasserstein(point, observed) == pytest.approx(50.0, rel=0.02)
+    assert crps(point, observed) == pytest.approx(50.0)  # E|X - y| = 50, spread 0
+    # Two points 0 and 100 at 1/2: E|X - X'| = 50, so CRPS at y = 0 is 50 - 25 = 25.
+    two = LengthDistribution(np.array([0.0, 100.0]), np.array([0.5, 0.5]))
+    assert crps(two, np.array([0.0])) == pytest.approx(25.0)
+    # A point at 150 (bucket 100-199) hits half of {120, 250}: the paper's "bucket hit".
+    assert bucket_overlap(LengthDistribution.point(150), np.array([120, 250])) == pytest.approx(0.5)
+    assert bucket_overlap(LengthDistribution.from_samples(observed), observed) == pytest.approx(1.0)
+
+
+def test_uniform_mix_weights():
+    mixed = LengthDistribution.point(10).mix(LengthDistribution.uniform(1, 4, points=4), 0.2)
+    assert mixed.probs.sum() == pytest.approx(1.0)
+    assert mixed.mean == pytest.approx(0.8 * 10 + 0.2 * 2.5)
+    assert np.all(np.diff(mixed.support) >= 0)
+
+
+# ------------------------------------------------------------------------- Gittins index
+
+
+def brute_force_gittins(support, probs, attained):
+    """The definition, budget by budget:
+    min over s_j > a of E[min(S, s_j) - a | S > a] / P(S <= s_j | S > a)."""
+    alive = [(s, p) for s, p in zip(support, probs, strict=True) if s > attained and p > 0]
+    if not alive:
+        return np.inf
+    survive = sum(p for _, p in alive)
+    best = np.inf
+    for budget, _ in alive:
+        work = sum(p * (min(s, budget) - attained) for s, p in alive) / survive
+        done = sum(p for s, p in alive if s <= budget) / survive
+        best = min(best, work / done)
+    return best
+
+
+def test_gittins_by_hand():
+    costs = np.array([[1.0, 10.0]])
+    probs = np.array([[0.5, 0.5]])
+    # a = 0: budget 1 gives 1 / 0.5 = 2, budget 10 gives 5.5 / 1; the index is 2.
+    assert gittins_index(costs, probs, np.array([0.0]))[0] == pytest.approx(2.0)
+    # a = 1, having survived the short outcome: only 10 is left, (10 - 1) / 1.
+    assert gittins_index(costs, probs, np.array([1.0]))[0] == pytest.approx(9.0)
+    assert mean_remaining(costs, probs, np.array([0.0]))[0] == pytest.approx(5.5)
+    assert gittins_index(costs, probs, np.array([10.0]))[0] == np.inf
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 500), st.floats(0.01, 1.0)), min_size=1, max_size=12),
+    st.floats(0, 500),
+)
+def test_gittins_matches_brute_force(points, attained):
+    points = sorted(dict(points).items())
+    support = np.array([s for s, _ in points], dtype=float)
+    probs = np.array([p for _, p in points])
+    probs /= probs.sum()
+    width = 16  # padded, as the policy pads a batch to its widest distribution
+    costs = np.full((1, width), np.inf)
+    padded = np.zeros((1, width))
+    costs[0, : support.size], padded[0, : support.size] = support, probs
+    expected = brute_force_gittins(support, probs, attained)
+    got = gittins_index(costs, padded, np.array([attained]))[0]
+    assert got == pytest.approx(expected, rel=1e-9) if np.isfinite(expected) else got == np.inf
+
+
+def test_service_costs_by_hand():
+    assert service_cost(100, 10, "kv") == pytest.approx(100 * 10 + 10 * 10 / 2)
+    assert service_cost(100, 10, "output") == 10
+    assert service_cost(100, 10, "weighted", memory_weight=0.01) == pytest.approx(10 + 10.5)
+    with pytest.raises(ValueError, match="cost"):
+        service_cost(1, 1, "flops")
+
+
+# ----------------------------------------------------------------------- semantic history
+
+
+def unit(vector):
+    vector = np.asarray(vector, dtype=np.float32)
+    return vector / np.linalg.norm(vector)
+
+
+def basis(i, dim=384):
+    v = np.zeros(dim, dtype=np.float32)
+    v[i] = 1.0
+    return v
+
+
+def test_threshold_neighbours_then_fallback_then_length():
+    history = SemanticHistory(threshold=0.8, min_neighbors=2, fallback_neighbors=3, max_support=64)
+    embeddings = np.vstack([basis(0), basis(0), basis(0), basis(1), basis(1)])
+    history.observe([10] * 5, [100, 110, 120, 900, 950], embeddings, [True] * 5)
+    close = history.predict_embedded([10], unit(basis(0) + 0.1 * basis(1))[None], [True])[0]
+    assert sorted(close.support.tolist()) == [100, 110, 120]  # three neighbours above 0.8
+    # Halfway between both groups: cosine 0.707 < 0.8 with all, so the 3 most similar serve.
+    far = history.predict_embedded([10], unit(basis(0) + basis(1))[None], [True])[0]
+    assert far.support.size == 3
+    # No text: neighbours by prompt length.
+    history.observe([1000], [7], np.zeros((1, 384), np.float32), [False])
+    by_length = history.predict_embedded([1000], np.zeros((1, 384), np.float32), [False])[0]
+    assert 7 in by_length.support.tolist()
+
+
+def test_fifo_window_evicts_oldest_and_index_stays_bounded():
+    history = SemanticHistory(window=8, min_neighbors=1, fallback_neighbors=8)
+    for i in range(40):
+        history.observe([10], [i + 1], basis(0)[None], [True])
+    assert history.size == 8
+    assert history._index.ntotal <= 8 + history._slack
+    prediction = history.predict_embedded([10], basis(0)[None], [True])[0]
+    assert sorted(prediction.support.tolist()) == list(range(33, 41))  # only the newest 8
+
+
+def test_exclude_same_prompt_and_modes():
+    history = SemanticHistory(min_neighbors=1, fallback_neighbors=4)
+    h_a, h_b = prompt_hash("a"), prompt_hash("b")
+    history.observe(
+        [5, 5], [50, 500], np.vstack([basis(0), unit(basis(0) + 0.2 * basis(2))]), [True, True], [h_a, h_b]
+    )
+    own = history.predict_embedded([5], basis(0)[None], [True])[0]
+    assert 50 in own.support.tolist()
+    others = history.predict_embedded([5], basis(0)[None], [True], exclude_hashes=[h_a])[0]
+    assert others.support.tolist() == [500]
+    history.mode = "point"
+    assert history.predict_embedded([5], basis(0)[None], [True])[0].support.size == 1
+
+
+def test_cold_window_predicts_a_uniform_prior():
+    prediction = SemanticHistory().predict_embedded([10], basis(0)[None], [True])[0]
+    assert prediction.support.min() >= 1 and prediction.probs.sum() == pytest.approx(1.0)
+
+
+def test_save_load_round_trip_and_clone_independence(tmp_path):
+    rng = np.random.default_rng(0)
+    history = SemanticHistory(window=50, min_neighbors=1)
+    vectors = rng.normal(size=(70, 384)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    has_text = rng.random(70) < 0.8
+    history.observe(rng.integers(1, 100, 70), rng.integers(1, 900, 70), vectors, has_text, np.arange(70) + 1)
+    history.save(tmp_path / "h")
+    assert {p.suffix for p in (tmp_path / "h").iterdir()} <= {".json", ".npz", ".faiss"}
+    loaded = read_component(tmp_path / "h")
+    queries = vectors[-5:]
+    for a, b in zip(
+        history.predict_embedded([10] * 5, queries, [True] * 5),
+        loaded.predict_embedded([10] * 5, queries, [True] * 5),
+        strict=True,
+    ):
+        assert a.support.tolist() == pytest.approx(b.support.tolist()) and a.probs.tolist() == pytest.approx(
+            b.probs.tolist()
+        )
+    twin = loaded.clone()
+    twin.observe([1], [1], basis(3)[None], [True])
+    assert twin.size == loaded.size == 50 and twin._next_id == loaded._next_id + 1
+
+
+def test_instruction_split_is_stable_and_keeps_copies_together():
+    texts = [f"prompt {i % 50}" for i in range(500)]
+    held = instruction_split(texts, 0.3)
+    assert (held == instruction_split(texts, 0.3)).all()
+    for text, flag in zip(texts, held, strict=True):
+        assert flag == held[texts.index(text)]
+    assert 0.1 < held.mean() < 0.5
+
+
+# ------------------------------------------------------------------------------- policy
+
+
+def state(rid, prompt, arrival=0.0, text=None):
+    return RequestState(rid, arrival, prompt, 4096, Request(rid, arrival, prompt, 1).slo, prompt_text=text)
+
+
+def seeded_history():
+    """Text-less history: prompts of 10 tokens produce 20-token outputs, prompts of 1,000 tokens 900."""
+    history = SemanticHistory(fallback_neighbors=5)
+    history.observe(
+        [10] * 5 + [1000] * 5, [20] * 5 + [900] * 5, np.zeros((10, 384), np.float32), [False] * 10
+    )
+    return history
+
+
+def test_policy_admits_lowest_index_first_and_learns_online():
+    policy = SageSched(history=seeded_history())
+    long, short = state("long", 1000), state("short", 10, arrival=1.0)
+    policy.on_arrival(long, 0.0)
+    policy.on_arrival(short, 1.0)
+    view = EngineView(
+        now=1.0,
+        waiting=[long, short],
+        running=[],
+        kv_usage=0.0,
+        token_budget=2048,
+        max_running=8,
+        mean_batch_time_s=0.02,
+    )
+    assert [r.id for r in policy.on_step(view).admit] == ["short", "long"]
+    size = policy.history.size
+    short.tokens_generated, short.phase = 20, "finished"
+    policy.on_finish(short, 2.0)
+    assert policy.history.size == size + 1
+
+
+def test_preempt_on_flip_only_when_full_and_clearly_better():
+    policy = SageSched(
+        history=seeded_history(), preempt_on_flip=True, flip_ratio=2.0, preempt_below_tokens=10_000
+    )
+    running = state("run", 1000)
+    policy.on_arrival(running, 0.0)
+    policy.on_step(EngineView(0.0, [running], [], 0.0, 2048, 1, 0.02))
+    policy.on_admit(running, 0.0)
+    running.tokens_computed = 1000
+    newcomer = state("new", 10, arrival=1.0)
+    policy.on_arrival(newcomer, 1.0)
+    roomy = policy.on_step(EngineView(1.0, [newcomer], [running], 0.1, 2048, 8, 0.02))
+    assert roomy.preempt == []  # room to admit: no reason to preempt
+    full = policy.on_step(EngineView(1.0, [newcomer], [running], 0.1, 2048, 1, 0.02))
+    assert full.preempt == [running]
+    guarded = SageSched(history=seeded_history(), preempt_on_flip=True, preempt_below_tokens=500)
+    for r in (running, newcomer):
+        r.cache.clear()
+    guarded.on_arrival(running, 0.0)
+    guarded.on_step(EngineView(0.0, [running], [], 0.0, 2048, 1, 0.02))
+    guarded.on_admit(running, 0.0)
+    guarded.on_arrival(newcomer, 1.0)
+    assert guarded.on_step(EngineView(1.0, [newcomer], [running], 0.1, 2048, 1, 0.02)).preempt == []
+
+
+def test_bad_parameters_are_rejected():
+    for params in (
+        {"cost": "flops"},
+        {"order": "random"},
+        {"bucket": 0},
+        {"uniform_mix": 2.0},
+        {"history_mode": "x"},
+    ):
+        with pytest.raises(ValueError):
+            make_policy("sagesched", **params)
+
+
+spec_variants = st.sampled_from(
+    [
+        {},
+        {"order": "mean"},
+        {"order": "static"},
+        {"cost": "output", "bucket": 7},
+        {"uniform_mix": 0.2, "bucket": 5},
+        {"preempt_on_flip": True, "bucket": 3, "flip_ratio": 1.0},
+    ]
+)
+rows = st.lists(
+    st.tuples(st.floats(0, 10), st.integers(1, 300), st.integers(1, 150)), min_size=1, max_size=25
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=rows, params=spec_variants, max_running=st.integers(1, 6), kv_blocks=st.integers(30, 60))
+def test_no_request_lost_and_fast_path_agrees(rows, params, max_running, kv_blocks):
+    requests = [Request(f"r{i}", t, p, o) for i, (t, p, o) in enumerate(sorted(rows))]
+    results = []
+    for skip in (True, False):
+        config = EngineConfig(
+            max_running=max_running, kv_capacity_tokens=kv_blocks * 16, skip_decode_runs=skip
+        )
+        engine = CheckedEngine(SageSched(history=seeded_history(), **params), ConstantCost(0.01), config)
+        result = engine.run(requests)
+        assert engine.violations == []
+        for request in requests:
+            record = next(r for r in result.records if r.request_id == request.request_id)
+            if record.dropped is None:
+                assert engine.completions[request.request_id] == request.output_tokens
+        assert len(result.records) == len(requests)
+        results.append(result.metrics())
+    for key in ("completed", "preemptions", "ttlt_mean"):
+        assert results[0][key] == pytest.approx(results[1][key]), key
+
+
+@pytest.mark.slow
+def test_sagesched_mix_replay_with_real_embeddings():
+    """The workload draws held-out AlpacaEval prompts; the policy embeds them with MiniLM, orders
+    them, and every request completes with exactly its tokens."""
+    from experiments.workloads import sagesched_mix
+
+    requests = sagesched_mix(3.0, 150, seed=1)
+    assert {r.label for r in requests} == {"alpaca", "chat", "summarize"}
+    assert all(r.prompt_text for r in requests if r.label == "alpaca")
+    engine = CheckedEngine(make_policy("sagesched"), ConstantCost(0.02), EngineConfig(max_running=16))
+    result = engine.run(requests)
+    assert engine.violations == [] and result.metrics()["completed"] == len(requests)
+
+
+def test_replay_engine_runs_sagesched_by_name():
+    result = ReplayEngine(make_policy("sagesched"), ConstantCost(0.01)).run([Request("a", 0.0, 5, 3)])
+    assert result.metrics()["completed"] == 1
