@@ -165,13 +165,16 @@ class Policy:
     Class attributes tell the engine about mechanics the policy relies on:
     `prefill_first` -- vLLM V0 style: a step with admissible prefills runs only prefills;
     `token_budget` -- overrides the engine's per-step token budget (Sarathi-Serve's small chunks);
-    `needs_oracle` -- fill `RequestState.oracle_output_tokens` (oracle baselines only).
+    `needs_oracle` -- fill `RequestState.oracle_output_tokens` (oracle baselines only);
+    `needs_prompt_text` -- fill `RequestState.prompt_text` where the engine only has token ids
+    (vLLM's engine core detokenises the prompt for such policies; replay passes the trace's text).
     """
 
     name: str = "policy"
     prefill_first: bool = False
     token_budget: int | None = None
     needs_oracle: bool = False
+    needs_prompt_text: bool = False
 
     def on_arrival(self, request: RequestState, now: float) -> None:
         """A request entered the waiting queue."""

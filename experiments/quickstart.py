@@ -2,9 +2,11 @@
 
 1. Trains the learned components that exist through their pipelines, registers and promotes them:
    `cost-model` (calibrated on a step log of a replayed Azure slice), `slai-offset` (Optuna on
-   replay of slai-tiers) and `ewsjf-meta-policy` (Refine-and-Prune + Optuna on ewsjf-mixed).
-2. Replays every policy on every named workload and the real Azure trace -- `slai` and `ewsjf`
-   with the champions loaded from the registry -- logging each (workload, policy) as an MLflow run.
+   replay of slai-tiers), `ewsjf-meta-policy` (Refine-and-Prune + Optuna on ewsjf-mixed) and
+   `semantic-history` (MiniLM + FAISS window on the AlpacaEval train split).
+2. Replays every policy on every named workload and the real Azure trace -- `slai`, `ewsjf` and
+   `sagesched` with the champions loaded from the registry -- logging each (workload, policy) as an
+   MLflow run.
 3. Prints a leaderboard of each workload's headline metric and the paths of a Markdown report,
    latency-CDF plots and a JSON of every metric; says how to browse the runs in `mlflow ui`.
 """
@@ -47,6 +49,7 @@ HEADLINES: dict[str, Headline] = {
     "ewsjf-mixed": Headline("short-request mean TTFT (s)", "ttft_mean", label="short"),
     "slai-tiers": Headline("median TTFT (s)", "ttft_p50"),
     "azure-conv": Headline("mean TTLT (s)", "ttlt_mean"),
+    "sagesched-mix": Headline("mean TTLT (s)", "ttlt_mean"),
 }
 
 # (rate, number of requests) per workload: the full run, and --fast.
@@ -54,6 +57,7 @@ SIZES: dict[str, dict[bool, tuple[float, int]]] = {
     "ewsjf-mixed": {False: (40.0, 3000), True: (40.0, 800)},
     "slai-tiers": {False: (2.8, 1500), True: (2.8, 400)},
     "azure-conv": {False: (5.53, 19366), True: (5.53, 3000)},
+    "sagesched-mix": {False: (3.0, 2000), True: (3.0, 600)},
 }
 
 
@@ -86,14 +90,16 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
     from adapt.registry import Registry
     from pipelines.cost_model import train_cost_model
     from pipelines.ewsjf import tune_ewsjf
+    from pipelines.semantic_history import train_semantic_history
     from pipelines.slai import train_slai_offset
     from serving_hooks.policies.ewsjf import EWSJF
+    from serving_hooks.policies.sagesched import SageSched
     from serving_hooks.policies.slai import SLAI
 
     registry = Registry()
     spec = WORKLOADS["azure-conv"]
     print(
-        "[train 1/3] cost-model: step log of a replayed Azure trace slice -> fit -> register", file=sys.stderr
+        "[train 1/4] cost-model: step log of a replayed Azure trace slice -> fit -> register", file=sys.stderr
     )
     engine = ReplayEngine(
         POLICIES["fcfs"](), roofline(spec.model, spec.gpu, tp=spec.tp), EngineConfig(record_steps=True)
@@ -109,7 +115,7 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
         f" (promoted: {'yes' if outcome.promoted else 'no'})",
         file=sys.stderr,
     )
-    print("[train 2/3] slai-offset: Optuna on replay of slai-tiers -> register -> gate", file=sys.stderr)
+    print("[train 2/4] slai-offset: Optuna on replay of slai-tiers -> register -> gate", file=sys.stderr)
     outcome = train_slai_offset(
         registry,
         rate=2.4,  # the highest load Sarathi sustains in our replay (see the SLAI study)
@@ -123,14 +129,28 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
         file=sys.stderr,
     )
     print(
-        "[train 3/3] ewsjf-meta-policy: Refine-and-Prune + Bayesian meta-optimiser on replay", file=sys.stderr
+        "[train 3/4] ewsjf-meta-policy: Refine-and-Prune + Bayesian meta-optimiser on replay", file=sys.stderr
     )
     outcome = tune_ewsjf(registry, rate=40.0, num_requests=400 if fast else 1000, trials=3 if fast else 8)
     print(
         f"  ewsjf-meta-policy v{outcome.version}: reward {outcome.metrics['reward']:.3f} (promoted)",
         file=sys.stderr,
     )
+    print(
+        "[train 4/4] semantic-history: embed AlpacaEval prompts -> FAISS window -> held-out score",
+        file=sys.stderr,
+    )
+    outcome = train_semantic_history(registry, promote_if_better=True)
+    print(
+        f"  semantic-history v{outcome.version}: held-out Wasserstein {outcome.metrics['wasserstein']:.1f}"
+        f" tokens (length-only {outcome.metrics['length_wasserstein']:.1f},"
+        f" point {outcome.metrics['point_wasserstein']:.1f};"
+        f" promoted: {'yes' if outcome.promoted else 'no'})",
+        file=sys.stderr,
+    )
     factories: dict[str, Callable[[], Policy]] = {}
+    history = registry.load("semantic-history")
+    factories["sagesched"] = lambda: SageSched(history=history)
     offset = registry.champion("slai-offset")
     if offset is not None:
         factories["slai"] = lambda: SLAI(offset=offset)

@@ -1,6 +1,6 @@
 """SageSched study (issue: SageSched), after the paper's section 4: mean TTLT on `sagesched-mix`.
 
-    .venv/bin/python -m experiments.sagesched_study [--rates 2.75,3.0,3.5] [--requests 2000]
+    .venv/bin/python -m experiments.sagesched_study [--rates 3.0,3.25,3.5] [--requests 2000]
                                                      [--history fit|champion|vN] [--out DIR]
 
 Replays, at each rate, the baselines `fcfs`, `ltr`, `trail`, `fastserve`, `sjf-oracle` and
@@ -124,7 +124,7 @@ def markdown(study: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="2.75,3.0,3.5")
+    parser.add_argument("--rates", default="3.0,3.25,3.5")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--history", default="fit", help="fit (bundled train split), champion, or vN")
     parser.add_argument("--seed", type=int, default=0)

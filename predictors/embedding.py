@@ -4,7 +4,7 @@ The package ships the sentence-transformers model files, so nothing is fetched f
 offline flag is set before sentence-transformers is imported). Embeddings are L2-normalised, so
 an inner product is the cosine similarity SageSched thresholds at 0.8. The model is loaded once
 per process; batching matters -- on 2 CPU cores one prompt costs ~19 ms alone and ~12 ms in a
-batch of 64 (measured by `python -m benchmarks.bench_sagesched`).
+batch of 64 (measured by `python -m experiments.bench_sagesched`).
 """
 
 from __future__ import annotations

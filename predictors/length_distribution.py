@@ -41,8 +41,9 @@ class LengthDistribution:
         support, counts = np.unique(values, return_counts=True)
         if support.size <= max_support:
             return cls(support, counts / values.size)
-        bins = np.array_split(values, max_support)
-        return cls(np.array([b.mean() for b in bins]), np.array([b.size for b in bins]) / values.size)
+        edges = np.linspace(0, values.size, max_support + 1).astype(np.int64)  # equal-count bins
+        counts = np.diff(edges)
+        return cls(np.add.reduceat(values, edges[:-1]) / counts, counts / values.size)
 
     @classmethod
     def point(cls, value: float) -> LengthDistribution:

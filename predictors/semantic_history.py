@@ -14,29 +14,31 @@ as the empirical distribution of its neighbours' output lengths (paper section 3
 
 A request without prompt text (length-only traces) is predicted by prompt length in every mode.
 `observe` adds completions online, so a deployment learns from its own traffic; old entries leave
-the FAISS index in batches of `window // 8`, keeping eviction amortised O(1) per completion.
+the FAISS index in batches of `window // 64`, keeping eviction cheap per completion. Small query
+batches run on one OpenMP thread: on a 2-core machine a single query over 10,000 entries takes
+0.40 ms that way and 0.80 ms on two threads; batches of 20 or more use every core.
 Saved as a FAISS index of the window's embeddings plus an npz of its lengths (no pickle).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
 import numpy as np
 
 from adapt.component import ComponentError, LearnedComponent, data_fingerprint
 from predictors.length_distribution import LengthDistribution, bucket_overlap, crps, wasserstein
 
-if TYPE_CHECKING:
-    from predictors.embedding import EmbeddingCache
-
 MODES = ("semantic", "length", "point")
 COLD_PRIOR_MAX_TOKENS = 2048  # an empty window predicts a uniform length up to this
-_SEARCH_MARGIN = 64  # extra FAISS hits fetched so that excluded same-prompt entries do not starve
+_SEARCH_MARGIN = 64
+_PARALLEL_QUERIES = 20  # FAISS switches to BLAS at 20 queries; below that one thread is faster
+_CORES = os.cpu_count() or 1  # extra FAISS hits fetched so that excluded same-prompt entries do not starve
 
 
 def prompt_hash(text: str | None) -> int:
@@ -107,7 +109,7 @@ class SemanticHistory(LearnedComponent):
 
         from predictors.embedding import DIMENSION
 
-        self._slack = max(1, self.window // 8)
+        self._slack = max(1, self.window // 64)
         capacity = self.window + self._slack
         self._prompt_tokens = np.zeros(capacity, dtype=np.int64)
         self._output_tokens = np.zeros(capacity, dtype=np.int64)
@@ -203,13 +205,23 @@ class SemanticHistory(LearnedComponent):
         results: list[LengthDistribution | None] = [None] * count
         semantic = has_text & (self.mode != "length") & (self._index.ntotal > 0)
         if semantic.any():
-            dead = self._oldest - self._index_floor
-            k = min(
-                self._index.ntotal, max(self.max_neighbors, self.fallback_neighbors) + dead + _SEARCH_MARGIN
-            )
+            import faiss
+
             rows = np.flatnonzero(semantic)
-            sims, hits = self._index.search(np.ascontiguousarray(embeddings[rows], dtype=np.float32), k)
-            for row, sim, hit in zip(rows, sims, hits, strict=True):
+            queries = np.ascontiguousarray(embeddings[rows], dtype=np.float32)
+            # Enough hits for the prior; rows whose last hit still clears the threshold may have
+            # more close neighbours than that and get a range search (rare: a popular prompt).
+            k = min(
+                self._index.ntotal,
+                self.fallback_neighbors + self._oldest - self._index_floor + _SEARCH_MARGIN,
+            )
+            faiss.omp_set_num_threads(1 if len(rows) < _PARALLEL_QUERIES else _CORES)
+            sims, hits = self._index.search(queries, k)
+            for row, query, sim, hit in zip(rows, queries, sims, hits, strict=True):
+                if k < self._index.ntotal and sim[-1] >= self.threshold:
+                    _, range_sims, range_hits = self._index.range_search(query[None], self.threshold)
+                    order = np.argsort(-range_sims, kind="stable")
+                    sim, hit = range_sims[order], range_hits[order]
                 keep = hit >= self._oldest  # -1 (no hit) and evicted ids fall out here
                 if exclude[row]:
                     keep &= self._prompt_hash[hit % len(self._prompt_hash)] != exclude[row]
@@ -328,18 +340,16 @@ class SemanticHistory(LearnedComponent):
             raise ComponentError("semantic-history: canary prediction is not a length distribution")
 
 
-def embed_prompts(
-    texts: Sequence[str | None], cache: EmbeddingCache | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Embeddings (zero rows where there is no text) and the has-text mask, in one batch; through
-    `cache`, or the process-wide one (evaluations and ablations embed the same prompts again)."""
+def embed_prompts(texts: Sequence[str | None]) -> tuple[np.ndarray, np.ndarray]:
+    """Embeddings (zero rows where there is no text) and the has-text mask, in one batch, through the
+    process-wide cache (repeated prompts, evaluations and ablations embed each text once)."""
     from predictors.embedding import DIMENSION, shared_cache
 
     has_text = np.array([bool(t) for t in texts], dtype=bool)
     embeddings = np.zeros((len(texts), DIMENSION), dtype=np.float32)
     if has_text.any():
         present = [t for t in texts if t]
-        embeddings[has_text] = (cache or shared_cache()).embed(present)
+        embeddings[has_text] = shared_cache().embed(present)
     return embeddings, has_text
 
 

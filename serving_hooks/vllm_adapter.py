@@ -76,6 +76,7 @@ class PolicyScheduler(AsyncScheduler):
         self._running_ids: set[str] = set()
         self._last_schedule: float | None = None
         self._mean_batch_s = 0.0
+        self._tokenizer: Any = None
         log.info("adapt policy %s scheduling vLLM %s", self.policy.name, vllm.__version__)
 
     # ----------------------------------------------------------- lifecycle
@@ -88,9 +89,27 @@ class PolicyScheduler(AsyncScheduler):
             log.warning("request %s: ignoring invalid SLO %s: %s", request.request_id, extra, exc)
             slo = SLO()
         now = time.monotonic()
-        state = RequestState(request.request_id, now, request.num_prompt_tokens, request.max_tokens or 0, slo)
+        state = RequestState(
+            request.request_id,
+            now,
+            request.num_prompt_tokens,
+            request.max_tokens or 0,
+            slo,
+            prompt_text=self._prompt_text(request) if self.policy.needs_prompt_text else None,
+        )
         self._states[request.request_id] = state
         self._call("on_arrival", state, now)
+
+    def _prompt_text(self, request: Any) -> str | None:
+        """The prompt as text: the engine core only keeps token ids, so decode them with the
+        served model's tokenizer (loaded on first use; a few microseconds per short prompt)."""
+        if request.prompt_token_ids is None:
+            return None
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.vllm_config.model_config.tokenizer)
+        return self._tokenizer.decode(request.prompt_token_ids, skip_special_tokens=True)
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any):
         state = self._states.pop(request.request_id, None)

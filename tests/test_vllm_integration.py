@@ -48,3 +48,12 @@ def test_a_policy_that_raises_leaves_the_engine_serving(tiny_model):
     result = probe(tiny_model, "explode")
     assert result["order"] == ["blocker", "long", "short"]  # plain FCFS for the failed steps
     assert result["errors"] > 0
+
+
+def test_sagesched_inside_vllm_reads_prompt_text_and_learns_online(tiny_model):
+    """A cold window predicts the same length for every prompt, so the KV cost model puts the short
+    prompt first; each completion enters the window with its detokenised prompt's embedding."""
+    result = probe(tiny_model, "sagesched")
+    assert result["errors"] == 0
+    assert result["order"] == ["blocker", "short", "long"]
+    assert result["history_size"] == 3 and result["history_texts"] == 3

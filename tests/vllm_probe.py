@@ -3,7 +3,8 @@
     python tests/vllm_probe.py MODEL_DIR POLICY_SPEC
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so a test-only policy
-registered below is visible to the scheduler. Output: one JSON line {"order": [...], "errors": N}.
+registered below is visible to the scheduler. Output: one JSON line {"order": [...], "errors": N},
+plus what a sagesched history learned.
 """
 
 import json
@@ -58,7 +59,12 @@ def main(model: str, spec: str) -> None:
     while engine.has_unfinished_requests() and time.time() < deadline:
         order.extend(out.request_id for out in engine.step() if out.finished)
     scheduler = engine.engine_core.engine_core.scheduler
-    print(json.dumps({"order": order, "errors": scheduler.policy_errors}), flush=True)
+    report = {"order": order, "errors": scheduler.policy_errors}
+    history = getattr(scheduler.policy, "history", None)
+    if history is not None:  # sagesched: what it learned online from the prompts it was given
+        report["history_size"] = history.size
+        report["history_texts"] = int(history._index.ntotal)
+    print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

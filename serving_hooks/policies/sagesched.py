@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from adapt.policy import EngineView, Horizon, Plan, RequestState
-from predictors.embedding import EmbeddingCache
 from predictors.length_distribution import LengthDistribution
 from serving_hooks.policies.base import PriorityPolicy
 from serving_hooks.policies.baselines import FULL_KV_USAGE
@@ -41,7 +40,10 @@ MAX_FLIPS_PER_STEP = 4  # upper end of the uniform noise of the uniform_mix abla
 
 
 def service_cost(
-    prompt_tokens: float, output_tokens: np.ndarray | float, cost: str = "kv", memory_weight: float = 0.01
+    prompt_tokens: np.ndarray | float,
+    output_tokens: np.ndarray | float,
+    cost: str = "kv",
+    memory_weight: float = 0.01,
 ):
     """Cost of generating `output_tokens` after a prompt of `prompt_tokens` (see module docstring)."""
     l_out = np.asarray(output_tokens, dtype=np.float64)
@@ -93,6 +95,7 @@ class SageSched(PriorityPolicy):
     (`champion`, `v3`), or None (an empty default window); `history_mode` overrides its mode."""
 
     name = "sagesched"
+    needs_prompt_text = True
 
     def __init__(
         self,
@@ -134,7 +137,6 @@ class SageSched(PriorityPolicy):
         self.flip_ratio = flip_ratio
         self.preempt_below_tokens = preempt_below_tokens
         self._pending: dict[str, RequestState] = {}
-        self._embeddings = EmbeddingCache()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -180,7 +182,7 @@ class SageSched(PriorityPolicy):
         batch = list(self._pending.values())
         self._pending.clear()
         texts = [r.prompt_text for r in batch]
-        embeddings, has_text = embed_prompts(texts, self._embeddings)
+        embeddings, has_text = embed_prompts(texts)
         distributions = self.history.predict_embedded([r.prompt_tokens for r in batch], embeddings, has_text)
         for request, distribution, embedding, text_flag, text in zip(
             batch, distributions, embeddings, has_text, texts, strict=True
@@ -199,34 +201,36 @@ class SageSched(PriorityPolicy):
             self._insert(request, request.arrival_s)
 
     def _refresh(self, requests: Sequence[RequestState]) -> None:
-        """Recompute the index of each request at its attained service, all in one vectorised pass."""
+        """Recompute the index of each request at its attained service, in one vectorised pass.
+        A request's support costs never change (prompt and distribution are fixed), so they are
+        computed once per prediction and cached."""
         if not requests:
             return
-        width = max(r.cache["sage_distribution"].support.size for r in requests)
-        costs = np.full((len(requests), width), np.inf)
-        probs = np.zeros((len(requests), width))
-        attained = np.empty(len(requests))
+        count = len(requests)
+        for request in requests:
+            if "sage_costs" not in request.cache:
+                distribution: LengthDistribution = request.cache["sage_distribution"]
+                request.cache["sage_costs"] = self._cost(request.prompt_tokens, distribution.support)
+        width = max(r.cache["sage_costs"].size for r in requests)
+        costs = np.full((count, width), np.inf)
+        probs = np.zeros((count, width))
         for row, request in enumerate(requests):
-            distribution: LengthDistribution = request.cache["sage_distribution"]
-            size = distribution.support.size
-            costs[row, :size] = service_cost(
-                request.prompt_tokens, distribution.support, self.cost, self.memory_weight
-            )
-            probs[row, :size] = distribution.probs
-            attained[row] = service_cost(
-                request.prompt_tokens, request.tokens_generated, self.cost, self.memory_weight
-            )
+            size = request.cache["sage_costs"].size
+            costs[row, :size] = request.cache["sage_costs"]
+            probs[row, :size] = request.cache["sage_distribution"].probs
+        prompts = np.fromiter((r.prompt_tokens for r in requests), np.float64, count)
+        generated = np.fromiter((r.tokens_generated for r in requests), np.float64, count)
+        attained = self._cost(prompts, generated)
         index = (mean_remaining if self.order == "mean" else gittins_index)(costs, probs, attained)
-        for row, request in enumerate(requests):
-            value = index[row]
-            if not np.isfinite(value):
-                # Longer than anything predicted: expect one more bucket of tokens.
-                more = request.tokens_generated + self.bucket
-                value = float(
-                    service_cost(request.prompt_tokens, more, self.cost, self.memory_weight) - attained[row]
-                )
-            request.cache["sage_index"] = float(value)
+        # Longer than anything predicted: expect one more bucket of tokens.
+        beyond = self._cost(prompts, generated + self.bucket) - attained
+        index = np.where(np.isfinite(index), index, beyond)
+        for request, value in zip(requests, index.tolist(), strict=True):
+            request.cache["sage_index"] = value
             request.cache["sage_at"] = request.tokens_generated
+
+    def _cost(self, prompt_tokens: np.ndarray | float, output_tokens: np.ndarray | float) -> np.ndarray:
+        return service_cost(prompt_tokens, output_tokens, self.cost, self.memory_weight)
 
     # ------------------------------------------------------------------ step
     def on_step(self, view: EngineView) -> Plan:
@@ -284,13 +288,12 @@ def history_length_predictor(history: Any, bucket: int = 200) -> Callable[[Reque
     distribution conditioned on the tokens generated so far (E[S | S > g]; g + bucket past the
     support), so TRAIL's refinement sees the same information SageSched's refresh does."""
     history = _resolve_history(history)
-    cache = EmbeddingCache()
 
     def predict(request: RequestState) -> float:
         from predictors.semantic_history import embed_prompts
 
         if "point_distribution" not in request.cache:
-            embeddings, has_text = embed_prompts([request.prompt_text], cache)
+            embeddings, has_text = embed_prompts([request.prompt_text])
             request.cache["point_distribution"] = history.predict_embedded(
                 [request.prompt_tokens], embeddings, has_text
             )[0]
