@@ -117,3 +117,46 @@ def test_online_ewsjf_tuning_registers_a_candidate(tmp_path, capsys):
     version = reg.versions("ewsjf-meta-policy")[0]
     assert version.metrics["windows"] == 5.0  # 1,000 finished requests / windows of 200
     assert "champion_window_reward" in version.metrics
+
+
+def test_semantic_history_train_register_evaluate(tmp_path, capsys):
+    """Train on a 40-instruction slice of the bundled AlpacaEval lengths, promote, then evaluate
+    the champion leave-one-prompt-out on the same file."""
+    import gzip
+    import json
+
+    from experiments.workloads import bundled
+
+    with gzip.open(bundled("alpaca_eval_lengths.jsonl.gz"), "rt") as handle:
+        rows = [json.loads(line) for line in handle]
+    keep = sorted({r["instruction"] for r in rows})[:40]
+    data = tmp_path / "slice.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows if r["instruction"] in keep))
+    uri = f"sqlite:///{tmp_path / 'p.db'}"
+    train = ["--tracking-uri", uri, "train", "semantic-history", "--data", str(data), "--promote-if-better"]
+    assert main(train) == 0
+    out = capsys.readouterr().out
+    assert "semantic-history: registered version 1" in out and "promoted to champion: yes" in out
+    history = Registry(uri, cache_dir=tmp_path / "c").load("semantic-history")
+    assert history.size == history.metadata["data_window"]["train_rows"] > 0
+    report = tmp_path / "eval.json"
+    assert (
+        main(
+            [
+                "--tracking-uri",
+                uri,
+                "evaluate",
+                "semantic-history",
+                "--data",
+                str(data),
+                "--json",
+                str(report),
+            ]
+        )
+        == 0
+    )
+    metrics = json.loads(report.read_text())
+    assert metrics["prompts"] == 40
+    for prefix in ("", "length_", "point_"):
+        assert metrics[f"{prefix}wasserstein"] > 0 and 0 <= metrics[f"{prefix}bucket_overlap"] <= 1
+    assert "leave-one-prompt-out, 40 prompts" in capsys.readouterr().out

@@ -16,18 +16,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
-class ExplodingPolicy:
+from adapt.policy import Policy
+
+
+class ExplodingPolicy(Policy):
     """Raises on every step: the adapter must fall back to FCFS and keep serving."""
 
     name = "explode"
-    prefill_first = False
-    token_budget = None
-    needs_oracle = False
-
-    def on_arrival(self, request, now):
-        pass
-
-    on_admit = on_preempt = on_finish = on_arrival
 
     def on_step(self, view):
         raise RuntimeError("policy bug")
