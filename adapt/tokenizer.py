@@ -38,3 +38,10 @@ def count_tokens(texts: Sequence[str], tokenizer: str = MINILM) -> list[int]:
         raise ValueError(f"tokenizer: expected one of {', '.join(TOKENIZERS)}, got {tokenizer!r}")
     encodings = _minilm_tokenizer().encode_batch(list(texts), add_special_tokens=False)
     return [len(encoding.ids) for encoding in encodings]
+
+
+def minilm_offsets(texts: Sequence[str]) -> list[list[int]]:
+    """For each text, the character offset where each of its MiniLM tokens ends, so a caller can cut
+    the text after its first g tokens (a response "so far", for length refinement)."""
+    encodings = _minilm_tokenizer().encode_batch(list(texts), add_special_tokens=False)
+    return [[end for _, end in encoding.offsets] for encoding in encodings]

@@ -41,3 +41,12 @@ def _semantic_history():
 
 
 register_component("semantic-history", _semantic_history)
+
+
+def _qrf_length():
+    from predictors.qrf_length import QrfLength
+
+    return QrfLength
+
+
+register_component("qrf-length", _qrf_length)

@@ -1,0 +1,211 @@
+"""`qrf-length`: JITServe's upper bound on a request's *remaining* output length.
+
+A quantile regression forest (quantile-forest's `RandomForestQuantileRegressor`) predicts a high
+quantile (default 0.95) of the remaining length from features of the prompt and of what has been
+generated so far, so the bound can be re-predicted every `refine_every` (50) tokens and tightens as
+the answer unfolds (paper section 4.1). Features, all cheap to compute per request:
+
+- log(1 + prompt tokens), tokens generated so far g and log(1 + g);
+- the prompt's words and word bigrams, hashed into `prompt_features` buckets;
+- the generated text's words, hashed into `generated_features` buckets.
+
+Training rows come from prompt/response pairs: each response contributes one row per refinement
+point g in `TRAIN_POINTS` that it outlives (g = 0 is the prediction on arrival). Lengths are in
+MiniLM WordPiece tokens (`adapt.tokenizer`), the prefix text is the response cut after g tokens.
+Saved with skops (no pickle), loaded with an explicit list of trusted types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+
+from adapt.component import ComponentError, LearnedComponent, data_fingerprint
+
+TRAIN_POINTS: tuple[int, ...] = (0, 50, 100, 200, 400)
+EVAL_POINTS: tuple[int, ...] = (0, 50, 100, 200)
+FOREST_FILE = "forest.skops"
+TRUSTED_TYPES = [
+    "quantile_forest._quantile_forest.RandomForestQuantileRegressor",
+    "quantile_forest._quantile_forest_fast.QuantileForest",
+    "sklearn.tree._tree.Tree",
+]
+
+
+class QrfLength(LearnedComponent):
+    """Upper bound (quantile `quantile`) on the remaining output length (see module docstring)."""
+
+    name = "qrf-length"
+    primary_metric = "coverage_error"
+    lower_is_better = True
+
+    def __init__(
+        self,
+        quantile: float = 0.95,
+        n_estimators: int = 40,
+        max_depth: int = 12,
+        min_samples_leaf: int = 20,
+        prompt_features: int = 128,
+        generated_features: int = 32,
+        refine_every: int = 50,
+        random_state: int = 0,
+    ) -> None:
+        super().__init__()
+        if not 0.5 <= quantile < 1.0:
+            raise ValueError(f"quantile: expected a high quantile in [0.5, 1), got {quantile!r}")
+        self.quantile = float(quantile)
+        self.n_estimators = int(n_estimators)
+        self.max_depth = int(max_depth)
+        self.min_samples_leaf = int(min_samples_leaf)
+        self.prompt_features = int(prompt_features)
+        self.generated_features = int(generated_features)
+        self.refine_every = int(refine_every)
+        self.random_state = int(random_state)
+        self.forest_: Any = None
+
+    def get_params(self) -> dict[str, Any]:
+        return {
+            "quantile": self.quantile,
+            "n_estimators": self.n_estimators,
+            "max_depth": self.max_depth,
+            "min_samples_leaf": self.min_samples_leaf,
+            "prompt_features": self.prompt_features,
+            "generated_features": self.generated_features,
+            "refine_every": self.refine_every,
+            "random_state": self.random_state,
+        }
+
+    # --------------------------------------------------------------- features
+    def features(
+        self,
+        prompt_tokens: Sequence[int],
+        prompt_texts: Sequence[str],
+        generated_tokens: Sequence[int],
+        generated_texts: Sequence[str],
+    ) -> np.ndarray:
+        """One row per request (the scikit-learn X this forest is fitted on)."""
+        from sklearn.feature_extraction.text import HashingVectorizer
+
+        prompts = HashingVectorizer(
+            n_features=self.prompt_features, ngram_range=(1, 2), alternate_sign=False, norm="l2"
+        ).transform(list(prompt_texts))
+        generated = HashingVectorizer(
+            n_features=self.generated_features, alternate_sign=False, norm="l2"
+        ).transform(list(generated_texts))
+        g = np.asarray(generated_tokens, dtype=np.float32)
+        numeric = np.column_stack([np.log1p(np.asarray(prompt_tokens, dtype=np.float32)), g, np.log1p(g)])
+        return np.hstack([numeric, prompts.toarray(), generated.toarray()]).astype(np.float32)
+
+    def predict_bound(
+        self,
+        prompt_tokens: Sequence[int],
+        prompt_texts: Sequence[str],
+        generated_tokens: Sequence[int],
+        generated_texts: Sequence[str],
+    ) -> np.ndarray:
+        """Upper bound on the tokens still to come, one per request (>= 1)."""
+        if self.forest_ is None:
+            raise ComponentError("qrf-length: not fitted")
+        rows = self.features(prompt_tokens, prompt_texts, generated_tokens, generated_texts)
+        return np.maximum(1.0, self.forest_.predict(rows, quantiles=self.quantile))
+
+    # ---------------------------------------------------------- fit / evaluate
+    def fit(self, data: Any) -> Self:
+        """`data`: a Trace of prompt/response pairs with `output_text` (the AlpacaEval format)."""
+        from quantile_forest import RandomForestQuantileRegressor
+
+        X, y, _ = self._training_rows(data, TRAIN_POINTS)
+        self.forest_ = RandomForestQuantileRegressor(
+            n_estimators=self.n_estimators,
+            max_depth=self.max_depth,
+            min_samples_leaf=self.min_samples_leaf,
+            max_samples_leaf=None,
+            random_state=self.random_state,
+            n_jobs=-1,
+        ).fit(X, y)
+        self.forest_.n_jobs = 1  # per-request predictions: a thread pool costs more than it saves
+        self.metadata.update(
+            training_rows=len(y),
+            responses=len(data),
+            data_hash=data_fingerprint(np.asarray(data.output_tokens), list(data.prompt_text)),
+        )
+        return self
+
+    def evaluate(self, data: Any) -> dict[str, float]:
+        """Coverage (share of true remaining lengths <= bound) and mean over-estimation ratio
+        (bound / true remaining) after 0, 50, 100 and 200 generated tokens; `coverage_error` is
+        the largest |coverage - quantile| over those points."""
+        X, y, points = self._training_rows(data, EVAL_POINTS)
+        bound = np.maximum(1.0, self.forest_.predict(X, quantiles=self.quantile))
+        metrics: dict[str, float] = {}
+        for g in EVAL_POINTS:
+            mask = points == g
+            if mask.any():
+                metrics[f"coverage_at_{g}"] = float(np.mean(y[mask] <= bound[mask]))
+                metrics[f"overestimate_at_{g}"] = float(np.mean(bound[mask] / y[mask]))
+                metrics[f"bound_mean_at_{g}"] = float(np.mean(bound[mask]))
+        metrics["coverage_error"] = max(
+            abs(metrics[f"coverage_at_{g}"] - self.quantile)
+            for g in EVAL_POINTS
+            if f"coverage_at_{g}" in metrics
+        )
+        return metrics
+
+    def _training_rows(self, data: Any, points: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        texts = data.columns.get("output_text") if getattr(data, "columns", None) else None
+        if texts is None or data.prompt_text is None:
+            raise ValueError(
+                "qrf-length needs prompt and response texts (an AlpacaEval-format file with `output`)"
+            )
+        prefixes = response_prefixes(texts, points)
+        rows: list[tuple[int, str, int, str]] = []
+        targets: list[float] = []
+        at: list[int] = []
+        for i, total in enumerate(np.asarray(data.output_tokens)):
+            for g in points:
+                if g < total:
+                    rows.append((int(data.prompt_tokens[i]), data.prompt_text[i], g, prefixes[g][i]))
+                    targets.append(float(total - g))
+                    at.append(g)
+        prompt_tokens, prompt_texts, generated, generated_texts = zip(*rows, strict=True)
+        X = self.features(prompt_tokens, prompt_texts, generated, generated_texts)
+        return X, np.asarray(targets), np.asarray(at)
+
+    # ------------------------------------------------------------ save / load
+    def save_state(self, directory: Path) -> None:
+        import skops.io
+
+        if self.forest_ is None:
+            raise ComponentError("qrf-length: nothing to save before fit")
+        skops.io.dump(self.forest_, directory / FOREST_FILE)
+
+    def load_state(self, directory: Path) -> None:
+        import skops.io
+
+        untrusted = set(skops.io.get_untrusted_types(file=directory / FOREST_FILE)) - set(TRUSTED_TYPES)
+        if untrusted:
+            raise ComponentError(f"qrf-length: refusing types {sorted(untrusted)} in {FOREST_FILE}")
+        self.forest_ = skops.io.load(directory / FOREST_FILE, trusted=TRUSTED_TYPES)
+        self.forest_.n_jobs = 1
+
+    def validate(self) -> None:
+        bound = self.predict_bound([12], ["write a short poem about the sea"], [0], [""])
+        if not (np.isfinite(bound).all() and bound[0] >= 1.0):
+            raise ComponentError("qrf-length: canary bound is not a positive length")
+
+
+def response_prefixes(texts: Sequence[str], points: Sequence[int]) -> dict[int, list[str]]:
+    """For each g in `points`, every response cut after its first g MiniLM tokens ("" for g = 0)."""
+    from adapt.tokenizer import minilm_offsets
+
+    ends = minilm_offsets(texts)
+    return {
+        g: [
+            text[: offsets[min(g, len(offsets)) - 1]] if g and offsets else ""
+            for text, offsets in zip(texts, ends, strict=True)
+        ]
+        for g in points
+    }
