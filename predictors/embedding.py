@@ -3,8 +3,8 @@
 The package ships the sentence-transformers model files, so nothing is fetched from a hub (the
 offline flag is set before sentence-transformers is imported). Embeddings are L2-normalised, so
 an inner product is the cosine similarity SageSched thresholds at 0.8. The model is loaded once
-per process; batching matters -- on 2 CPU cores one prompt costs ~19 ms alone and ~12 ms in a
-batch of 64 (measured by `python -m experiments.bench_sagesched`).
+per process; batching matters -- on 2 CPU cores one prompt costs ~20 ms alone and ~11 ms in
+batches of 64 (measured by `python -m experiments.bench_sagesched`).
 """
 
 from __future__ import annotations
