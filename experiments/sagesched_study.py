@@ -37,9 +37,9 @@ from adapt.traces import load_trace
 from experiments.replay.cost import roofline
 from experiments.replay.engine import EngineConfig, ReplayEngine
 from experiments.workloads import WORKLOADS, bundled, sagesched_mix
-from predictors.semantic_history import SemanticHistory, instruction_split
+from predictors.semantic_history import SemanticHistory, split_by_instruction
 from serving_hooks.policies import make_policy
-from serving_hooks.policies.sagesched import history_length_predictor
+from serving_hooks.policies.sagesched import history_length_predictor, resolve_history
 
 NON_ORACLE = ("fcfs", "ltr+history", "trail+history", "fastserve", "sagesched")
 
@@ -47,15 +47,13 @@ NON_ORACLE = ("fcfs", "ltr+history", "trail+history", "fastserve", "sagesched")
 def train_split_history() -> SemanticHistory:
     """A semantic history seeded with the bundled AlpacaEval rows outside the held-out split."""
     trace = load_trace(bundled("alpaca_eval_lengths.jsonl.gz"))
-    return SemanticHistory().fit(trace.take(np.flatnonzero(~instruction_split(trace.prompt_text))))
+    return SemanticHistory().fit(split_by_instruction(trace)[0])
 
 
 def load_history(spec: str) -> SemanticHistory:
     if spec == "fit":
         return train_split_history()
-    from serving_hooks.policies.sagesched import _resolve_history
-
-    return _resolve_history(spec)
+    return resolve_history(spec)
 
 
 def policies(history: SemanticHistory) -> dict[str, Callable[[], Policy]]:

@@ -128,11 +128,10 @@ def sagesched_mix(
     `semantic-history` trained by `adapt train semantic-history` has never seen them and learns them
     online, as a deployment would. ShareGPT/arXiv rows carry no text; predictors see their length only.
     Alpaca prompts are counted with the MiniLM tokenizer, the others with Llama-2's."""
-    from predictors.semantic_history import instruction_split
+    from predictors.semantic_history import split_by_instruction
 
     rng = np.random.default_rng(seed)
-    alpaca = load_trace(bundled("alpaca_eval_lengths.jsonl.gz"))
-    alpaca = alpaca.take(np.flatnonzero(instruction_split(alpaca.prompt_text)))
+    _, alpaca = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
     chat = load_trace(bundled("sharegpt_lengths.csv.gz"))
     summarize = load_trace(bundled("arxiv_summarization_lengths.csv.gz"))
     sources = (("alpaca", alpaca), ("chat", chat), ("summarize", summarize))

@@ -12,12 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from adapt.registry import Registry
 from adapt.traces import Trace, load_trace
 from pipelines.outcome import TrainOutcome, beats, latest_data_hash
-from predictors.semantic_history import MODES, SemanticHistory, instruction_split
+from predictors.semantic_history import MODES, SemanticHistory, split_by_instruction
 
 BASELINE_MODES = tuple(m for m in MODES if m != "semantic")
 
@@ -59,8 +57,7 @@ def train_semantic_history(
     **params: Any,
 ) -> TrainOutcome:
     trace = _load(data)
-    held_out = instruction_split(trace.prompt_text, test_share)
-    train, test = trace.take(np.flatnonzero(~held_out)), trace.take(np.flatnonzero(held_out))
+    train, test = split_by_instruction(trace, test_share)
     candidate = SemanticHistory(**params).fit(train)
     if skip_unchanged and candidate.metadata["data_hash"] == latest_data_hash(registry, "semantic-history"):
         return TrainOutcome(None, False, {}, None)

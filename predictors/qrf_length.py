@@ -109,7 +109,9 @@ class QrfLength(LearnedComponent):
         """Upper bound on the tokens still to come, one per request (>= 1)."""
         if self.forest_ is None:
             raise ComponentError("qrf-length: not fitted")
-        rows = self.features(prompt_tokens, prompt_texts, generated_tokens, generated_texts)
+        return self._bound(self.features(prompt_tokens, prompt_texts, generated_tokens, generated_texts))
+
+    def _bound(self, rows: np.ndarray) -> np.ndarray:
         return np.maximum(1.0, self.forest_.predict(rows, quantiles=self.quantile))
 
     # ---------------------------------------------------------- fit / evaluate
@@ -139,7 +141,7 @@ class QrfLength(LearnedComponent):
         (bound / true remaining) after 0, 50, 100 and 200 generated tokens; `coverage_error` is
         the largest |coverage - quantile| over those points."""
         X, y, points = self._training_rows(data, EVAL_POINTS)
-        bound = np.maximum(1.0, self.forest_.predict(X, quantiles=self.quantile))
+        bound = self._bound(X)
         metrics: dict[str, float] = {}
         for g in EVAL_POINTS:
             mask = points == g

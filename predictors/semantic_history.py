@@ -32,6 +32,7 @@ from typing import Any, Self
 import numpy as np
 
 from adapt.component import ComponentError, LearnedComponent, data_fingerprint
+from adapt.traces import Trace
 from predictors.length_distribution import LengthDistribution, bucket_overlap, crps, wasserstein
 
 MODES = ("semantic", "length", "point")
@@ -55,6 +56,12 @@ def instruction_split(texts: Sequence[str], test_share: float = 0.3) -> np.ndarr
         raise ValueError(f"test_share: expected a number in (0, 1), got {test_share!r}")
     cut = int(test_share * 1000)
     return np.array([prompt_hash(t) % 1000 < cut for t in texts], dtype=bool)
+
+
+def split_by_instruction(trace: Trace, test_share: float = 0.3) -> tuple[Trace, Trace]:
+    """(train, held-out) rows of a prompt/response trace, split by `instruction_split`."""
+    held_out = instruction_split(trace.prompt_text, test_share)
+    return trace.take(np.flatnonzero(~held_out)), trace.take(np.flatnonzero(held_out))
 
 
 class SemanticHistory(LearnedComponent):

@@ -9,7 +9,7 @@ import pytest
 from adapt.component import ComponentError, read_component
 from adapt.traces import load_trace
 from predictors.qrf_length import QrfLength, response_prefixes
-from predictors.semantic_history import instruction_split
+from predictors.semantic_history import split_by_instruction
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +24,7 @@ def alpaca_split():
     trace = load_trace(path)
     keep = np.flatnonzero([hash_bucket < 120 for hash_bucket in _instruction_rank(trace.prompt_text)])
     trace = trace.take(keep)  # 120 instructions x 24 models: a few seconds to fit
-    held = instruction_split(trace.prompt_text, 0.3)
-    return trace.take(np.flatnonzero(~held)), trace.take(np.flatnonzero(held))
+    return split_by_instruction(trace, 0.3)
 
 
 def _instruction_rank(texts):

@@ -124,7 +124,7 @@ class SageSched(PriorityPolicy):
             raise ValueError(f"bucket: expected >= 1 tokens, got {bucket!r}")
         if not 0.0 <= uniform_mix <= 1.0:
             raise ValueError(f"uniform_mix: expected a weight in [0, 1], got {uniform_mix!r}")
-        self.history = _resolve_history(history)
+        self.history = resolve_history(history)
         if history_mode is not None:
             from predictors.semantic_history import MODES
 
@@ -259,13 +259,16 @@ class SageSched(PriorityPolicy):
         return plan
 
     def horizon(self, view: EngineView) -> Horizon:
-        if not view.running or self.order == "static":
-            return Horizon(kv_usage_below=FULL_KV_USAGE) if view.running else Horizon()
+        if not view.running:
+            return Horizon()
+        if self.order == "static":  # no bucket refresh: only the KV level of "full" changes the plan
+            return Horizon(kv_usage_below=FULL_KV_USAGE)
         steps = min(self.bucket - (r.tokens_generated - r.cache.get("sage_at", 0)) for r in view.running)
         return Horizon(steps=max(0, steps), kv_usage_below=FULL_KV_USAGE)
 
 
-def _resolve_history(history: Any):
+def resolve_history(history: Any):
+    """A `SemanticHistory` of the policy's own from any form `SageSched(history=...)` accepts."""
     from predictors.semantic_history import SemanticHistory
 
     if history is None:
@@ -291,7 +294,7 @@ def history_length_predictor(history: Any, bucket: int = 200) -> Callable[[Reque
     baselines (`ltr`, `trail`) in place of their noisy oracle: the mean of the predicted
     distribution conditioned on the tokens generated so far (E[S | S > g]; g + bucket past the
     support), so TRAIL's refinement sees the same information SageSched's refresh does."""
-    history = _resolve_history(history)
+    history = resolve_history(history)
 
     def predict(request: RequestState) -> float:
         from predictors.semantic_history import embed_prompts
