@@ -89,9 +89,14 @@ class RequestState:
 
     @property
     def deadline_at(self) -> float:
-        """Absolute deadline for deadline/compound SLOs, +inf otherwise (EDF's key)."""
+        """Absolute deadline for deadline/compound SLOs, +inf otherwise (EDF's key). A compound
+        deadline runs from the program's first arrival, not from this stage's."""
         deadline = self.slo.deadline_s
-        return math.inf if deadline is None else self.arrival_s + deadline
+        if deadline is None:
+            return math.inf
+        if self.program is not None and self.program.start_s is not None:
+            return self.program.start_s + deadline
+        return self.arrival_s + deadline
 
     def __repr__(self) -> str:
         return (

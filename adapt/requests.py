@@ -81,7 +81,11 @@ class ProgramRef:
     """Where a request sits inside a compound program (an agent, a RAG pipeline, a tool loop).
 
     `stage` counts LLM/tool nodes from 0 in program order; `parent_ids` are the request ids whose
-    outputs this node consumes. `num_stages` is only known to oracles and to the workload generator.
+    outputs this node consumes. `start_s` is the program's first arrival (a compound deadline runs
+    from it); `after_parents_s` is the time between the last parent finishing and this request
+    arriving (a tool call in between), which an engine that releases dependants itself uses.
+    `num_stages` and `deadline_share` (the share of the program's execution time up to and
+    including this stage, JITServe's phi(s)) are only known to oracles and the workload generator.
     """
 
     program_id: str
@@ -89,6 +93,9 @@ class ProgramRef:
     node_kind: Literal["llm", "tool"] = "llm"
     parent_ids: tuple[str, ...] = ()
     num_stages: int | None = None
+    start_s: float | None = None
+    after_parents_s: float = 0.0
+    deadline_share: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.program_id, str) or not self.program_id:
@@ -102,6 +109,12 @@ class ProgramRef:
                 raise ValidationError(
                     f"program.stage: {self.stage} is not below num_stages {self.num_stages}"
                 )
+        if self.start_s is not None and (not math.isfinite(self.start_s) or self.start_s < 0):
+            raise ValidationError(f"program.start_s: must be a finite time >= 0, got {self.start_s!r}")
+        if not (math.isfinite(self.after_parents_s) and self.after_parents_s >= 0):
+            raise ValidationError(f"program.after_parents_s: must be >= 0, got {self.after_parents_s!r}")
+        if self.deadline_share is not None and not 0 < self.deadline_share <= 1:
+            raise ValidationError(f"program.deadline_share: must be in (0, 1], got {self.deadline_share!r}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ProgramRef:

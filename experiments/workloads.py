@@ -153,6 +153,69 @@ def sagesched_mix(
     return build_requests(trace, arrivals, labels=labels, max_total_tokens=max_total_tokens)
 
 
+JITSERVE_SLOS: dict[str, SLO] = {
+    "latency": SLO(kind="latency", ttft_s=2.0, tbt_s=0.1),
+    "deadline": SLO(kind="deadline", deadline_s=20.0),
+}
+
+
+def jitserve_mix(
+    rate: float,
+    num_requests: int,
+    seed: int,
+    shares: tuple[float, float, float] = (1.0, 1.0, 1.0),
+    arrivals: str = "azure",
+) -> list[Request]:
+    """JITServe's three request patterns, 1:1:1 by default (paper section 6.1):
+
+    - `latency`: TTFT 2 s, TBT 100 ms; `deadline`: whole response within 20 s -- both real
+      AlpacaEval prompts with the real length of one of 24 models' responses, held-out
+      instructions only (`instruction_split`), so a `qrf-length` trained on the rest never saw them;
+    - `compound`: a generated chatbot-compound, deep-research or agentic-codegen program
+      (`experiments.compound_programs`, shapes and lengths after the paper's Table 2), deadline
+      20 s per LLM stage; its later calls arrive as their parents finish.
+
+    `num_requests` counts jobs (a compound job expands into its calls). Job arrivals follow the
+    real Azure conversation trace's timestamps time-scaled to `rate` (`arrivals="azure"`), or a
+    Poisson process (`arrivals="poisson"`)."""
+    from experiments.compound_programs import generate_programs, program_requests
+    from predictors.semantic_history import split_by_instruction
+
+    rng = np.random.default_rng(seed)
+    if arrivals == "azure":
+        azure = load_trace(bundled("azure_conv_2023.csv.gz"))
+        if num_requests > len(azure):
+            raise ValueError(f"num_requests: the Azure trace has {len(azure)} arrivals, asked {num_requests}")
+        times = scale_to_rate(azure.arrival_s[:num_requests], rate)
+    elif arrivals == "poisson":
+        times = poisson_arrivals(num_requests, rate, rng)
+    else:
+        raise ValueError(f"arrivals: expected azure or poisson, got {arrivals!r}")
+    _, alpaca = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
+    kinds = rng.choice(3, size=num_requests, p=np.asarray(shares) / sum(shares))
+    programs = iter(generate_programs(int((kinds == 2).sum()), seed=seed + 7919))
+    requests: list[Request] = []
+    for i, (kind, at) in enumerate(zip(kinds, times, strict=True)):
+        if kind == 2:
+            program_id, stages = next(programs)
+            requests.extend(program_requests(program_id, stages, float(at)))
+            continue
+        label = "latency" if kind == 0 else "deadline"
+        row = int(rng.integers(0, len(alpaca)))
+        requests.append(
+            Request(
+                f"r{i}",
+                float(at),
+                int(alpaca.prompt_tokens[row]),
+                int(alpaca.output_tokens[row]),
+                slo=JITSERVE_SLOS[label],
+                prompt_text=alpaca.prompt_text[row],  # type: ignore[index]
+                label=label,
+            )
+        )
+    return requests
+
+
 WORKLOADS: dict[str, WorkloadSpec] = {
     "ewsjf-mixed": WorkloadSpec(
         "ewsjf-mixed",
@@ -194,6 +257,18 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         3.0,
         2000,
         sagesched_mix,
+    ),
+    "jitserve-mix": WorkloadSpec(
+        "jitserve-mix",
+        "latency (TTFT 2 s, TBT 0.1 s) / deadline (20 s) AlpacaEval requests and compound programs"
+        " (chatbot, deep research, agentic codegen; 20 s per stage) 1:1:1, Azure arrivals;"
+        " llama-3-8b on 1 x A100 (the paper's smallest model)",
+        "llama-3-8b",
+        "a100-80g",
+        1,
+        2.0,
+        1500,
+        jitserve_mix,
     ),
 }
 

@@ -50,3 +50,12 @@ def _qrf_length():
 
 
 register_component("qrf-length", _qrf_length)
+
+
+def _pattern_graph():
+    from predictors.pattern_graph import PatternGraph
+
+    return PatternGraph
+
+
+register_component("pattern-graph", _pattern_graph)

@@ -53,9 +53,16 @@ class Cluster:
     def run(self, requests: Sequence[Request], *, progress=None) -> ReplayResult:
         wall_start = time.perf_counter()
         done = 0
+        home: dict[str, int] = {}  # a compound program's requests stay on its first replica
         for request in requests:
-            self._advance(request.arrival_s)
-            self.engines[self.router(self.engines, request)].add(request)
+            parents = request.program.parent_ids if request.program is not None else ()
+            if parents:
+                replica = home[parents[0]]
+            else:
+                self._advance(request.arrival_s)
+                replica = self.router(self.engines, request)
+            home[request.request_id] = replica
+            self.engines[replica].add(request)
             if progress is not None:
                 now_done = sum(e.recorder.done_count for e in self.engines)
                 progress(now_done - done)
@@ -63,6 +70,8 @@ class Cluster:
         for engine in self.engines:
             engine.arrival_fence_s = math.inf
         self._advance(math.inf)
+        for engine in self.engines:
+            engine.drop_unreleased()
         if progress is not None:
             progress(sum(e.recorder.done_count for e in self.engines) - done)
         results = [engine.recorder.result(0.0) for engine in self.engines]

@@ -7,6 +7,10 @@ picks the victim), then admits waiting requests in the policy's order while the 
 budget and the free blocks allow -- as vLLM's scheduler does. The step's duration comes from the
 cost model; every request whose known tokens are all computed samples one token at its end.
 
+Compound programs: a request whose `program.parent_ids` are set is held back when added and
+arrives `program.after_parents_s` (a tool call) after its last parent finishes; if a parent is
+dropped, its dependants are dropped too, with that reason, so no request disappears unreported.
+
 Fast path: when a step was decode-only over every running request and the plan did nothing else,
 the following steps are identical until an arrival, a completion, a KV block shortfall or the
 policy's horizon; the engine advances that whole run at once with vectorised step times. With
@@ -15,8 +19,11 @@ policy's horizon; the engine advances that whole run at once with vectorised ste
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import math
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,6 +81,13 @@ class ReplayEngine:
         self._pending: list[Request] = []
         self._pending_pos = 0
         self._true_len: dict[str, int] = {}
+        # Compound programs: dependants held until their parents finish (see module doc).
+        self._added: set[str] = set()
+        self._finished_s: dict[str, float] = {}
+        self._held: dict[str, Request] = {}
+        self._unmet: dict[str, int] = {}
+        self._ready_s: dict[str, float] = {}
+        self._dependants: dict[str, list[str]] = defaultdict(list)
         # A cluster routes arrivals one at a time; this fence keeps a decode run from jumping past
         # the next arrival routed anywhere (it might come here).
         self.arrival_fence_s = math.inf
@@ -81,10 +95,72 @@ class ReplayEngine:
 
     # ----------------------------------------------------------------- arrivals
     def add(self, request: Request) -> None:
-        """Queue a future arrival; requests must be added in arrival order."""
+        """Queue a future arrival; requests must be added in arrival order. A dependant (a request
+        with parents) is held until its parents finish; its own `arrival_s` is then ignored, but
+        its parents must have been added before it."""
+        parents = request.program.parent_ids if request.program is not None else ()
+        if parents:
+            self._hold(request, parents)
+            return
         if self._pending and request.arrival_s < self._pending[-1].arrival_s:
             raise ValueError(f"{request.request_id}: requests must be added in arrival order")
+        self._added.add(request.request_id)
         self._pending.append(request)
+
+    def _hold(self, request: Request, parents: Sequence[str]) -> None:
+        rid = request.request_id
+        unknown = [p for p in parents if p not in self._added]
+        if unknown:
+            raise ValueError(f"{rid}: parent(s) {', '.join(unknown)} not added before it")
+        self._added.add(rid)
+        self._held[rid] = request
+        self._unmet[rid] = 0
+        self._ready_s[rid] = 0.0
+        for parent in parents:
+            if parent in self._finished_s:
+                self._ready_s[rid] = max(self._ready_s[rid], self._finished_s[parent])
+            else:
+                self._unmet[rid] += 1
+                self._dependants[parent].append(rid)
+        if self._unmet[rid] == 0:
+            self._release(rid)
+
+    def _release(self, rid: str) -> None:
+        """All parents finished: the dependant arrives after its tool time."""
+        request = self._held.pop(rid)
+        arrival = max(self._ready_s.pop(rid), self.now) + request.program.after_parents_s  # type: ignore[union-attr]
+        del self._unmet[rid]
+        released = dataclasses.replace(request, arrival_s=arrival)
+        bisect.insort(self._pending, released, lo=self._pending_pos, key=lambda r: r.arrival_s)
+
+    def _parent_done(self, parent: str, finished: bool) -> None:
+        """A parent finished (or was dropped): release or drop the dependants waiting on it."""
+        if finished:
+            self._finished_s[parent] = self.now
+        for rid in self._dependants.pop(parent, ()):
+            if rid not in self._held:
+                continue
+            if not finished:
+                self._drop_held(rid, f"parent {parent} dropped")
+                continue
+            self._ready_s[rid] = max(self._ready_s[rid], self.now)
+            self._unmet[rid] -= 1
+            if self._unmet[rid] == 0:
+                self._release(rid)
+
+    def _drop_held(self, rid: str, reason: str) -> None:
+        request = self._held.pop(rid)
+        del self._unmet[rid], self._ready_s[rid]
+        state = self._state_for(dataclasses.replace(request, arrival_s=max(self.now, request.arrival_s)))
+        self.recorder.arrived(state, request.output_tokens)
+        self.recorder.dropped(state, self.now, reason)
+        self._parent_done(rid, finished=False)
+
+    def drop_unreleased(self, reason: str = "parents never finished") -> None:
+        """Report dependants still held when the replay ends (their parents never completed)."""
+        for rid in list(self._held):
+            if rid in self._held:
+                self._drop_held(rid, reason)
 
     @property
     def next_arrival_s(self) -> float:
@@ -99,7 +175,9 @@ class ReplayEngine:
     @property
     def outstanding(self) -> int:
         """Requests in the engine or routed to it but not yet arrived (for least-outstanding routing)."""
-        return len(self.waiting) + len(self.running) + len(self._pending) - self._pending_pos
+        return (
+            len(self.waiting) + len(self.running) + len(self._pending) - self._pending_pos + len(self._held)
+        )
 
     def _admit_arrivals(self) -> None:
         while (
@@ -109,18 +187,20 @@ class ReplayEngine:
             self._pending_pos += 1
             self._arrive(request)
 
-    def _arrive(self, request: Request) -> None:
-        max_tokens = self.config.max_model_len - request.prompt_tokens
-        state = RequestState(
+    def _state_for(self, request: Request) -> RequestState:
+        return RequestState(
             request.request_id,
             request.arrival_s,
             request.prompt_tokens,
-            max_tokens,
+            self.config.max_model_len - request.prompt_tokens,
             request.slo,
             request.prompt_text,
             request.program,
             request.label,
         )
+
+    def _arrive(self, request: Request) -> None:
+        state = self._state_for(request)
         if self.policy.needs_oracle:
             state.oracle_output_tokens = request.output_tokens
         self._true_len[state.id] = request.output_tokens
@@ -129,6 +209,7 @@ class ReplayEngine:
         if too_long or self.kv.blocks_for(request.prompt_tokens + request.output_tokens) > self.kv.num_blocks:
             reason = "longer than max_model_len" if too_long else "larger than the whole KV cache"
             self.recorder.dropped(state, self.now, reason)
+            self._parent_done(state.id, finished=False)
             return
         self.waiting[state.id] = state
         self.policy.on_arrival(state, self.now)
@@ -186,6 +267,7 @@ class ReplayEngine:
             if self.waiting.pop(state.id, None) is not None:
                 self.recorder.dropped(state, self.now, "admission control")
                 self.policy.on_finish(state, self.now)
+                self._parent_done(state.id, finished=False)
                 changed = True
         for state in plan.preempt:
             if state in self.running:
@@ -340,6 +422,7 @@ class ReplayEngine:
         state.phase = "finished"
         self.recorder.finished(state)
         self.policy.on_finish(state, self.now)
+        self._parent_done(state.id, finished=True)
 
     # ------------------------------------------------------------ fast path
     def _decode_run(self, view: EngineView) -> None:
@@ -416,6 +499,7 @@ class ReplayEngine:
             if progress is not None and self.recorder.done_count != last:
                 progress(self.recorder.done_count - last)
                 last = self.recorder.done_count
+        self.drop_unreleased()
         return self.recorder.result(time.perf_counter() - wall_start)
 
 

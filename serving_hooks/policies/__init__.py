@@ -19,6 +19,7 @@ from serving_hooks.policies.baselines import (
     VllmV0,
 )
 from serving_hooks.policies.ewsjf import EWSJF
+from serving_hooks.policies.jitserve import JITServe, JITServeOracle
 from serving_hooks.policies.sagesched import SageSched
 from serving_hooks.policies.slai import SLAI, SLAIFixed
 
@@ -39,6 +40,8 @@ LEARNED_POLICIES: dict[str, Callable[..., Policy]] = {
     "slai": SLAI,
     "slai-fixed": SLAIFixed,
     "sagesched": SageSched,
+    "jitserve": JITServe,
+    "jitserve-oracle": JITServeOracle,
 }
 POLICIES: dict[str, Callable[..., Policy]] = {**BASELINE_POLICIES, **LEARNED_POLICIES}
 BASELINES: tuple[str, ...] = tuple(BASELINE_POLICIES)

@@ -1,0 +1,533 @@
+"""JITServe's GMAX scheduler: serve each request just in time for its SLO, favouring the most
+goodput per unit of generation time (DESIGN.md section 4; paper section 4.2).
+
+Per request r, with `len_rem` an upper bound on its remaining output (`qrf-length` for single
+requests, `pattern-graph`'s stage bound for compound calls, the truth for `jitserve-oracle`) and
+`v` the engine's mean time per decode step:
+
+    t_gen(r)    = t_prefill(r) + len_rem(r) * v          (upper bound on the time it still needs)
+    goodput(r)  = what finishing r on that schedule earns: latency -- the remaining tokens that can
+                  still arrive by arrival + TTFT + i * TBT; deadline -- prompt + output tokens if
+                  t_gen fits before the deadline, else 0; compound -- the same against the stage's
+                  sub-deadline start + phi(s) * D (half when only the program's deadline is still
+                  reachable); best effort -- prompt + output tokens;
+                  plus `delta` per frame spent waiting, so nothing starves
+    priority(r) = goodput(r) / t_gen(r)                 [optionally (1-f) * priority + f * fairness]
+
+Every frame (`frame_steps` = 50 decode steps) GMAX re-plans over waiting and running requests:
+keep the candidates whose priority is at least p times the B-th highest, sort them by input length,
+and pick the window of B consecutive candidates with the largest priority sum (the batch: high
+payoff, similar lengths). Waiting members of that batch are admitted first, the other waiting
+requests after them by priority. A running request outside the batch is preempted for a waiting
+member only if the projected gain over a frame, (priority_in - priority_out) * frame time, exceeds
+the stall its recompute causes, stall time * the batch's token speed. The cutoff p is adapted
+online by an epsilon-greedy bandit over `cutoffs`, rewarded with the goodput of the requests that
+finish during the frame. Admission control drops requests never scheduled within `waiting_time_s`
+(reported as `dropped`, never lost). Bounds are refreshed every `refine_every` generated tokens.
+
+The batch size B caps the running requests: a smaller batch decodes faster, which is what lets
+the admitted requests meet TBTs and deadlines under overload. Its default, 48, was the best of
+32/48/64 on `jitserve-mix` (llama-3-8b / A100, 2.0-3.0 req/s, seed 0); `None` means the engine's
+`max_running`. Like Sarathi-Serve, JITServe runs chunked prefill with a 512-token budget.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections import deque
+from typing import Any
+
+import numpy as np
+from sortedcontainers import SortedList
+
+from adapt.policy import EngineView, Horizon, Plan, Policy, RequestState
+
+DEFAULT_STEP_S = 0.03  # decode step time assumed before the engine has measured one
+FALLBACK_QUANTILE_WINDOW = 4096
+_EPS = 1e-9  # token counts from float time ratios: 11.000000000000002 late tokens are 11
+MEMO_SIZE = 50_000  # QRF bounds memoised by (prompt, generated count): repeated prompts are common
+MAX_PROGRAMS = 10_000  # compound programs whose calls are remembered for pattern matching
+
+
+class JITServe(Policy):
+    """GMAX (see module docstring). `qrf` and `patterns` take a component instance, a registry
+    alias, `vN`, or None (then an online empirical quantile of completed lengths stands in)."""
+
+    name = "jitserve"
+
+    def __init__(
+        self,
+        qrf: Any = None,
+        patterns: Any = None,
+        quantile: float = 0.95,
+        frame_steps: int = 50,
+        batch_size: int | None = 48,
+        cutoff: float = 0.95,
+        cutoffs: tuple[float, ...] = (0.8, 0.9, 0.95, 1.0),
+        explore: float = 0.1,
+        delta: float = 8.0,
+        waiting_time_s: float | None = 5.0,
+        preempt: bool = True,
+        prefill_tokens_per_s: float = 20000.0,
+        fairness: float = 0.0,
+        refine_every: int = 50,
+        token_budget: int | None = 512,
+        seed: int = 0,
+    ) -> None:
+        if frame_steps < 1 or refine_every < 1:
+            raise ValueError("frame_steps and refine_every: must be >= 1")
+        if not 0 < cutoff <= 1 or any(not 0 < c <= 1 for c in cutoffs):
+            raise ValueError("cutoff(s): must be in (0, 1]")
+        if not 0 <= fairness <= 1:
+            raise ValueError(f"fairness: must be in [0, 1], got {fairness}")
+        self.qrf = _resolve("qrf-length", qrf)
+        self.patterns = _resolve("pattern-graph", patterns)
+        self.quantile = quantile
+        self.frame_steps = int(frame_steps)
+        self.batch_size = batch_size
+        self.cutoffs = tuple(cutoffs) if cutoffs else (cutoff,)
+        self.cutoff = cutoff
+        self.explore = explore
+        self.delta = delta
+        self.waiting_time_s = waiting_time_s
+        self.preempt = preempt
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.fairness = fairness
+        self.refine_every = int(refine_every)
+        self.token_budget = token_budget
+        self._rng = np.random.default_rng(seed)
+        self._requests: dict[str, RequestState] = {}
+        self._unscored: list[RequestState] = []
+        self._arrivals: deque[RequestState] = deque()  # waiting, never admitted, in arrival order
+        self._started: set[str] = set()
+        self._order = SortedList()  # (rank, -priority, seq, id) of waiting requests
+        self._entry: dict[str, tuple] = {}
+        self._priority: dict[str, float] = {}
+        self._seq = 0
+        self._frame_start = -math.inf
+        self._frame_reward = 0.0
+        self._arm = self.cutoffs.index(cutoff) if cutoff in self.cutoffs else 0
+        self._arm_value = np.zeros(len(self.cutoffs))
+        self._arm_count = np.zeros(len(self.cutoffs))
+        self._bound_memo: dict[tuple[int, str, int], float] = {}
+        self._lengths: list[int] = []  # completed output lengths (fallback bound), sorted
+        self._lengths_fifo: deque[int] = deque()
+        self._programs: dict[str, dict[int, list[RequestState]]] = {}
+        self.frames = 0
+        self.preemptions = 0
+
+    # ------------------------------------------------------------ lifecycle
+    def on_arrival(self, request: RequestState, now: float) -> None:
+        self._requests[request.id] = request
+        self._unscored.append(request)
+        self._arrivals.append(request)
+        if request.program is not None:
+            stages = self._programs.setdefault(request.program.program_id, {})
+            stages.setdefault(request.program.stage, []).append(request)
+            if len(self._programs) > MAX_PROGRAMS:  # forget the oldest program's calls
+                del self._programs[next(iter(self._programs))]
+
+    def on_admit(self, request: RequestState, now: float) -> None:
+        self._started.add(request.id)
+        self._unqueue(request)
+
+    def on_preempt(self, request: RequestState, now: float) -> None:
+        self._queue(request, rank=1)
+
+    def on_finish(self, request: RequestState, now: float) -> None:
+        self._unqueue(request)
+        self._requests.pop(request.id, None)
+        self._started.discard(request.id)
+        self._priority.pop(request.id, None)
+        if request.finish_s is None:
+            return  # dropped
+        self._frame_reward += self._earned(request)
+        self._remember_length(request.tokens_generated)
+
+    # ---------------------------------------------------------- the queue
+    def _queue(self, request: RequestState, rank: int) -> None:
+        self._unqueue(request)
+        self._seq += 1
+        entry = (rank, -self._priority.get(request.id, 0.0), self._seq, request.id)
+        self._entry[request.id] = entry
+        self._order.add(entry)
+
+    def _unqueue(self, request: RequestState) -> None:
+        entry = self._entry.pop(request.id, None)
+        if entry is not None:
+            self._order.remove(entry)
+
+    def _admission_order(self):
+        for entry in self._order:
+            request = self._requests.get(entry[-1])
+            if request is not None:
+                yield request
+
+    # ------------------------------------------------------------ planning
+    def on_step(self, view: EngineView) -> Plan:
+        step_s = view.mean_batch_time_s or DEFAULT_STEP_S
+        drop = self._admission_control(view.now)
+        if self._unscored:
+            fresh = [r for r in self._unscored if r.id in self._requests and r.phase != "finished"]
+            self._unscored = []
+            self._refresh_bounds(fresh)
+            priorities = self.priorities(fresh, view.now, step_s)
+            for request, priority in zip(fresh, priorities, strict=True):
+                self._priority[request.id] = float(priority)
+                if request.phase in ("waiting", "preempted"):
+                    self._queue(request, rank=1)
+        preempt: list[RequestState] = []
+        if view.step_index - self._frame_start >= self.frame_steps:
+            preempt = self._plan_frame(view, step_s)
+        room = self._batch(view) - len(view.running) + len(preempt)
+        admit = itertools.islice(self._admission_order(), max(0, room))
+        return Plan(admit=admit, preempt=preempt, drop=drop)
+
+    def _batch(self, view: EngineView) -> int:
+        return min(self.batch_size or view.max_running, view.max_running)
+
+    def horizon(self, view: EngineView) -> Horizon:
+        return Horizon(steps=max(1, self._frame_start + self.frame_steps - view.step_index))
+
+    def _admission_control(self, now: float) -> list[RequestState]:
+        if self.waiting_time_s is None:
+            return []
+        drop = []
+        while self._arrivals and now - self._arrivals[0].arrival_s > self.waiting_time_s:
+            request = self._arrivals.popleft()
+            if request.id in self._requests and request.id not in self._started:
+                drop.append(request)
+        return drop
+
+    def _plan_frame(self, view: EngineView, step_s: float) -> list[RequestState]:
+        """Re-plan (module docstring): score everyone, pick the batch, order admissions, and
+        preempt where the projected gain beats the stall."""
+        self._close_frame()
+        self._frame_start = view.step_index
+        self.frames += 1
+        waiting = [r for r in view.waiting if r.id in self._requests]
+        running = [r for r in view.running if r.phase in ("prefill", "decode")]
+        candidates = waiting + running
+        if not candidates:
+            return []
+        self._refresh_bounds([r for r in running if self._bound_is_stale(r)])
+        priority = self.priorities(candidates, view.now, step_s)
+        for request, value in zip(candidates, priority, strict=True):
+            self._priority[request.id] = float(value)
+        batch = self._batch(view)
+        chosen = set(select_batch(priority, [r.prompt_tokens for r in candidates], batch, self.cutoff))
+        for i, request in enumerate(waiting):
+            self._queue(request, rank=0 if i in chosen else 1)
+        if not self.preempt:
+            return []
+        incoming = sorted(
+            (candidates[i] for i in chosen if i < len(waiting)), key=lambda r: -self._priority[r.id]
+        )
+        outgoing = sorted(
+            (r for i, r in enumerate(running, start=len(waiting)) if i not in chosen),
+            key=lambda r: self._priority[r.id],
+        )
+        free_slots = view.max_running - len(running)
+        if view.kv_usage < 0.9 and free_slots >= len(incoming):
+            return []  # room for every incoming member without evicting anyone
+        frame_s = self.frame_steps * step_s
+        token_speed = max(1, len(running)) / step_s
+        victims = []
+        for new, old in zip(incoming, outgoing, strict=False):
+            stall_s = (old.prompt_tokens + old.tokens_generated) / self.prefill_tokens_per_s
+            gain = (self._priority[new.id] - self._priority[old.id]) * frame_s
+            if gain <= stall_s * token_speed:
+                break
+            victims.append(old)
+        self.preemptions += len(victims)
+        return victims
+
+    def _close_frame(self) -> None:
+        """Credit the frame's goodput to the cutoff that ran it and pick the next (epsilon-greedy)."""
+        if len(self.cutoffs) == 1 or not math.isfinite(self._frame_start):
+            return
+        arm = self._arm
+        self._arm_count[arm] += 1
+        self._arm_value[arm] += (self._frame_reward - self._arm_value[arm]) / self._arm_count[arm]
+        self._frame_reward = 0.0
+        untried = np.flatnonzero(self._arm_count == 0)
+        if len(untried):
+            self._arm = int(untried[0])
+        elif self._rng.random() < self.explore:
+            self._arm = int(self._rng.integers(len(self.cutoffs)))
+        else:
+            self._arm = int(np.argmax(self._arm_value))
+        self.cutoff = self.cutoffs[self._arm]
+
+    # ------------------------------------------------------------ estimates
+    def priorities(self, requests: list[RequestState], now: float, step_s: float) -> np.ndarray:
+        """priority(r) = (goodput(r) + delta * frames waited) / t_gen(r), vectorised."""
+        n = len(requests)
+        if n == 0:
+            return np.zeros(0)
+        remaining = np.array([self.remaining_bound(r) for r in requests], dtype=np.float64)
+        prefill = np.array([r.tokens_to_compute - (r.phase == "decode") for r in requests], dtype=np.float64)
+        t_pre = np.maximum(prefill, 0) / self.prefill_tokens_per_s
+        t_gen = t_pre + remaining * step_s
+        goodput = np.array(
+            [
+                self.goodput(r, now, rem, pre, step_s)
+                for r, rem, pre in zip(requests, remaining, t_pre, strict=True)
+            ]
+        )
+        frame_s = self.frame_steps * step_s
+        waited = np.array(
+            [now - r.arrival_s if r.phase in ("waiting", "preempted") else 0.0 for r in requests]
+        )
+        goodput += self.delta * np.floor(np.maximum(waited, 0) / frame_s)
+        priority = goodput / np.maximum(t_gen, step_s)
+        if self.fairness > 0:
+            fair = waited / max(float(waited.max()), 1e-9) * float(priority.max())
+            priority = (1 - self.fairness) * priority + self.fairness * fair
+        return priority
+
+    def goodput(
+        self, request: RequestState, now: float, remaining: float, t_pre: float, step_s: float
+    ) -> float:
+        """Goodput tokens earned if `request` is served from now at one token per step."""
+        slo = request.slo
+        t_gen = t_pre + remaining * step_s
+        tokens = request.prompt_tokens + request.tokens_generated + remaining
+        if slo.kind == "latency":
+            return float(on_time_tokens(request, now + t_pre, remaining, step_s))
+        if slo.kind == "deadline":
+            return tokens if bandwidth(t_gen, request.deadline_at - now) <= 1 else 0.0
+        if slo.kind == "compound":
+            if bandwidth(t_gen, self.stage_deadline(request) - now) <= 1:
+                return tokens
+            return tokens / 2 if bandwidth(t_gen, request.deadline_at - now) <= 1 else 0.0
+        return tokens
+
+    def stage_deadline(self, request: RequestState) -> float:
+        """start + phi(s) * D for a compound call; phi from the matched pattern graph (or the
+        true share for the oracle), the whole deadline without a match."""
+        if "stage_deadline" not in request.cache:
+            share = self._stage_share(request)
+            start = request.program.start_s if request.program.start_s is not None else request.arrival_s
+            request.cache["stage_deadline"] = start + share * request.slo.deadline_s  # type: ignore[operator]
+        return request.cache["stage_deadline"]
+
+    def _stage_share(self, request: RequestState) -> float:
+        if self.patterns is None:
+            return 1.0
+        seen, current = self._partial_graph(request)
+        share = self.patterns.stage_share(seen, current)
+        return 1.0 if share is None else share
+
+    def _partial_graph(self, request: RequestState):
+        """The program's completed stages as the server saw them (tool stages are the gaps in
+        the stage numbers, lasting from the last parent's finish to this call's arrival)."""
+        from predictors.pattern_graph import StageNode
+
+        program = request.program
+        stages = self._programs.get(program.program_id, {})
+        seen: list[StageNode] = []
+        last_finish = program.start_s or request.arrival_s
+        for s in range(program.stage):
+            calls = stages.get(s)
+            if calls is None:
+                first = min((c.arrival_s for c in stages.get(s + 1, [request])), default=request.arrival_s)
+                seen.append(StageNode("tool", "tool", duration_s=max(0.0, first - last_finish)))
+                continue
+            outputs = [c.tokens_generated for c in calls]
+            finish = max((c.finish_s or c.last_token_s or c.arrival_s) for c in calls)
+            seen.append(
+                StageNode(
+                    "llm",
+                    "llm",
+                    width=len(calls),
+                    input_tokens=float(np.mean([c.prompt_tokens for c in calls])),
+                    output_tokens=float(np.mean(outputs)),
+                    max_output_tokens=float(max(outputs)),
+                    duration_s=max(0.0, finish - min(c.arrival_s for c in calls)),
+                )
+            )
+            last_finish = finish
+        current = StageNode("llm", "llm", input_tokens=float(request.prompt_tokens))
+        return seen, current
+
+    def remaining_bound(self, request: RequestState) -> float:
+        """Upper bound on the tokens still to generate (cached, refreshed by `_refresh_bounds`)."""
+        bound, at = request.cache.get("jit_bound", (None, 0))
+        if bound is None:
+            bound, at = self._fallback_bound(request.tokens_generated), request.tokens_generated
+        return max(1.0, bound - (request.tokens_generated - at))
+
+    def _bound_is_stale(self, request: RequestState) -> bool:
+        _, at = request.cache.get("jit_bound", (None, -self.refine_every))
+        return request.tokens_generated - at >= self.refine_every
+
+    def _refresh_bounds(self, requests: list[RequestState]) -> None:
+        """Predict bounds in one batch: QRF for single requests, the pattern graph for compound
+        calls, the online quantile where neither is available."""
+        singles = [r for r in requests if r.program is None]
+        if self.qrf is not None and singles:
+            # Refined every `refine_every` tokens: predict at the last multiple, count down since.
+            at = [r.tokens_generated - r.tokens_generated % self.refine_every for r in singles]
+            keys = [(r.prompt_tokens, r.prompt_text or "", g) for r, g in zip(singles, at, strict=True)]
+            missing = list(dict.fromkeys(k for k in keys if k not in self._bound_memo))
+            if missing:
+                prompt_tokens, texts, generated = zip(*missing, strict=True)
+                bounds = self.qrf.predict_bound(
+                    prompt_tokens, texts, generated, [""] * len(missing), quantile=self.quantile
+                )
+                if len(self._bound_memo) + len(missing) > MEMO_SIZE:
+                    self._bound_memo.clear()
+                self._bound_memo.update(zip(missing, map(float, bounds), strict=True))
+            for request, key in zip(singles, keys, strict=True):
+                request.cache["jit_bound"] = (self._bound_memo[key], key[2])
+        for request in requests:
+            if "jit_bound" in request.cache and not self._bound_is_stale(request):
+                continue
+            bound = None
+            if request.program is not None and self.patterns is not None:
+                if "stage_bound" not in request.cache:  # the program's past does not change mid-call
+                    request.cache["stage_bound"] = self.patterns.stage_output_bound(
+                        *self._partial_graph(request)
+                    )
+                per_call = request.cache["stage_bound"]
+                if per_call is not None:
+                    bound = max(1.0, per_call - request.tokens_generated)
+            if bound is None:
+                bound = self._fallback_bound(request.tokens_generated)
+            request.cache["jit_bound"] = (bound, request.tokens_generated)
+
+    def _fallback_bound(self, generated: int) -> float:
+        """The `quantile` of completed output lengths above `generated`, minus `generated`."""
+        lengths = self._lengths
+        above = len(lengths) - bisect.bisect_right(lengths, generated)
+        if above < 20:
+            return float(max(1024, 2 * generated) - generated)
+        index = bisect.bisect_right(lengths, generated) + int(self.quantile * (above - 1))
+        return float(lengths[index] - generated)
+
+    def _remember_length(self, length: int) -> None:
+        bisect.insort(self._lengths, length)
+        self._lengths_fifo.append(length)
+        if len(self._lengths_fifo) > FALLBACK_QUANTILE_WINDOW:
+            old = self._lengths_fifo.popleft()
+            del self._lengths[bisect.bisect_left(self._lengths, old)]
+
+    def _earned(self, request: RequestState) -> float:
+        """The bandit's reward for a finished request (its goodput, estimated from its times)."""
+        slo = request.slo
+        tokens = request.prompt_tokens + request.tokens_generated
+        if slo.kind == "latency":
+            ttft_ok = slo.ttft_s is None or request.first_token_s <= request.arrival_s + slo.ttft_s
+            n = max(1, request.tokens_generated - 1)
+            tbt_ok = slo.tbt_s is None or (request.finish_s - request.first_token_s) / n <= slo.tbt_s
+            return float(request.tokens_generated) if ttft_ok and tbt_ok else 0.0
+        if slo.kind in ("deadline", "compound"):
+            return float(tokens) if request.finish_s <= request.deadline_at else 0.0
+        return float(tokens)
+
+    def preemption_victim(self, candidates):
+        return min(reversed(candidates), key=lambda r: self._priority.get(r.id, 0.0))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "policy": self.name,
+            "qrf": _version(self.qrf),
+            "patterns": _version(self.patterns),
+            "frame_steps": self.frame_steps,
+            "batch_size": self.batch_size,
+            "cutoffs": list(self.cutoffs),
+            "delta": self.delta,
+            "waiting_time_s": self.waiting_time_s,
+            "fairness": self.fairness,
+        }
+
+
+class JITServeOracle(JITServe):
+    """GMAX with the true remaining length and the true stage share phi(s)."""
+
+    name = "jitserve-oracle"
+    needs_oracle = True
+
+    def remaining_bound(self, request: RequestState) -> float:
+        return float(max(1, request.oracle_output_tokens - request.tokens_generated))  # type: ignore[operator]
+
+    def _refresh_bounds(self, requests: list[RequestState]) -> None:
+        return None
+
+    def _bound_is_stale(self, request: RequestState) -> bool:
+        return False
+
+    def _stage_share(self, request: RequestState) -> float:
+        share = request.program.deadline_share  # type: ignore[union-attr]
+        return 1.0 if share is None else share
+
+
+def bandwidth(t_gen: float, t_rem: float) -> float:
+    """bw = t_gen / t_rem: the share of the engine's per-request speed a request needs to finish
+    in its remaining time; above 1 (or no time left) it cannot make it."""
+    if t_rem <= 0:
+        return math.inf
+    return t_gen / t_rem
+
+
+def on_time_tokens(request: RequestState, start: float, remaining: float, step_s: float) -> int:
+    """How many of the next `remaining` tokens meet arrival + TTFT + i * TBT (or, with only a TBT
+    target, first token + i * TBT) if the first comes at start + step_s and then one per step."""
+    slo = request.slo
+    g = request.tokens_generated
+    remaining = int(remaining)
+    tbt = slo.tbt_s or 0.0
+    if slo.ttft_s is not None:
+        origin = request.arrival_s + slo.ttft_s
+    elif request.first_token_s is not None:
+        origin = request.first_token_s
+    else:
+        return remaining if step_s <= tbt else 0
+    slack0 = origin + g * tbt - (start + step_s)  # slack of token g; then changes by tbt - step_s
+    rate = tbt - step_s
+    if rate >= 0:
+        if slack0 >= 0:
+            return remaining
+        late = math.ceil(-slack0 / rate - _EPS) if rate > 0 else remaining
+        return max(0, remaining - late)
+    if slack0 < 0:
+        return 0
+    return min(remaining, math.floor(slack0 / -rate + _EPS) + 1)
+
+
+def select_batch(priority: np.ndarray, input_lengths: list[int], batch: int, cutoff: float) -> list[int]:
+    """GMAX's grouped selection: keep candidates with priority >= cutoff * (B-th highest), sort
+    them by input length, return the indices of the B consecutive ones with the largest priority
+    sum (all candidates when there are no more than B)."""
+    n = len(priority)
+    if n <= batch:
+        return list(range(n))
+    kth = np.partition(priority, n - batch)[n - batch]
+    keep = np.flatnonzero(priority >= cutoff * kth)
+    if len(keep) <= batch:
+        return keep.tolist()
+    keep = keep[np.argsort(np.asarray(input_lengths)[keep], kind="stable")]
+    sums = np.convolve(priority[keep], np.ones(batch), mode="valid")
+    start = int(np.argmax(sums))
+    return keep[start : start + batch].tolist()
+
+
+def _resolve(component: str, value: Any):
+    """A component instance from what the policy was given (instance, alias, vN or None)."""
+    if value is None or not isinstance(value, str):
+        return value
+    from adapt.registry import Registry
+
+    registry = Registry()
+    if value.startswith("v") and value[1:].isdigit():
+        return registry.load(component, version=int(value[1:]))
+    return registry.load(component, alias=value)
+
+
+def _version(component: Any) -> Any:
+    if component is None:
+        return None
+    return component.metadata.get("registry_version", "in-memory")

@@ -1,0 +1,317 @@
+"""JITServe: GMAX formulas by hand, the preemption rule, sub-deadline shares, pattern-graph matching,
+compound programs in the replay engine, and the compiled quantile forest against quantile-forest."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from adapt.policy import EngineView, RequestState
+from adapt.requests import SLO, ProgramRef, Request
+from experiments.compound_programs import generate_graphs, generate_programs, program_requests
+from experiments.replay.engine import EngineConfig
+from experiments.replay.metrics import RequestRecord, _aggregate
+from predictors.pattern_graph import PatternGraph, ProgramGraph, StageNode
+from serving_hooks.policies.jitserve import JITServe, bandwidth, on_time_tokens, select_batch
+from tests.replay_helpers import CheckedEngine, ConstantCost
+
+LATENCY = SLO(kind="latency", ttft_s=2.0, tbt_s=0.1)
+
+
+def state(rid="a", arrival=0.0, prompt=10, slo=None, generated=0, program=None, phase="waiting"):
+    request = RequestState(rid, arrival, prompt, 10_000, slo or SLO(), program=program)
+    request.tokens_generated = generated
+    request.tokens_computed = prompt + generated if phase == "decode" else 0
+    request.phase = phase
+    return request
+
+
+# ----------------------------------------------------------------- formulas
+def test_bandwidth_is_generation_time_over_remaining_time():
+    assert bandwidth(10.0, 20.0) == 0.5
+    assert bandwidth(30.0, 20.0) == 1.5
+    assert bandwidth(1.0, 0.0) == math.inf and bandwidth(1.0, -3.0) == math.inf
+
+
+def test_on_time_tokens_by_hand():
+    request = state(slo=LATENCY)
+    # Served from t=0 at 0.05 s/token: token i at 0.05 (i + 1) <= 2 + 0.1 i -- all on time.
+    assert on_time_tokens(request, 0.0, 20, 0.05) == 20
+    # Starting at 2.5: token i arrives 2.55 + 0.05 i, due 2 + 0.1 i -> on time from i = 11: 9 of 20.
+    assert on_time_tokens(request, 2.5, 20, 0.05) == 9
+    # Slower than the TBT (0.2 s/token): slack 1.8 - 0.1 i >= 0 for i <= 18 -> 19 of 30.
+    assert on_time_tokens(request, 0.0, 30, 0.2) == 19
+    # TBT only, first token already out at t=1: token g=5 due 1.5, arrives now + step.
+    tbt_only = state(slo=SLO(kind="latency", tbt_s=0.1), generated=5)
+    tbt_only.first_token_s = 1.0
+    assert on_time_tokens(tbt_only, 1.0, 10, 0.05) == 10
+    assert on_time_tokens(tbt_only, 1.6, 10, 0.2) == 0
+
+
+def test_goodput_of_each_slo_kind_by_hand():
+    policy = JITServe()
+    step = 0.05
+    # deadline 20 s: 100 tokens * 0.05 = 5 s fits from t=0 -> prompt + output; from t=16 it does not.
+    deadline = state(slo=SLO(kind="deadline", deadline_s=20.0))
+    assert policy.goodput(deadline, 0.0, 100, 0.0, step) == 110
+    assert policy.goodput(deadline, 16.0, 100, 0.0, step) == 0
+    # best effort: everything counts.
+    assert policy.goodput(state(), 50.0, 100, 0.0, step) == 110
+    # latency: the on-time tokens only (9 of 20 when starting at 2.5, as above).
+    assert policy.goodput(state(slo=LATENCY), 2.5, 20, 0.0, step) == 9
+    # compound, no pattern history: the sub-deadline is the whole deadline (40 s from start 0).
+    program = ProgramRef("p", 1, parent_ids=("x",), start_s=0.0)
+    compound = state(arrival=10.0, slo=SLO(kind="compound", deadline_s=40.0), program=program)
+    assert policy.stage_deadline(compound) == 40.0
+    assert policy.goodput(compound, 10.0, 100, 0.0, step) == 110
+    assert policy.goodput(compound, 38.0, 100, 0.0, step) == 0
+
+
+def test_compound_goodput_halves_past_the_sub_deadline():
+    policy = JITServe()
+    program = ProgramRef("p", 0, start_s=0.0)
+    compound = state(slo=SLO(kind="compound", deadline_s=40.0), program=program)
+    compound.cache["stage_deadline"] = 10.0  # phi = 0.25
+    assert policy.goodput(compound, 0.0, 100, 0.0, 0.05) == 110  # done at 5 s
+    assert policy.goodput(compound, 8.0, 100, 0.0, 0.05) == 55  # done at 13 s: only the program deadline
+    assert policy.goodput(compound, 36.0, 100, 0.0, 0.05) == 0
+
+
+def test_priority_is_goodput_over_generation_time_plus_aging():
+    policy = JITServe(delta=10.0, frame_steps=50)
+    fresh = state(slo=SLO(kind="deadline", deadline_s=100.0))
+    old = state("b", arrival=-7.5, slo=SLO(kind="deadline", deadline_s=100.0))
+    for request in (fresh, old):
+        request.cache["jit_bound"] = (100.0, 0)
+    step = 0.05  # a frame lasts 2.5 s: `old` waited 3 frames
+    prefill_s = 10 / policy.prefill_tokens_per_s
+    priority = policy.priorities([fresh, old], 0.0, step)
+    t_gen = prefill_s + 100 * step
+    assert priority[0] == pytest.approx(110 / t_gen)
+    assert priority[1] == pytest.approx((110 + 3 * 10.0) / t_gen)
+
+
+def test_window_selection_prefers_similar_lengths():
+    # B = 2, cutoff 0.8: the 2nd highest is 9, so keep priorities >= 7.2 -> ids 0, 1, 3.
+    # By input length: 0 (100), 3 (120), 1 (1000); windows sum 18 and 17 -> {0, 3}, not the top two.
+    priority = np.array([10.0, 9.0, 1.0, 8.0, 7.0])
+    lengths = [100, 1000, 50, 120, 900]
+    assert sorted(select_batch(priority, lengths, 2, 0.8)) == [0, 3]
+    assert sorted(select_batch(priority, lengths, 2, 1.0)) == [0, 1]  # cutoff 1: only the top two
+    assert sorted(select_batch(priority, lengths, 9, 0.8)) == [0, 1, 2, 3, 4]
+
+
+def _frame_view(running, waiting, kv_usage=0.95, max_running=1, step=0.05):
+    return EngineView(0.0, waiting, running, kv_usage, 512, max_running, step, step_index=0)
+
+
+@pytest.mark.parametrize("victim_context, preempted", [(1_000, True), (200_000, False)])
+def test_preemption_only_when_gain_beats_stall(victim_context, preempted):
+    # Running: a deadline request that cannot make it any more (priority ~0). Waiting: one that can.
+    policy = JITServe(batch_size=1, frame_steps=50, delta=0.0, prefill_tokens_per_s=20_000.0)
+    hopeless = state("old", arrival=-100.0, prompt=victim_context, slo=SLO(kind="deadline", deadline_s=50.0))
+    hopeless.phase, hopeless.tokens_computed = "decode", victim_context
+    hopeful = state("new", prompt=100, slo=SLO(kind="deadline", deadline_s=20.0))
+    for request in (hopeless, hopeful):
+        request.cache["jit_bound"] = (100.0, 0)
+        policy.on_arrival(request, 0.0)
+    policy._unscored.clear()
+    # gain = priority(new) * frame (50 * 0.05 s); stall = context / 20k tok/s, times 1 / 0.05 tok/s.
+    gain = 200 / (100 / 20_000 + 100 * 0.05) * 2.5
+    stall_cost = victim_context / 20_000 / 0.05
+    assert (gain > stall_cost) == preempted
+    victims = policy._plan_frame(_frame_view([hopeless], [hopeful]), 0.05)
+    assert victims == ([hopeless] if preempted else [])
+
+
+def test_admission_control_drops_unscheduled_requests_after_waiting_time():
+    policy = JITServe(waiting_time_s=5.0)
+    late, recent = state("late", arrival=0.0), state("recent", arrival=4.0)
+    for request in (late, recent):
+        policy.on_arrival(request, request.arrival_s)
+    plan = policy.on_step(EngineView(6.0, [late, recent], [], 0.0, 512, 8, 0.05))
+    assert plan.drop == [late]
+
+
+# ------------------------------------------------------------- pattern graph
+def _graph(pid, *stages):
+    return ProgramGraph(pid, tuple(stages))
+
+
+LLM = dict(kind="llm", identity="llm")
+
+
+def test_stage_shares_are_accumulated_duration_over_total():
+    graph = _graph(
+        "g",
+        StageNode(**LLM, duration_s=1.0),
+        StageNode("tool", "tool", duration_s=1.0),
+        StageNode(**LLM, duration_s=2.0),
+    )
+    assert graph.shares().tolist() == [0.25, 0.5, 1.0]
+
+
+def test_pattern_graph_prunes_diverging_prefixes_and_gives_the_sub_deadline():
+    short = _graph(
+        "short",
+        StageNode(**LLM, input_tokens=100, output_tokens=100, duration_s=1.0),
+        StageNode(**LLM, input_tokens=100, output_tokens=100, duration_s=3.0),
+    )
+    tooled = _graph(
+        "tooled",
+        StageNode(**LLM, input_tokens=100, output_tokens=100, duration_s=1.0),
+        StageNode("tool", "tool", duration_s=1.0),
+        StageNode(**LLM, input_tokens=100, duration_s=2.0),
+    )
+    patterns = PatternGraph(neighbors=1).fit([short, tooled])
+    first = short.stages[0]
+    # After one LLM stage, a second LLM stage only matches `short`: phi(1) = 1.
+    assert patterns.stage_share([first], StageNode(**LLM, input_tokens=100)) == 1.0
+    # A tool stage next only matches `tooled`: phi(1) = 0.5 -> with D = 60 s the sub-deadline is 30 s.
+    assert patterns.stage_share([first], StageNode("tool", "tool")) == 0.5
+    # A program with a model nobody used before matches nothing.
+    assert patterns.stage_share([], StageNode("llm", "other-model")) is None
+
+
+def test_pattern_graph_clusters_with_k_medoids_and_decays(tmp_path):
+    graphs = generate_graphs(120, seed=3)
+    patterns = PatternGraph(max_graphs=20).fit(graphs)
+    assert len(patterns) == 20 and patterns._arrays["weight"].sum() == 120  # cluster sizes
+    before = patterns._arrays["weight"].copy()
+    patterns.observe(generate_graphs(1, seed=4)[0], now_s=2 * 3600.0)
+    assert np.allclose(np.sort(patterns._arrays["weight"])[-5:], np.sort(before * 0.81)[-5:], atol=1.0)
+    reloaded = PatternGraph.load(patterns.save(tmp_path / "pg"))
+    assert reloaded.evaluate(graphs[:30]) == patterns.evaluate(graphs[:30])
+
+
+def test_share_error_falls_as_stages_unfold():
+    patterns = PatternGraph().fit(generate_graphs(1500, seed=10))
+    metrics = patterns.evaluate(generate_graphs(200, seed=11))
+    assert metrics["match_rate"] == 1.0
+    assert metrics["share_error_after_1"] < metrics["share_error_after_0"]
+
+
+# ------------------------------------------------------- compound programs
+def run_engine(requests, policy, **config):
+    engine = CheckedEngine(policy, ConstantCost(0.1), EngineConfig(**config))
+    result = engine.run(requests)
+    assert engine.violations == []
+    return {r.request_id: r for r in result.records}, result
+
+
+def test_dependants_arrive_after_parents_plus_tool_time():
+    from serving_hooks.policies import make_policy
+
+    slo = SLO(kind="compound", deadline_s=100.0)
+    requests = [
+        Request("p.s0.c0", 1.0, 10, 2, slo=slo, program=ProgramRef("p", 0, start_s=1.0)),
+        Request("p.s0.c1", 1.0, 10, 3, slo=slo, program=ProgramRef("p", 0, start_s=1.0)),
+        Request(
+            "p.s2.c0",
+            1.0,
+            10,
+            1,
+            slo=slo,
+            program=ProgramRef("p", 2, parent_ids=("p.s0.c0", "p.s0.c1"), start_s=1.0, after_parents_s=2.0),
+        ),
+    ]
+    records, result = run_engine(requests, make_policy("fcfs"))
+    # Both stage-0 calls prefill together (1.1), c1 finishes at 1.3; the stage-2 call arrives 3.3.
+    assert records["p.s0.c1"].finish_s == pytest.approx(1.3)
+    assert records["p.s2.c0"].arrival_s == pytest.approx(3.3)
+    assert result.metrics()["goodput_tokens"] == 20 + 2 + 3 + 10 + 1
+
+
+def test_dropped_parent_drops_its_dependants_with_a_reason():
+    slo = SLO(kind="compound", deadline_s=100.0)
+    requests = [
+        Request("blocker", 0.0, 10, 200),
+        Request("p.s0", 0.5, 10, 2, slo=slo, program=ProgramRef("p", 0, start_s=0.5)),
+        Request("p.s1", 0.5, 10, 2, slo=slo, program=ProgramRef("p", 1, parent_ids=("p.s0",), start_s=0.5)),
+    ]
+    records, result = run_engine(requests, JITServe(waiting_time_s=1.0), max_running=1)
+    assert records["p.s0"].dropped == "admission control"
+    assert records["p.s1"].dropped == "parent p.s0 dropped"
+    assert result.metrics()["num_requests"] == 3
+
+
+def test_unknown_parent_is_rejected():
+    from serving_hooks.policies import make_policy
+
+    orphan = Request("x", 0.0, 10, 1, program=ProgramRef("p", 1, parent_ids=("nobody",)))
+    with pytest.raises(ValueError, match="nobody"):
+        run_engine([orphan], make_policy("fcfs"))
+
+
+def test_compound_goodput_counts_only_programs_done_by_their_deadline():
+    def record(rid, pid, finish, start=0.0):
+        return RequestRecord(
+            rid, "compound", "compound", start, 10, 5, finish - 1, finish, program_id=pid, deadline_s=10.0
+        )
+
+    records = [
+        record("a0", "a", 4.0),
+        record("a1", "a", 9.0, start=5.0),  # program a: done at 9 <= 10
+        record("b0", "b", 4.0),
+        record("b1", "b", 11.0, start=5.0),
+    ]  # program b: 11 > 10
+    metrics = _aggregate(records, [], 11.0)
+    assert metrics["goodput_tokens"] == 30 and metrics["goodput_requests"] == 2
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), waiting=st.sampled_from([None, 0.5, 3.0]), running=st.integers(1, 6))
+def test_no_request_lost_with_programs(seed, waiting, running):
+    """Every call of every program -- released, dropped with its parent, or never reached --
+    leaves exactly one record, under JITServe and its oracle."""
+    from serving_hooks.policies.jitserve import JITServeOracle
+
+    requests = []
+    for i, (pid, stages) in enumerate(generate_programs(4, seed)):
+        shrunk = [
+            type(s)(calls=tuple((max(1, p // 100), max(1, o // 100)) for p, o in s.calls), tool_s=s.tool_s)
+            for s in stages
+        ]
+        requests.extend(program_requests(pid, shrunk, start_s=0.3 * i))
+    requests.append(Request("single", 0.2, 8, 4, slo=LATENCY))
+    requests.sort(key=lambda r: r.arrival_s)  # stable: a program's calls keep their order
+    for policy in (JITServe(waiting_time_s=waiting, frame_steps=3), JITServeOracle(waiting_time_s=waiting)):
+        records, _ = run_engine(requests, policy, max_running=running)
+        assert set(records) == {r.request_id for r in requests}
+        for r in records.values():
+            assert (r.dropped is None) == (r.finish_s is not None)
+
+
+def test_jitserve_mix_workload_shape():
+    from experiments.workloads import jitserve_mix
+
+    requests = jitserve_mix(2.0, 300, seed=1)
+    assert requests == jitserve_mix(2.0, 300, seed=1)
+    jobs = [r for r in requests if r.program is None or r.program.stage == 0]
+    programs = {r.program.program_id for r in requests if r.program is not None}
+    kinds = [r.label for r in requests if r.program is None] + ["compound"] * len(programs)
+    assert len(kinds) == 300 and 70 < kinds.count("latency") < 130 and 70 < kinds.count("deadline") < 130
+    assert all(r.slo.kind == "compound" and r.program.start_s is not None for r in requests if r.program)
+    assert len(jobs) >= 300
+    assert any(r.program.parent_ids and r.program.after_parents_s > 0 for r in requests if r.program)
+
+
+# ------------------------------------------------------------ compiled QRF
+def test_compiled_forest_equals_quantile_forest():
+    from quantile_forest import RandomForestQuantileRegressor
+
+    from predictors.compiled_forest import CompiledQuantileForest
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(600, 5)).astype(np.float32)
+    y = np.exp(X[:, 0] + rng.normal(scale=0.5, size=600)) * 100
+    forest = RandomForestQuantileRegressor(n_estimators=8, max_depth=6, min_samples_leaf=5, random_state=0)
+    forest.fit(X, y)
+    compiled = CompiledQuantileForest(forest)
+    X_test = rng.normal(size=(50, 5)).astype(np.float32)
+    for q in (0.5, 0.95):
+        expected = forest.predict(X_test, quantiles=q)
+        assert np.allclose(compiled.predict(X_test, q), expected)  # the vectorised search
+        assert np.allclose([compiled.predict(X_test[i : i + 1], q)[0] for i in range(5)], expected[:5])
