@@ -144,6 +144,22 @@ def cmd_train(args: argparse.Namespace) -> int:
             promote_if_better=args.promote_if_better,
             margin=args.margin,
         )
+    elif args.component == "qrf-length":
+        from pipelines.jitserve import train_qrf_length
+
+        outcome = train_qrf_length(
+            registry,
+            args.data,
+            test_share=args.test_share,
+            promote_if_better=args.promote_if_better,
+            margin=args.margin,
+        )
+    elif args.component == "pattern-graph":
+        from pipelines.jitserve import train_pattern_graph
+
+        outcome = train_pattern_graph(
+            registry, args.data, promote_if_better=args.promote_if_better, margin=args.margin
+        )
     elif args.component == "ewsjf-meta-policy":
         from pipelines.ewsjf import train_ewsjf_meta
 
@@ -172,6 +188,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    if args.component in ("qrf-length", "pattern-graph"):
+        from pipelines.jitserve import evaluate_pattern_graph, evaluate_qrf_length
+
+        evaluate = evaluate_qrf_length if args.component == "qrf-length" else evaluate_pattern_graph
+        metrics = evaluate(_registry(args), args.data, version=args.version)
+        print(f"{args.component} on {args.data}")
+        for key, value in metrics.items():
+            print(f"  {key}: {value:.4g}")
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(metrics, indent=2))
+        return 0
     from pipelines.semantic_history import evaluate_semantic_history
 
     metrics = evaluate_semantic_history(_registry(args), args.data, version=args.version)
@@ -310,15 +337,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="fit a component, log and register it (optionally promote)")
     train.add_argument(
-        "component", choices=["slai-offset", "cost-model", "ewsjf-meta-policy", "semantic-history"]
+        "component",
+        choices=[
+            "slai-offset",
+            "cost-model",
+            "ewsjf-meta-policy",
+            "semantic-history",
+            "qrf-length",
+            "pattern-graph",
+        ],
     )
     train.add_argument(
         "--data",
-        help="training data (cost-model: a step log; semantic-history: a prompt/response file,"
-        " default the bundled AlpacaEval slice)",
+        help="training data (cost-model: a step log; semantic-history, qrf-length: a prompt/response"
+        " file, default the bundled AlpacaEval slice; pattern-graph: a JSONL of program graphs,"
+        " default generated programs)",
     )
     train.add_argument(
-        "--test-share", type=float, default=0.3, help="semantic-history: share of instructions held out"
+        "--test-share",
+        type=float,
+        default=0.3,
+        help="semantic-history, qrf-length: share of instructions held out",
     )
     train.add_argument("--promote-if-better", action="store_true")
     train.add_argument("--margin", type=float, default=0.0, help="relative improvement required to promote")
@@ -328,8 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     evaluate = sub.add_parser("evaluate", help="score a registered component on any data file")
-    evaluate.add_argument("component", choices=["semantic-history"])
-    evaluate.add_argument("--data", required=True, help="prompt/response file (alpaca format)")
+    evaluate.add_argument("component", choices=["semantic-history", "qrf-length", "pattern-graph"])
+    evaluate.add_argument(
+        "--data", required=True, help="prompt/response file (alpaca format); pattern-graph: JSONL graphs"
+    )
     evaluate.add_argument("--version", type=int, help="a version number (default: the champion)")
     evaluate.add_argument("--json", dest="json_out", metavar="OUT", help="also write the metrics here")
     evaluate.set_defaults(func=cmd_evaluate)

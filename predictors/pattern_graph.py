@@ -334,3 +334,26 @@ class PatternGraph(LearnedComponent):
             raise ComponentError("pattern-graph: stored stage shares outside (0, 1]")
         if self._arrays["codes"].max() >= len(self.vocabulary) or math.isnan(self._arrays["weight"].sum()):
             raise ComponentError("pattern-graph: codes outside the vocabulary or NaN weights")
+
+
+def write_graphs(path: str | Path, graphs: Sequence[ProgramGraph]) -> Path:
+    """Programs as JSONL, one graph per line (the format `adapt train pattern-graph --data` reads)."""
+    path = Path(path)
+    with open(path, "w") as handle:
+        for graph in graphs:
+            handle.write(json.dumps(graph.to_dict()) + "\n")
+    return path
+
+
+def read_graphs(path: str | Path) -> list[ProgramGraph]:
+    """Read a JSONL file of programs; a bad line is reported with its number and the reason."""
+    graphs = []
+    with open(path) as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                graphs.append(ProgramGraph.from_dict(json.loads(line)))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{number}: not a program graph ({exc})") from exc
+    return graphs

@@ -160,3 +160,46 @@ def test_semantic_history_train_register_evaluate(tmp_path, capsys):
     for prefix in ("", "length_", "point_"):
         assert metrics[f"{prefix}wasserstein"] > 0 and 0 <= metrics[f"{prefix}bucket_overlap"] <= 1
     assert "leave-one-prompt-out, 40 prompts" in capsys.readouterr().out
+
+
+def test_qrf_length_pipeline_on_a_length_only_slice(tmp_path, capsys):
+    """The bundled slice has no response texts: the pipeline trains a count-only bound, reports
+    coverage per refinement point, registers and promotes it, and `evaluate` scores any file."""
+    import gzip
+    import json
+
+    from experiments.workloads import bundled
+    from pipelines.jitserve import train_qrf_length
+
+    with gzip.open(bundled("alpaca_eval_lengths.jsonl.gz"), "rt") as handle:
+        rows = [json.loads(line) for line in handle]
+    keep = set(sorted({r["instruction"] for r in rows})[:150])
+    data = tmp_path / "slice.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows if r["instruction"] in keep))
+    uri = f"sqlite:///{tmp_path / 'q.db'}"
+    registry = Registry(uri, cache_dir=tmp_path / "c")
+    outcome = train_qrf_length(registry, data, promote_if_better=True, n_estimators=5)
+    assert outcome.version == 1 and outcome.promoted
+    assert 0.6 <= outcome.metrics["coverage_at_0"] <= 1.0
+    model = registry.load("qrf-length")
+    assert model.generated_features == 0 and set(model.scales_) == {"0", "50", "100", "200", "400"}
+    report = tmp_path / "q.json"
+    assert (
+        main(["--tracking-uri", uri, "evaluate", "qrf-length", "--data", str(data), "--json", str(report)])
+        == 0
+    )
+    assert json.loads(report.read_text())["coverage_error"] >= 0
+
+
+def test_pattern_graph_gate_refuses_worse_and_accepts_better(tmp_path, capsys):
+    from pipelines.jitserve import train_pattern_graph
+
+    uri = f"sqlite:///{tmp_path / 'g.db'}"
+    assert main(["--tracking-uri", uri, "train", "pattern-graph", "--promote-if-better"]) == 0
+    assert "promoted to champion: yes" in capsys.readouterr().out
+    registry = Registry(uri, cache_dir=tmp_path / "c")
+    # Three stored graphs cannot describe three program families: a worse share error, refused.
+    worse = train_pattern_graph(registry, promote_if_better=True, max_graphs=3)
+    assert worse.version == 2 and not worse.promoted
+    assert worse.metrics["share_error"] > worse.champion_metrics["share_error"]
+    assert registry.resolve("pattern-graph") == 1

@@ -1,0 +1,195 @@
+"""JITServe study (issue: JITServe), after the paper's section 6.2: token goodput on `jitserve-mix`.
+
+    .venv/bin/python -m experiments.jitserve_study [--rates 2.0,2.5,3.0] [--requests 1500]
+                                                    [--seeds 0,1,2] [--components fit|champion]
+                                                    [--out reports/jitserve]
+
+Replays, at each rate and seed, `fcfs`, `sarathi` (512-token chunks), `edf`, `edf` with a 512-token
+budget, `plas`, `ltr` (noisy oracle: true length x lognormal(0, 0.5)), `ltr+qrf` (ranked by the
+QRF median), `jitserve` and `jitserve-oracle` (true lengths and true stage shares). `fit` trains
+`qrf-length` on the bundled AlpacaEval train split and `pattern-graph` on generated programs (a
+seed the workload never uses); `champion` loads both from the registry. Goodput counts tokens
+(DESIGN.md section 4): a latency request's on-time output tokens, a deadline request's prompt +
+output if done in 20 s, a compound program's tokens if its last call is done by 20 s per stage.
+Writes `jitserve_study.json` and `.md` to --out and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adapt.policy import Policy, RequestState
+from adapt.traces import load_trace
+from experiments.replay.cost import roofline
+from experiments.replay.engine import ReplayEngine
+from experiments.workloads import WORKLOADS, bundled, jitserve_mix
+from serving_hooks.policies import make_policy
+
+NON_ORACLE = ("fcfs", "sarathi", "edf", "edf (512-token budget)", "plas", "ltr+qrf", "jitserve")
+
+
+def fit_components() -> tuple[Any, Any]:
+    from experiments.compound_programs import generate_graphs
+    from pipelines.jitserve import GENERATED_TRAIN
+    from predictors.pattern_graph import PatternGraph
+    from predictors.qrf_length import QrfLength
+    from predictors.semantic_history import split_by_instruction
+
+    train, _ = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
+    qrf = QrfLength(generated_features=0).fit(train)
+    return qrf, PatternGraph().fit(generate_graphs(*GENERATED_TRAIN))
+
+
+def load_components(spec: str) -> tuple[Any, Any]:
+    if spec == "fit":
+        return fit_components()
+    from serving_hooks.policies.jitserve import _resolve
+
+    return _resolve("qrf-length", spec), _resolve("pattern-graph", spec)
+
+
+def qrf_median(qrf: Any) -> Callable[[RequestState], float]:
+    """LTR's point prediction from the same forest: its median (q = 0.5) on arrival."""
+
+    def predict(request: RequestState) -> float:
+        text = request.prompt_text or ""
+        return float(qrf.predict_bound([request.prompt_tokens], [text], [0], [""], quantile=0.5)[0])
+
+    return predict
+
+
+def policies(qrf: Any, patterns: Any) -> dict[str, Callable[[], Policy]]:
+    def edf_512() -> Policy:
+        policy = make_policy("edf")
+        policy.token_budget = 512
+        return policy
+
+    return {
+        "fcfs": lambda: make_policy("fcfs"),
+        "sarathi": lambda: make_policy("sarathi"),
+        "edf": lambda: make_policy("edf"),
+        "edf (512-token budget)": edf_512,
+        "plas": lambda: make_policy("plas"),
+        "ltr(noisy oracle)": lambda: make_policy("ltr"),
+        "ltr+qrf": lambda: make_policy("ltr", predict=qrf_median(qrf)),
+        "jitserve": lambda: make_policy("jitserve", qrf=qrf, patterns=patterns),
+        "jitserve-oracle": lambda: make_policy("jitserve-oracle"),
+    }
+
+
+def run_study(
+    rates: list[float], num_requests: int, seeds: list[int], qrf: Any, patterns: Any
+) -> dict[str, Any]:
+    spec = WORKLOADS["jitserve-mix"]
+    cost = roofline(spec.model, spec.gpu, tp=spec.tp)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for rate in rates:
+        for seed in seeds:
+            requests = jitserve_mix(rate, num_requests, seed)
+            for label, make in policies(qrf, patterns).items():
+                started = time.perf_counter()
+                metrics = ReplayEngine(make(), cost).run(requests).metrics()
+                by_class = metrics.get("by_class", {})
+                runs.setdefault(label, {}).setdefault(str(rate), []).append(
+                    {
+                        "seed": seed,
+                        "goodput_tokens": metrics["goodput_tokens"],
+                        "slo_attainment": metrics["slo_attainment"],
+                        "dropped": metrics["dropped"],
+                        "by_class": {
+                            k: {"slo_attainment": v["slo_attainment"], "goodput_tokens": v["goodput_tokens"]}
+                            for k, v in by_class.items()
+                        },
+                    }
+                )
+                print(
+                    f"  {rate:>4} req/s seed {seed}  {label:<24} goodput {metrics['goodput_tokens']:>10,}"
+                    f"  attained {metrics['slo_attainment']:.3f}  dropped {metrics['dropped']:>5}"
+                    f"  ({time.perf_counter() - started:.1f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    table = {
+        label: {
+            rate: float(np.mean([r["goodput_tokens"] for r in per_seed]))
+            for rate, per_seed in by_rate.items()
+        }
+        for label, by_rate in runs.items()
+    }
+    attainment = {
+        label: {
+            rate: {
+                kind: float(np.mean([r["by_class"][kind]["slo_attainment"] for r in per_seed]))
+                for kind in ("latency", "deadline", "compound")
+            }
+            for rate, per_seed in by_rate.items()
+        }
+        for label, by_rate in runs.items()
+    }
+    info = spec.info(rates[-1], num_requests, seeds[0])
+    return {
+        "workload": info,
+        "rates": rates,
+        "seeds": seeds,
+        "table": table,
+        "attainment": attainment,
+        "runs": runs,
+    }
+
+
+def markdown(study: dict[str, Any]) -> str:
+    rates = [str(r) for r in study["rates"]]
+    table, attainment = study["table"], study["attainment"]
+    seeds = len(study["seeds"])
+    oracle = table["jitserve-oracle"]
+    head = " | ".join(f"goodput (M tokens) @ {r} req/s" for r in rates)
+    lines = [f"Token goodput, mean of {seeds} seeds; (x.xx) = share of jitserve-oracle; then SLO attainment"]
+    lines += ["", f"| policy | {head} | attained latency/deadline/compound @ {rates[-1]} |"]
+    lines.append("|---|" + "---|" * (len(rates) + 1))
+    for label, by_rate in table.items():
+        cells = []
+        for rate in rates:
+            value = by_rate[rate]
+            best = max(table[p][rate] for p in NON_ORACLE)
+            text = f"{value / 1e6:.3f} ({value / oracle[rate]:.2f})"
+            cells.append(f"**{text}**" if label in NON_ORACLE and value == best else text)
+        a = attainment[label][rates[-1]]
+        cells.append(f"{a['latency']:.2f} / {a['deadline']:.2f} / {a['compound']:.2f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="2.0,2.5,3.0")
+    parser.add_argument("--requests", type=int, default=1500, help="jobs per run (compound jobs add calls)")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--components", default="fit", help="fit (bundled data), champion, or vN")
+    parser.add_argument("--out", default="reports/jitserve")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    qrf, patterns = load_components(args.components)
+    study = run_study(
+        [float(r) for r in args.rates.split(",")],
+        args.requests,
+        [int(s) for s in args.seeds.split(",")],
+        qrf,
+        patterns,
+    )
+    (out / "jitserve_study.json").write_text(json.dumps(study, indent=2))
+    text = markdown(study)
+    (out / "jitserve_study.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Training pipelines for JITServe's two learned parts: `qrf-length` and `pattern-graph`.
+
+`adapt train qrf-length`: split a prompt/response file by instruction (30% held out), fit the
+forest (with its split-conformal calibration), score coverage and over-estimation on the held-out
+instructions, register, and promote when `coverage_error` beats the champion's on the same rows.
+The bundled AlpacaEval slice has response lengths but not texts, so on it the bound is refined on
+the generated-token count alone (`generated_features=0`), which is also all the replay can offer.
+
+`adapt train pattern-graph`: fit on compound programs -- a JSONL file of graphs (`--data`), or
+2,000 generated programs (`experiments.compound_programs`) with 300 others, from another seed, as
+the held-out set -- and gate on the mean stage-share error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from adapt.registry import Registry
+from adapt.traces import Trace, load_trace
+from pipelines.outcome import TrainOutcome, beats, latest_data_hash
+from predictors.pattern_graph import PatternGraph, ProgramGraph, read_graphs
+from predictors.qrf_length import QrfLength
+from predictors.semantic_history import split_by_instruction
+
+GENERATED_TRAIN = (2000, 1000)  # (programs, seed)
+GENERATED_TEST = (300, 2000)
+
+
+def _prompt_responses(data: str | Path | Trace | None) -> Trace:
+    if isinstance(data, Trace):
+        return data
+    if data is None:
+        from experiments.workloads import bundled
+
+        data = bundled("alpaca_eval_lengths.jsonl.gz")
+    trace = load_trace(data)
+    if trace.prompt_text is None:
+        raise ValueError(f"{data}: qrf-length needs prompts with their responses (an alpaca-format file)")
+    return trace
+
+
+def _has_response_text(trace: Trace) -> bool:
+    return bool(getattr(trace, "columns", None)) and trace.columns.get("output_text") is not None
+
+
+def _gate(
+    registry: Registry,
+    candidate: Any,
+    metrics: dict[str, float],
+    champion_metrics: dict[str, float] | None,
+    metric: str,
+    promote_if_better: bool,
+    margin: float,
+) -> TrainOutcome:
+    version = registry.log(candidate, metrics=metrics)
+    promoted = promote_if_better and beats(
+        metrics[metric],
+        None if champion_metrics is None else champion_metrics[metric],
+        lower_is_better=True,
+        margin=margin,
+    )
+    if promoted:
+        registry.promote(candidate.name, version)
+    return TrainOutcome(version, promoted, metrics, champion_metrics)
+
+
+def train_qrf_length(
+    registry: Registry,
+    data: str | Path | Trace | None = None,
+    *,
+    test_share: float = 0.3,
+    promote_if_better: bool = False,
+    margin: float = 0.0,
+    skip_unchanged: bool = False,
+    **params: Any,
+) -> TrainOutcome:
+    trace = _prompt_responses(data)
+    if not _has_response_text(trace):
+        params.setdefault("generated_features", 0)
+    train, test = split_by_instruction(trace, test_share)
+    print(
+        f"qrf-length: fitting on {len(train):,} responses, scoring on {len(test):,} (held-out instructions)"
+    )
+    candidate = QrfLength(**params).fit(train)
+    if skip_unchanged and candidate.metadata["data_hash"] == latest_data_hash(registry, "qrf-length"):
+        return TrainOutcome(None, False, {}, None)
+    candidate.metadata["data_window"] = {
+        "source": str(data if isinstance(data, str | Path) else trace.name),
+        "train_rows": len(train),
+        "test_rows": len(test),
+        "test_share": test_share,
+    }
+    metrics = candidate.evaluate(test)
+    champion = registry.champion("qrf-length")
+    champion_metrics = None
+    if champion is not None and (champion.generated_features == 0 or _has_response_text(test)):
+        champion_metrics = champion.evaluate(test)
+    return _gate(registry, candidate, metrics, champion_metrics, "coverage_error", promote_if_better, margin)
+
+
+def evaluate_qrf_length(
+    registry: Registry, data: str | Path | Trace, *, alias: str = "champion", version: int | None = None
+) -> dict[str, float]:
+    """Coverage and over-estimation of a registered version on any prompt/response file."""
+    model = registry.load("qrf-length", alias=alias, version=version)
+    return model.evaluate(_prompt_responses(data))
+
+
+def _graphs(data: str | Path | None) -> tuple[list[ProgramGraph], list[ProgramGraph], str]:
+    """(train, test, source): a graph file split 80/20 in file order, or generated programs."""
+    if data is not None:
+        graphs = read_graphs(data)
+        if len(graphs) < 10:
+            raise ValueError(f"{data}: need at least 10 programs, found {len(graphs)}")
+        cut = int(len(graphs) * 0.8)
+        return graphs[:cut], graphs[cut:], str(data)
+    from experiments.compound_programs import generate_graphs
+
+    train, test = generate_graphs(*GENERATED_TRAIN), generate_graphs(*GENERATED_TEST)
+    return train, test, "generated: chatbot-compound, deep-research, agentic-codegen"
+
+
+def train_pattern_graph(
+    registry: Registry,
+    data: str | Path | None = None,
+    *,
+    promote_if_better: bool = False,
+    margin: float = 0.0,
+    skip_unchanged: bool = False,
+    **params: Any,
+) -> TrainOutcome:
+    train, test, source = _graphs(data)
+    print(f"pattern-graph: clustering {len(train):,} programs, scoring on {len(test):,}")
+    candidate = PatternGraph(**params).fit(train)
+    if skip_unchanged and candidate.metadata["data_hash"] == latest_data_hash(registry, "pattern-graph"):
+        return TrainOutcome(None, False, {}, None)
+    candidate.metadata["data_window"] = {
+        "source": source,
+        "train_programs": len(train),
+        "test_programs": len(test),
+    }
+    metrics = candidate.evaluate(test)
+    champion = registry.champion("pattern-graph")
+    champion_metrics = champion.evaluate(test) if champion is not None else None
+    return _gate(registry, candidate, metrics, champion_metrics, "share_error", promote_if_better, margin)
+
+
+def evaluate_pattern_graph(
+    registry: Registry, data: str | Path, *, alias: str = "champion", version: int | None = None
+) -> dict[str, float]:
+    return registry.load("pattern-graph", alias=alias, version=version).evaluate(read_graphs(data))
