@@ -2,11 +2,12 @@
 
 1. Trains the learned components that exist through their pipelines, registers and promotes them:
    `cost-model` (calibrated on a step log of a replayed Azure slice), `slai-offset` (Optuna on
-   replay of slai-tiers), `ewsjf-meta-policy` (Refine-and-Prune + Optuna on ewsjf-mixed) and
-   `semantic-history` (MiniLM + FAISS window on the AlpacaEval train split).
-2. Replays every policy on every named workload and the real Azure trace -- `slai`, `ewsjf` and
-   `sagesched` with the champions loaded from the registry -- logging each (workload, policy) as an
-   MLflow run.
+   replay of slai-tiers), `ewsjf-meta-policy` (Refine-and-Prune + Optuna on ewsjf-mixed),
+   `semantic-history` (MiniLM + FAISS window on the AlpacaEval train split), `qrf-length` (quantile
+   forest on the same split) and `pattern-graph` (k-medoids over generated compound programs).
+2. Replays every policy on every named workload and the real Azure trace -- `slai`, `ewsjf`,
+   `sagesched` and `jitserve` with the champions loaded from the registry -- logging each
+   (workload, policy) as an MLflow run.
 3. Prints a leaderboard of each workload's headline metric and the paths of a Markdown report,
    latency-CDF plots and a JSON of every metric; says how to browse the runs in `mlflow ui`.
 """
@@ -39,6 +40,7 @@ class Headline:
     key: str
     label: str | None = None
     lower_is_better: bool = True
+    scale: float = 1.0  # shown as value / scale
 
     def value(self, metrics: dict[str, Any]) -> float | None:
         scope = metrics if self.label is None else metrics.get("by_class", {}).get(self.label, {})
@@ -50,6 +52,7 @@ HEADLINES: dict[str, Headline] = {
     "slai-tiers": Headline("median TTFT (s)", "ttft_p50"),
     "azure-conv": Headline("mean TTLT (s)", "ttlt_mean"),
     "sagesched-mix": Headline("mean TTLT (s)", "ttlt_mean"),
+    "jitserve-mix": Headline("token goodput (M)", "goodput_tokens", lower_is_better=False, scale=1e6),
 }
 
 # (rate, number of requests) per workload: the full run, and --fast.
@@ -58,6 +61,7 @@ SIZES: dict[str, dict[bool, tuple[float, int]]] = {
     "slai-tiers": {False: (2.8, 1500), True: (2.8, 400)},
     "azure-conv": {False: (5.53, 19366), True: (5.53, 3000)},
     "sagesched-mix": {False: (3.0, 2000), True: (3.0, 600)},
+    "jitserve-mix": {False: (2.5, 1500), True: (2.5, 400)},
 }
 
 
@@ -90,16 +94,18 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
     from adapt.registry import Registry
     from pipelines.cost_model import train_cost_model
     from pipelines.ewsjf import tune_ewsjf
+    from pipelines.jitserve import train_pattern_graph, train_qrf_length
     from pipelines.semantic_history import train_semantic_history
     from pipelines.slai import train_slai_offset
     from serving_hooks.policies.ewsjf import EWSJF
+    from serving_hooks.policies.jitserve import JITServe
     from serving_hooks.policies.sagesched import SageSched
     from serving_hooks.policies.slai import SLAI
 
     registry = Registry()
     spec = WORKLOADS["azure-conv"]
     print(
-        "[train 1/4] cost-model: step log of a replayed Azure trace slice -> fit -> register", file=sys.stderr
+        "[train 1/6] cost-model: step log of a replayed Azure trace slice -> fit -> register", file=sys.stderr
     )
     engine = ReplayEngine(
         POLICIES["fcfs"](), roofline(spec.model, spec.gpu, tp=spec.tp), EngineConfig(record_steps=True)
@@ -115,7 +121,7 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
         f" (promoted: {'yes' if outcome.promoted else 'no'})",
         file=sys.stderr,
     )
-    print("[train 2/4] slai-offset: Optuna on replay of slai-tiers -> register -> gate", file=sys.stderr)
+    print("[train 2/6] slai-offset: Optuna on replay of slai-tiers -> register -> gate", file=sys.stderr)
     outcome = train_slai_offset(
         registry,
         rate=2.4,  # the highest load Sarathi sustains in our replay (see the SLAI study)
@@ -129,7 +135,7 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
         file=sys.stderr,
     )
     print(
-        "[train 3/4] ewsjf-meta-policy: Refine-and-Prune + Bayesian meta-optimiser on replay", file=sys.stderr
+        "[train 3/6] ewsjf-meta-policy: Refine-and-Prune + Bayesian meta-optimiser on replay", file=sys.stderr
     )
     outcome = tune_ewsjf(registry, rate=40.0, num_requests=400 if fast else 1000, trials=3 if fast else 8)
     print(
@@ -137,7 +143,7 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
         file=sys.stderr,
     )
     print(
-        "[train 4/4] semantic-history: embed AlpacaEval prompts -> FAISS window -> held-out score",
+        "[train 4/6] semantic-history: embed AlpacaEval prompts -> FAISS window -> held-out score",
         file=sys.stderr,
     )
     outcome = train_semantic_history(registry, promote_if_better=True)
@@ -148,7 +154,27 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
         f" promoted: {'yes' if outcome.promoted else 'no'})",
         file=sys.stderr,
     )
+    print(
+        "[train 5/6] qrf-length: quantile forest on the AlpacaEval train split -> coverage", file=sys.stderr
+    )
+    outcome = train_qrf_length(registry, promote_if_better=True, **({"n_estimators": 20} if fast else {}))
+    coverage = ", ".join(f"{outcome.metrics[f'coverage_at_{g}']:.3f}" for g in (0, 50, 100, 200))
+    print(
+        f"  qrf-length v{outcome.version}: held-out coverage of the 0.95 bound after 0/50/100/200"
+        f" tokens {coverage} (promoted: {'yes' if outcome.promoted else 'no'})",
+        file=sys.stderr,
+    )
+    print("[train 6/6] pattern-graph: k-medoids over generated compound programs", file=sys.stderr)
+    outcome = train_pattern_graph(registry, promote_if_better=True)
+    print(
+        f"  pattern-graph v{outcome.version}: held-out stage-share error {outcome.metrics['share_error']:.3f}"
+        f" (after 0 stages {outcome.metrics['share_error_after_0']:.3f}, after 1"
+        f" {outcome.metrics['share_error_after_1']:.3f}; promoted: {'yes' if outcome.promoted else 'no'})",
+        file=sys.stderr,
+    )
     factories: dict[str, Callable[[], Policy]] = {}
+    qrf, patterns = registry.load("qrf-length"), registry.load("pattern-graph")
+    factories["jitserve"] = lambda: JITServe(qrf=qrf, patterns=patterns)
     history = registry.load("semantic-history")
     factories["sagesched"] = lambda: SageSched(history=history)
     offset = registry.champion("slai-offset")
@@ -222,12 +248,17 @@ def format_leaderboard(leaderboard: dict[str, dict[str, float | None]]) -> str:
     policies = list(next(iter(leaderboard.values())))
     lines = ["| policy | " + " | ".join(f"{w}: {HEADLINES[w].title}" for w in workloads) + " |"]
     lines.append("|---|" + "---|" * len(workloads))
-    best = {w: min((v for v in leaderboard[w].values() if v is not None), default=None) for w in workloads}
+    best = {
+        w: (min if HEADLINES[w].lower_is_better else max)(
+            (v for v in leaderboard[w].values() if v is not None), default=None
+        )
+        for w in workloads
+    }
     for policy in policies:
         cells = []
         for w in workloads:
             value = leaderboard[w][policy]
-            text = "-" if value is None else f"{value:.3f}"
+            text = "-" if value is None else f"{value / HEADLINES[w].scale:.3f}"
             cells.append(f"**{text}**" if value is not None and value == best[w] else text)
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -237,8 +268,9 @@ def _report(table: str, plots: list[Path], fast: bool) -> str:
     images = "\n".join(f"![{p.stem}]({p.name})" for p in plots)
     return (
         "# adapt quickstart report\n\n"
-        f"Mode: {'fast' if fast else 'full'}. Each cell is the workload's headline metric (lower is better;"
-        " best in bold). Oracle policies (`sjf-oracle`) know true output lengths and bound what a"
-        " perfect predictor could reach.\n\n"
+        f"Mode: {'fast' if fast else 'full'}. Each cell is the workload's headline metric (best in bold;"
+        " lower is better except goodput). Oracle policies (`sjf-oracle`, `jitserve-oracle`) know true"
+        " output lengths (and, for jitserve, true stage shares) and bound what a perfect predictor"
+        " could reach.\n\n"
         f"{table}\n\n{images}\n"
     )

