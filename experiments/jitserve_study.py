@@ -2,7 +2,7 @@
 
     .venv/bin/python -m experiments.jitserve_study [--rates 2.0,2.5,3.0] [--requests 1500]
                                                     [--seeds 0,1,2] [--components fit|champion]
-                                                    [--out reports/jitserve]
+                                                    [--ablations] [--out reports/jitserve]
 
 Replays, at each rate and seed, `fcfs`, `sarathi` (512-token chunks), `edf`, `edf` with a 512-token
 budget, `plas`, `ltr` (noisy oracle: true length x lognormal(0, 0.5)), `ltr+qrf` (ranked by the
@@ -66,6 +66,22 @@ def qrf_median(qrf: Any) -> Callable[[RequestState], float]:
     return predict
 
 
+def ablations(qrf: Any, patterns: Any) -> dict[str, Callable[[], Policy]]:
+    """`jitserve` with one part switched off at a time (`--ablations`)."""
+
+    def jit(**params: Any) -> Callable[[], Policy]:
+        return lambda: make_policy("jitserve", **{"qrf": qrf, "patterns": patterns, **params})
+
+    return {
+        "ablation: fixed cutoff p = 0.95": jit(cutoffs=(0.95,)),
+        "ablation: no preemption": jit(preempt=False),
+        "ablation: no admission control": jit(waiting_time_s=None),
+        "ablation: batch = engine max (256)": jit(batch_size=None),
+        "ablation: no pattern graph (phi = 1)": jit(patterns=None),
+        "ablation: no QRF (online quantile)": jit(qrf=None),
+    }
+
+
 def policies(qrf: Any, patterns: Any) -> dict[str, Callable[[], Policy]]:
     def edf_512() -> Policy:
         policy = make_policy("edf")
@@ -86,7 +102,12 @@ def policies(qrf: Any, patterns: Any) -> dict[str, Callable[[], Policy]]:
 
 
 def run_study(
-    rates: list[float], num_requests: int, seeds: list[int], qrf: Any, patterns: Any
+    rates: list[float],
+    num_requests: int,
+    seeds: list[int],
+    qrf: Any,
+    patterns: Any,
+    with_ablations: bool = False,
 ) -> dict[str, Any]:
     spec = WORKLOADS["jitserve-mix"]
     cost = roofline(spec.model, spec.gpu, tp=spec.tp)
@@ -94,7 +115,10 @@ def run_study(
     for rate in rates:
         for seed in seeds:
             requests = jitserve_mix(rate, num_requests, seed)
-            for label, make in policies(qrf, patterns).items():
+            variants = policies(qrf, patterns)
+            if with_ablations:
+                variants.update(ablations(qrf, patterns))
+            for label, make in variants.items():
                 started = time.perf_counter()
                 metrics = ReplayEngine(make(), cost).run(requests).metrics()
                 by_class = metrics.get("by_class", {})
@@ -173,6 +197,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1500, help="jobs per run (compound jobs add calls)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--components", default="fit", help="fit (bundled data), champion, or vN")
+    parser.add_argument("--ablations", action="store_true", help="also run jitserve with parts switched off")
     parser.add_argument("--out", default="reports/jitserve")
     args = parser.parse_args()
     out = Path(args.out)
@@ -184,6 +209,7 @@ def main() -> None:
         [int(s) for s in args.seeds.split(",")],
         qrf,
         patterns,
+        args.ablations,
     )
     (out / "jitserve_study.json").write_text(json.dumps(study, indent=2))
     text = markdown(study)

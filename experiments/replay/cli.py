@@ -175,7 +175,8 @@ def replay_policy(
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
-    header = f"{'policy':<12}" + "".join(f"{title:>13}" for _, title in TABLE_COLUMNS)
+    width = max(12, *(len(name) + 1 for name in results))
+    header = f"{'policy':<{width}}" + "".join(f"{title:>13}" for _, title in TABLE_COLUMNS)
     lines = [header, "-" * len(header)]
     for name, metrics in results.items():
         cells = []
@@ -187,7 +188,7 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
                 cells.append(f"{value:>13.3f}")
             else:
                 cells.append(f"{value:>13,}")
-        lines.append(f"{name:<12}" + "".join(cells))
+        lines.append(f"{name:<{width}}" + "".join(cells))
     return "\n".join(lines)
 
 
