@@ -13,6 +13,7 @@ the held-out set -- and gate on the mean stage-share error.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,8 @@ def train_qrf_length(
         params.setdefault("generated_features", 0)
     train, test = split_by_instruction(trace, test_share)
     print(
-        f"qrf-length: fitting on {len(train):,} responses, scoring on {len(test):,} (held-out instructions)"
+        f"qrf-length: fitting on {len(train):,} responses, scoring on {len(test):,} (held-out instructions)",
+        file=sys.stderr,
     )
     candidate = QrfLength(**params).fit(train)
     if skip_unchanged and candidate.metadata["data_hash"] == latest_data_hash(registry, "qrf-length"):
@@ -131,7 +133,7 @@ def train_pattern_graph(
     **params: Any,
 ) -> TrainOutcome:
     train, test, source = _graphs(data)
-    print(f"pattern-graph: clustering {len(train):,} programs, scoring on {len(test):,}")
+    print(f"pattern-graph: clustering {len(train):,} programs, scoring on {len(test):,}", file=sys.stderr)
     candidate = PatternGraph(**params).fit(train)
     if skip_unchanged and candidate.metadata["data_hash"] == latest_data_hash(registry, "pattern-graph"):
         return TrainOutcome(None, False, {}, None)

@@ -9,7 +9,9 @@ Made for cron, systemd timers and Kubernetes CronJobs:
 
 Data comes from a directory the serving side fills (the vLLM monitor's logs, or files you drop in):
 `steps*.csv|jsonl|parquet` step logs for `cost-model`, `requests*.jsonl` request logs for
-`ewsjf-meta-policy` (its queue layout is refit on the logged prompt lengths, keeping Theta).
+`ewsjf-meta-policy` (its queue layout is refit on the logged prompt lengths, keeping Theta),
+`prompts*.jsonl[.gz]` prompt/response files for `semantic-history` and `qrf-length`, and
+`programs*.jsonl` compound-program graphs for `pattern-graph`.
 Components tuned on replay (`slai-offset`, EWSJF's Theta) are retrained by `adapt tune`.
 """
 
@@ -26,10 +28,12 @@ import numpy as np
 import pandas as pd
 
 from adapt.registry import Registry
-from adapt.traces import load_trace
+from adapt.traces import Trace, load_trace
 from pipelines.cost_model import load_step_log, train_cost_model
 from pipelines.ewsjf import train_ewsjf_meta
+from pipelines.jitserve import train_pattern_graph, train_qrf_length
 from pipelines.outcome import TrainOutcome
+from pipelines.semantic_history import train_semantic_history
 
 EXIT_OK, EXIT_FAILED, EXIT_LOCKED = 0, 1, 75  # 75 = EX_TEMPFAIL: try again later
 
@@ -84,9 +88,55 @@ def retrain_ewsjf_layout(registry: Registry, data_dir: Path, margin: float) -> R
     )
 
 
+def _prompt_responses(data_dir: Path) -> Trace | None:
+    """Every `prompts*.jsonl[.gz]` (alpaca format: instruction, output) as one trace, or None."""
+    files = _files(data_dir, ("prompts*.jsonl", "prompts*.jsonl.gz"))
+    if not files:
+        return None
+    traces = [load_trace(f) for f in files]
+    columns = {key: [v for t in traces for v in t.columns.get(key, [])] for key in traces[0].columns}
+    return Trace(
+        "+".join(f.name for f in files),
+        np.concatenate([t.prompt_tokens for t in traces]),
+        np.concatenate([t.output_tokens for t in traces]),
+        prompt_text=[text for t in traces for text in (t.prompt_text or [])] or None,
+        columns={k: v for k, v in columns.items() if len(v) == sum(len(t) for t in traces)},
+    )
+
+
+def _prompt_retrainer(name: str, train: Callable[..., TrainOutcome], metric: str):
+    def retrain(registry: Registry, data_dir: Path, margin: float) -> RetrainResult:
+        trace = _prompt_responses(data_dir)
+        if trace is None:
+            return RetrainResult(name, "no data", detail=f"no prompts*.jsonl[.gz] in {data_dir}")
+        outcome = train(registry, trace, promote_if_better=True, margin=margin, skip_unchanged=True)
+        return _result(name, outcome, f"held-out {metric} {outcome.metrics.get(metric, float('nan')):.4g}")
+
+    return retrain
+
+
+def retrain_pattern_graph(registry: Registry, data_dir: Path, margin: float) -> RetrainResult:
+    files = _files(data_dir, ("programs*.jsonl",))
+    if not files:
+        return RetrainResult("pattern-graph", "no data", detail=f"no programs*.jsonl in {data_dir}")
+    merged = data_dir / ".programs-merged.jsonl"
+    merged.write_text("".join(f.read_text() for f in files))
+    outcome = train_pattern_graph(
+        registry, merged, promote_if_better=True, margin=margin, skip_unchanged=True
+    )
+    return _result(
+        "pattern-graph",
+        outcome,
+        f"held-out share error {outcome.metrics.get('share_error', float('nan')):.4f}",
+    )
+
+
 RETRAINERS: dict[str, Callable[[Registry, Path, float], RetrainResult]] = {
     "cost-model": retrain_cost_model,
     "ewsjf-meta-policy": retrain_ewsjf_layout,
+    "semantic-history": _prompt_retrainer("semantic-history", train_semantic_history, "wasserstein"),
+    "qrf-length": _prompt_retrainer("qrf-length", train_qrf_length, "coverage_error"),
+    "pattern-graph": retrain_pattern_graph,
 }
 
 

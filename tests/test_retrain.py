@@ -32,7 +32,7 @@ def test_retrain_once_is_idempotent_and_follows_new_data(tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'r.db'}"
     base = ["--tracking-uri", uri, "retrain", "--once", "--data-dir", str(data)]
     assert main(base) == 0
-    assert capsys.readouterr().out.count("no data") == 2
+    assert capsys.readouterr().out.count("no data") == 5
     write_logs(data, seed=0)
     assert main(base) == 0
     out = capsys.readouterr().out
@@ -40,7 +40,7 @@ def test_retrain_once_is_idempotent_and_follows_new_data(tmp_path, capsys):
     assert "ewsjf-meta-policy    registered v1 (promoted)" in out
     assert main(base) == 0  # unchanged data: nothing new
     statuses = [line.split()[1] for line in capsys.readouterr().out.splitlines()]
-    assert statuses == ["unchanged", "unchanged"]
+    assert statuses == ["unchanged", "unchanged", "no", "no", "no"]
     reg = Registry(uri, cache_dir=tmp_path / "c")
     assert [len(reg.versions(n)) for n in ("cost-model", "ewsjf-meta-policy")] == [1, 1]
     write_logs(data, seed=1, tag="b")  # new traffic arrived
@@ -48,6 +48,36 @@ def test_retrain_once_is_idempotent_and_follows_new_data(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "cost-model           registered v2" in out and "ewsjf-meta-policy    registered v2" in out
     assert main(["--tracking-uri", uri, "retrain", "--once", "--data-dir", str(tmp_path / "missing")]) == 2
+
+
+def test_retrain_picks_up_prompt_and_program_files(tmp_path, capsys):
+    """Prompt/response files retrain semantic-history and qrf-length, program graphs retrain
+    pattern-graph; a second pass on the same files registers nothing."""
+    import gzip
+    import json
+
+    from experiments.compound_programs import generate_graphs
+    from experiments.workloads import bundled
+    from predictors.pattern_graph import write_graphs
+
+    data = tmp_path / "data"
+    data.mkdir()
+    with gzip.open(bundled("alpaca_eval_lengths.jsonl.gz"), "rt") as handle:
+        rows = [json.loads(line) for line in handle]
+    keep = set(sorted({r["instruction"] for r in rows})[:60])
+    (data / "prompts-a.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows if r["instruction"] in keep)
+    )
+    write_graphs(data / "programs-a.jsonl", generate_graphs(200, seed=5))
+    uri = f"sqlite:///{tmp_path / 'p.db'}"
+    base = ["--tracking-uri", uri, "retrain", "--once", "--data-dir", str(data)]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    for name in ("semantic-history", "qrf-length", "pattern-graph"):
+        assert f"{name:<20} registered v1 (promoted)" in out
+    assert main(base) == 0
+    statuses = [line.split()[1] for line in capsys.readouterr().out.splitlines()]
+    assert statuses == ["no", "no", "unchanged", "unchanged", "unchanged"]
 
 
 def test_concurrent_retrains_do_not_corrupt_the_store(tmp_path):
