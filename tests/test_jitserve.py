@@ -14,7 +14,8 @@ from experiments.compound_programs import generate_graphs, generate_programs, pr
 from experiments.replay.engine import EngineConfig
 from experiments.replay.metrics import RequestRecord, _aggregate
 from predictors.pattern_graph import PatternGraph, ProgramGraph, StageNode
-from serving_hooks.policies.jitserve import JITServe, bandwidth, on_time_tokens, select_batch
+from serving_hooks.policies.gmax import bandwidth, select_batch
+from serving_hooks.policies.jitserve import JITServe
 from tests.replay_helpers import CheckedEngine, ConstantCost
 
 LATENCY = SLO(kind="latency", ttft_s=2.0, tbt_s=0.1)
@@ -29,6 +30,17 @@ def state(rid="a", arrival=0.0, prompt=10, slo=None, generated=0, program=None, 
 
 
 # ----------------------------------------------------------------- formulas
+def decoding(rid="a", arrival=0.0, prompt=10, slo=None, generated=0, remaining=100, program=None):
+    """A running request with nothing left to prefill and `remaining` tokens bounded to come."""
+    request = state(rid, arrival, prompt, slo, generated, program, phase="decode")
+    request.cache["jit_bound"] = (float(remaining), generated)
+    return request
+
+
+def goodput(policy, request, now, step=0.05):
+    return float(policy.estimates([request], now, step)[0][0])
+
+
 def test_bandwidth_is_generation_time_over_remaining_time():
     assert bandwidth(10.0, 20.0) == 0.5
     assert bandwidth(30.0, 20.0) == 1.5
@@ -36,47 +48,47 @@ def test_bandwidth_is_generation_time_over_remaining_time():
 
 
 def test_on_time_tokens_by_hand():
-    request = state(slo=LATENCY)
-    # Served from t=0 at 0.05 s/token: token i at 0.05 (i + 1) <= 2 + 0.1 i -- all on time.
-    assert on_time_tokens(request, 0.0, 20, 0.05) == 20
+    policy = JITServe()
+    # Served from t=0 at 0.05 s/token: token i at 0.05 (i + 1) <= 2 + 0.1 i -- all 20 on time.
+    assert goodput(policy, decoding("a", slo=LATENCY, remaining=20), 0.0) == 20
     # Starting at 2.5: token i arrives 2.55 + 0.05 i, due 2 + 0.1 i -> on time from i = 11: 9 of 20.
-    assert on_time_tokens(request, 2.5, 20, 0.05) == 9
+    assert goodput(policy, decoding("b", slo=LATENCY, remaining=20), 2.5) == 9
     # Slower than the TBT (0.2 s/token): slack 1.8 - 0.1 i >= 0 for i <= 18 -> 19 of 30.
-    assert on_time_tokens(request, 0.0, 30, 0.2) == 19
-    # TBT only, first token already out at t=1: token g=5 due 1.5, arrives now + step.
-    tbt_only = state(slo=SLO(kind="latency", tbt_s=0.1), generated=5)
+    assert goodput(policy, decoding("c", slo=LATENCY, remaining=30), 0.0, step=0.2) == 19
+    # TBT only, first token out at t=1, 5 generated: token 5 due 1.5 and arrives 1.05 -> all 10.
+    tbt_only = decoding("d", slo=SLO(kind="latency", tbt_s=0.1), generated=5, remaining=10)
     tbt_only.first_token_s = 1.0
-    assert on_time_tokens(tbt_only, 1.0, 10, 0.05) == 10
-    assert on_time_tokens(tbt_only, 1.6, 10, 0.2) == 0
+    assert goodput(policy, tbt_only, 1.0) == 10
+    late = decoding("e", slo=SLO(kind="latency", tbt_s=0.1), generated=5, remaining=10)
+    late.first_token_s = 1.0
+    assert goodput(policy, late, 1.6, step=0.2) == 0  # token 5 due 1.5, slower than the TBT too
+    # TTFT only: the first token is due by 2 s, the rest any time (the replay's accounting).
+    assert goodput(policy, decoding("f", slo=SLO(kind="latency", ttft_s=2.0), remaining=10), 2.5) == 9
 
 
 def test_goodput_of_each_slo_kind_by_hand():
     policy = JITServe()
-    step = 0.05
     # deadline 20 s: 100 tokens * 0.05 = 5 s fits from t=0 -> prompt + output; from t=16 it does not.
-    deadline = state(slo=SLO(kind="deadline", deadline_s=20.0))
-    assert policy.goodput(deadline, 0.0, 100, 0.0, step) == 110
-    assert policy.goodput(deadline, 16.0, 100, 0.0, step) == 0
+    assert goodput(policy, decoding("a", slo=SLO(kind="deadline", deadline_s=20.0)), 0.0) == 110
+    assert goodput(policy, decoding("b", slo=SLO(kind="deadline", deadline_s=20.0)), 16.0) == 0
     # best effort: everything counts.
-    assert policy.goodput(state(), 50.0, 100, 0.0, step) == 110
-    # latency: the on-time tokens only (9 of 20 when starting at 2.5, as above).
-    assert policy.goodput(state(slo=LATENCY), 2.5, 20, 0.0, step) == 9
+    assert goodput(policy, decoding("c"), 50.0) == 110
     # compound, no pattern history: the sub-deadline is the whole deadline (40 s from start 0).
     program = ProgramRef("p", 1, parent_ids=("x",), start_s=0.0)
-    compound = state(arrival=10.0, slo=SLO(kind="compound", deadline_s=40.0), program=program)
+    compound = decoding("d", arrival=10.0, slo=SLO(kind="compound", deadline_s=40.0), program=program)
     assert policy.stage_deadline(compound) == 40.0
-    assert policy.goodput(compound, 10.0, 100, 0.0, step) == 110
-    assert policy.goodput(compound, 38.0, 100, 0.0, step) == 0
+    assert goodput(policy, compound, 10.0) == 110
+    late = decoding("e", arrival=10.0, slo=SLO(kind="compound", deadline_s=40.0), program=program)
+    assert goodput(policy, late, 38.0) == 0
 
 
 def test_compound_goodput_halves_past_the_sub_deadline():
     policy = JITServe()
     program = ProgramRef("p", 0, start_s=0.0)
-    compound = state(slo=SLO(kind="compound", deadline_s=40.0), program=program)
-    compound.cache["stage_deadline"] = 10.0  # phi = 0.25
-    assert policy.goodput(compound, 0.0, 100, 0.0, 0.05) == 110  # done at 5 s
-    assert policy.goodput(compound, 8.0, 100, 0.0, 0.05) == 55  # done at 13 s: only the program deadline
-    assert policy.goodput(compound, 36.0, 100, 0.0, 0.05) == 0
+    for rid, now, expected in (("a", 0.0, 110), ("b", 8.0, 55), ("c", 36.0, 0)):
+        compound = decoding(rid, slo=SLO(kind="compound", deadline_s=40.0), program=program)
+        compound.cache["stage_deadline"] = 10.0  # phi = 0.25; done at now + 5 s
+        assert goodput(policy, compound, now) == expected
 
 
 def test_priority_is_goodput_over_generation_time_plus_aging():

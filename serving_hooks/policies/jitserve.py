@@ -29,11 +29,15 @@ The batch size B caps the running requests: a smaller batch decodes faster, whic
 the admitted requests meet TBTs and deadlines under overload. Its default, 48, was the best of
 32/48/64 on `jitserve-mix` (llama-3-8b / A100, 2.0-3.0 req/s, seed 0); `None` means the engine's
 `max_running`. Like Sarathi-Serve, JITServe runs chunked prefill with a 512-token budget.
+
+The arithmetic lives in `serving_hooks.policies.gmax` over numpy columns; this module keeps the
+per-request state (bounds, sub-deadlines, the admission order) up to date.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import math
 from collections import deque
@@ -43,12 +47,13 @@ import numpy as np
 from sortedcontainers import SortedList
 
 from adapt.policy import EngineView, Horizon, Plan, Policy, RequestState
+from serving_hooks.policies.gmax import KINDS, RequestTable, estimates, select_batch
 
 DEFAULT_STEP_S = 0.03  # decode step time assumed before the engine has measured one
 FALLBACK_QUANTILE_WINDOW = 4096
-_EPS = 1e-9  # token counts from float time ratios: 11.000000000000002 late tokens are 11
 MEMO_SIZE = 50_000  # QRF bounds memoised by (prompt, generated count): repeated prompts are common
 MAX_PROGRAMS = 10_000  # compound programs whose calls are remembered for pattern matching
+_WAITING = ("waiting", "preempted")
 
 
 class JITServe(Policy):
@@ -98,11 +103,14 @@ class JITServe(Policy):
         self.refine_every = int(refine_every)
         self.token_budget = token_budget
         self._rng = np.random.default_rng(seed)
+        self._table = RequestTable()
         self._requests: dict[str, RequestState] = {}
         self._unscored: list[RequestState] = []
         self._arrivals: deque[RequestState] = deque()  # waiting, never admitted, in arrival order
         self._started: set[str] = set()
-        self._order = SortedList()  # (rank, -priority, seq, id) of waiting requests
+        self._frame_ids: list[str] = []  # the last frame's admission order ...
+        self._frame_keys = np.zeros((0, 2))  # ... and its (rank, -priority) keys
+        self._order = SortedList()  # (rank, -priority, seq, id) of requests queued since the frame
         self._entry: dict[str, tuple] = {}
         self._priority: dict[str, float] = {}
         self._seq = 0
@@ -132,12 +140,15 @@ class JITServe(Policy):
     def on_admit(self, request: RequestState, now: float) -> None:
         self._started.add(request.id)
         self._unqueue(request)
+        self._table.set(request.id, waiting=0.0)
 
     def on_preempt(self, request: RequestState, now: float) -> None:
+        self._write(request)
         self._queue(request, rank=1)
 
     def on_finish(self, request: RequestState, now: float) -> None:
         self._unqueue(request)
+        self._table.release(request.id)
         self._requests.pop(request.id, None)
         self._started.discard(request.id)
         self._priority.pop(request.id, None)
@@ -146,7 +157,30 @@ class JITServe(Policy):
         self._frame_reward += self._earned(request)
         self._remember_length(request.tokens_generated)
 
+    def _write(self, request: RequestState) -> None:
+        """Copy what the estimates need about `request` into its table row."""
+        slo = request.slo
+        bound, at = request.cache["jit_bound"]
+        self._table.set(
+            request.id,
+            arrival=request.arrival_s,
+            prompt=request.prompt_tokens,
+            generated=request.tokens_generated,
+            prefill=request.tokens_to_compute - (request.phase == "decode"),
+            kind=KINDS[slo.kind],
+            deadline=request.deadline_at,
+            stage_deadline=self.stage_deadline(request) if slo.kind == "compound" else math.inf,
+            ttft=math.nan if slo.ttft_s is None else slo.ttft_s,
+            tbt=math.nan if slo.tbt_s is None else slo.tbt_s,
+            first_token=math.nan if request.first_token_s is None else request.first_token_s,
+            bound=bound,
+            bound_at=at,
+            waiting=float(request.phase in _WAITING),
+        )
+
     # ---------------------------------------------------------- the queue
+    # Admission order = the last frame's order (one numpy sort per frame) merged with a small
+    # sorted list of the requests that arrived or were preempted since, both by (rank, -priority).
     def _queue(self, request: RequestState, rank: int) -> None:
         self._unqueue(request)
         self._seq += 1
@@ -160,9 +194,13 @@ class JITServe(Policy):
             self._order.remove(entry)
 
     def _admission_order(self):
-        for entry in self._order:
-            request = self._requests.get(entry[-1])
-            if request is not None:
+        frame = ((*self._frame_keys[i], -1, rid) for i, rid in enumerate(self._frame_ids))
+        seen: set[str] = set()
+        for entry in heapq.merge(frame, self._order):
+            rid = entry[-1]
+            request = self._requests.get(rid)
+            if request is not None and rid not in seen and request.phase in _WAITING:
+                seen.add(rid)
                 yield request
 
     # ------------------------------------------------------------ planning
@@ -173,10 +211,9 @@ class JITServe(Policy):
             fresh = [r for r in self._unscored if r.id in self._requests and r.phase != "finished"]
             self._unscored = []
             self._refresh_bounds(fresh)
-            priorities = self.priorities(fresh, view.now, step_s)
-            for request, priority in zip(fresh, priorities, strict=True):
+            for request, priority in zip(fresh, self.priorities(fresh, view.now, step_s), strict=True):
                 self._priority[request.id] = float(priority)
-                if request.phase in ("waiting", "preempted"):
+                if request.phase in _WAITING:
                     self._queue(request, rank=1)
         preempt: list[RequestState] = []
         if view.step_index - self._frame_start >= self.frame_steps:
@@ -213,36 +250,46 @@ class JITServe(Policy):
         if not candidates:
             return []
         self._refresh_bounds([r for r in running if self._bound_is_stale(r)])
+        for request in running:
+            self._write(request)
         priority = self.priorities(candidates, view.now, step_s)
-        for request, value in zip(candidates, priority, strict=True):
-            self._priority[request.id] = float(value)
+        for request, value in zip(running, priority[len(waiting) :].tolist(), strict=True):
+            self._priority[request.id] = value
         batch = self._batch(view)
-        chosen = set(select_batch(priority, [r.prompt_tokens for r in candidates], batch, self.cutoff))
-        for i, request in enumerate(waiting):
-            self._queue(request, rank=0 if i in chosen else 1)
+        chosen = select_batch(priority, [r.prompt_tokens for r in candidates], batch, self.cutoff)
+        self._order_frame(waiting, priority[: len(waiting)], [i for i in chosen if i < len(waiting)])
         if not self.preempt:
             return []
-        incoming = sorted(
-            (candidates[i] for i in chosen if i < len(waiting)), key=lambda r: -self._priority[r.id]
-        )
+        chosen_set = set(chosen)
+        incoming = sorted((i for i in chosen if i < len(waiting)), key=lambda i: -priority[i])
         outgoing = sorted(
-            (r for i, r in enumerate(running, start=len(waiting)) if i not in chosen),
-            key=lambda r: self._priority[r.id],
+            (i for i in range(len(waiting), len(candidates)) if i not in chosen_set),
+            key=lambda i: priority[i],
         )
-        free_slots = view.max_running - len(running)
-        if view.kv_usage < 0.9 and free_slots >= len(incoming):
+        if view.kv_usage < 0.9 and batch - len(running) >= len(incoming):
             return []  # room for every incoming member without evicting anyone
         frame_s = self.frame_steps * step_s
         token_speed = max(1, len(running)) / step_s
         victims = []
         for new, old in zip(incoming, outgoing, strict=False):
-            stall_s = (old.prompt_tokens + old.tokens_generated) / self.prefill_tokens_per_s
-            gain = (self._priority[new.id] - self._priority[old.id]) * frame_s
-            if gain <= stall_s * token_speed:
+            victim = candidates[old]
+            stall_s = (victim.prompt_tokens + victim.tokens_generated) / self.prefill_tokens_per_s
+            if (priority[new] - priority[old]) * frame_s <= stall_s * token_speed:
                 break
-            victims.append(old)
+            victims.append(victim)
         self.preemptions += len(victims)
         return victims
+
+    def _order_frame(self, waiting: list[RequestState], priority: np.ndarray, in_batch: list[int]) -> None:
+        """The frame's admission order: batch members first, then the rest, each by priority."""
+        rank = np.ones(len(waiting))
+        rank[in_batch] = 0
+        order = np.lexsort((-priority, rank))
+        self._frame_keys = np.column_stack([rank[order], -priority[order]]).tolist()
+        self._frame_ids = [waiting[i].id for i in order.tolist()]
+        self._priority.update(zip((r.id for r in waiting), priority.tolist(), strict=True))
+        self._order.clear()
+        self._entry.clear()
 
     def _close_frame(self) -> None:
         """Credit the frame's goodput to the cutoff that ran it and pick the next (epsilon-greedy)."""
@@ -262,48 +309,31 @@ class JITServe(Policy):
         self.cutoff = self.cutoffs[self._arm]
 
     # ------------------------------------------------------------ estimates
+    def estimates(
+        self, requests: list[RequestState], now: float, step_s: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(goodput, t_gen) per request (`gmax.estimates`), from their table rows."""
+        rows = self._table.rows
+        missing = [r for r in requests if r.id not in rows]
+        for request in missing:
+            self._write(request)
+        index = np.fromiter((rows[r.id] for r in requests), dtype=np.int64, count=len(requests))
+        return estimates(self._table.columns(index), now, step_s, self.prefill_tokens_per_s)
+
     def priorities(self, requests: list[RequestState], now: float, step_s: float) -> np.ndarray:
-        """priority(r) = (goodput(r) + delta * frames waited) / t_gen(r), vectorised."""
-        n = len(requests)
-        if n == 0:
+        """priority(r) = (goodput(r) + delta * frames waited) / t_gen(r)."""
+        if not requests:
             return np.zeros(0)
-        remaining = np.array([self.remaining_bound(r) for r in requests], dtype=np.float64)
-        prefill = np.array([r.tokens_to_compute - (r.phase == "decode") for r in requests], dtype=np.float64)
-        t_pre = np.maximum(prefill, 0) / self.prefill_tokens_per_s
-        t_gen = t_pre + remaining * step_s
-        goodput = np.array(
-            [
-                self.goodput(r, now, rem, pre, step_s)
-                for r, rem, pre in zip(requests, remaining, t_pre, strict=True)
-            ]
-        )
-        frame_s = self.frame_steps * step_s
-        waited = np.array(
-            [now - r.arrival_s if r.phase in ("waiting", "preempted") else 0.0 for r in requests]
-        )
-        goodput += self.delta * np.floor(np.maximum(waited, 0) / frame_s)
+        goodput, t_gen = self.estimates(requests, now, step_s)
+        index = np.fromiter((self._table.rows[r.id] for r in requests), dtype=np.int64, count=len(requests))
+        columns = self._table.columns(index)
+        waited = np.where(columns["waiting"] > 0, np.maximum(now - columns["arrival"], 0.0), 0.0)
+        goodput = goodput + self.delta * np.floor(waited / (self.frame_steps * step_s))
         priority = goodput / np.maximum(t_gen, step_s)
         if self.fairness > 0:
             fair = waited / max(float(waited.max()), 1e-9) * float(priority.max())
             priority = (1 - self.fairness) * priority + self.fairness * fair
         return priority
-
-    def goodput(
-        self, request: RequestState, now: float, remaining: float, t_pre: float, step_s: float
-    ) -> float:
-        """Goodput tokens earned if `request` is served from now at one token per step."""
-        slo = request.slo
-        t_gen = t_pre + remaining * step_s
-        tokens = request.prompt_tokens + request.tokens_generated + remaining
-        if slo.kind == "latency":
-            return float(on_time_tokens(request, now + t_pre, remaining, step_s))
-        if slo.kind == "deadline":
-            return tokens if bandwidth(t_gen, request.deadline_at - now) <= 1 else 0.0
-        if slo.kind == "compound":
-            if bandwidth(t_gen, self.stage_deadline(request) - now) <= 1:
-                return tokens
-            return tokens / 2 if bandwidth(t_gen, request.deadline_at - now) <= 1 else 0.0
-        return tokens
 
     def stage_deadline(self, request: RequestState) -> float:
         """start + phi(s) * D for a compound call; phi from the matched pattern graph (or the
@@ -352,13 +382,6 @@ class JITServe(Policy):
             last_finish = finish
         current = StageNode("llm", "llm", input_tokens=float(request.prompt_tokens))
         return seen, current
-
-    def remaining_bound(self, request: RequestState) -> float:
-        """Upper bound on the tokens still to generate (cached, refreshed by `_refresh_bounds`)."""
-        bound, at = request.cache.get("jit_bound", (None, 0))
-        if bound is None:
-            bound, at = self._fallback_bound(request.tokens_generated), request.tokens_generated
-        return max(1.0, bound - (request.tokens_generated - at))
 
     def _bound_is_stale(self, request: RequestState) -> bool:
         _, at = request.cache.get("jit_bound", (None, -self.refine_every))
@@ -451,11 +474,9 @@ class JITServeOracle(JITServe):
     name = "jitserve-oracle"
     needs_oracle = True
 
-    def remaining_bound(self, request: RequestState) -> float:
-        return float(max(1, request.oracle_output_tokens - request.tokens_generated))  # type: ignore[operator]
-
     def _refresh_bounds(self, requests: list[RequestState]) -> None:
-        return None
+        for request in requests:  # the true total, counted down by `gmax.remaining`
+            request.cache["jit_bound"] = (float(request.oracle_output_tokens), 0)  # type: ignore[arg-type]
 
     def _bound_is_stale(self, request: RequestState) -> bool:
         return False
@@ -463,56 +484,6 @@ class JITServeOracle(JITServe):
     def _stage_share(self, request: RequestState) -> float:
         share = request.program.deadline_share  # type: ignore[union-attr]
         return 1.0 if share is None else share
-
-
-def bandwidth(t_gen: float, t_rem: float) -> float:
-    """bw = t_gen / t_rem: the share of the engine's per-request speed a request needs to finish
-    in its remaining time; above 1 (or no time left) it cannot make it."""
-    if t_rem <= 0:
-        return math.inf
-    return t_gen / t_rem
-
-
-def on_time_tokens(request: RequestState, start: float, remaining: float, step_s: float) -> int:
-    """How many of the next `remaining` tokens meet arrival + TTFT + i * TBT (or, with only a TBT
-    target, first token + i * TBT) if the first comes at start + step_s and then one per step."""
-    slo = request.slo
-    g = request.tokens_generated
-    remaining = int(remaining)
-    tbt = slo.tbt_s or 0.0
-    if slo.ttft_s is not None:
-        origin = request.arrival_s + slo.ttft_s
-    elif request.first_token_s is not None:
-        origin = request.first_token_s
-    else:
-        return remaining if step_s <= tbt else 0
-    slack0 = origin + g * tbt - (start + step_s)  # slack of token g; then changes by tbt - step_s
-    rate = tbt - step_s
-    if rate >= 0:
-        if slack0 >= 0:
-            return remaining
-        late = math.ceil(-slack0 / rate - _EPS) if rate > 0 else remaining
-        return max(0, remaining - late)
-    if slack0 < 0:
-        return 0
-    return min(remaining, math.floor(slack0 / -rate + _EPS) + 1)
-
-
-def select_batch(priority: np.ndarray, input_lengths: list[int], batch: int, cutoff: float) -> list[int]:
-    """GMAX's grouped selection: keep candidates with priority >= cutoff * (B-th highest), sort
-    them by input length, return the indices of the B consecutive ones with the largest priority
-    sum (all candidates when there are no more than B)."""
-    n = len(priority)
-    if n <= batch:
-        return list(range(n))
-    kth = np.partition(priority, n - batch)[n - batch]
-    keep = np.flatnonzero(priority >= cutoff * kth)
-    if len(keep) <= batch:
-        return keep.tolist()
-    keep = keep[np.argsort(np.asarray(input_lengths)[keep], kind="stable")]
-    sums = np.convolve(priority[keep], np.ones(batch), mode="valid")
-    start = int(np.argmax(sums))
-    return keep[start : start + batch].tolist()
 
 
 def _resolve(component: str, value: Any):
