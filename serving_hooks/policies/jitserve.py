@@ -61,6 +61,7 @@ class JITServe(Policy):
     alias, `vN`, or None (then an online empirical quantile of completed lengths stands in)."""
 
     name = "jitserve"
+    components = {"qrf": "qrf-length", "patterns": "pattern-graph"}  # noqa: RUF012
 
     def __init__(
         self,
@@ -125,6 +126,11 @@ class JITServe(Policy):
         self._programs: dict[str, dict[int, list[RequestState]]] = {}
         self.frames = 0
         self.preemptions = 0
+
+    def use_component(self, attribute: str, component: Any) -> None:
+        """A new version applies to bounds and sub-deadlines computed from now on."""
+        super().use_component(attribute, component)
+        self._bound_memo.clear()
 
     # ------------------------------------------------------------ lifecycle
     def on_arrival(self, request: RequestState, now: float) -> None:
@@ -473,6 +479,7 @@ class JITServeOracle(JITServe):
 
     name = "jitserve-oracle"
     needs_oracle = True
+    components = {}  # noqa: RUF012  (it knows the truth: nothing learned to swap)
 
     def _refresh_bounds(self, requests: list[RequestState]) -> None:
         for request in requests:  # the true total, counted down by `gmax.remaining`

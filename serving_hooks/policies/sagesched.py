@@ -100,6 +100,7 @@ class SageSched(PriorityPolicy):
 
     name = "sagesched"
     needs_prompt_text = True
+    components = {"history": "semantic-history"}  # noqa: RUF012
 
     def __init__(
         self,
@@ -141,6 +142,12 @@ class SageSched(PriorityPolicy):
         self.flip_ratio = flip_ratio
         self.preempt_below_tokens = preempt_below_tokens
         self._pending: dict[str, RequestState] = {}
+
+    def use_component(self, attribute: str, component: Any) -> None:
+        """A new history version replaces the window (the policy's own copy, in its mode)."""
+        mode = self.history.mode
+        self.history = resolve_history(component)
+        self.history.mode = mode
 
     def describe(self) -> dict[str, Any]:
         return {

