@@ -63,7 +63,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_quickstart(args: argparse.Namespace) -> int:
     from experiments.quickstart import run_quickstart
 
-    return run_quickstart(fast=args.fast, out_dir=args.out)
+    return run_quickstart(fast=args.fast, out_dir=args.out, serve=args.serve)
 
 
 def _registry(args: argparse.Namespace):
@@ -453,6 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
     quick = sub.add_parser("quickstart", help="end to end on the bundled data")
     quick.add_argument("--fast", action="store_true", help="smaller workloads (under 3 minutes)")
     quick.add_argument("--out", default="reports/quickstart", help="where the report and plots go")
+    quick.add_argument(
+        "--serve",
+        action="store_true",
+        help="then start adapt serve on a tiny model, drive load, promote a component live",
+    )
     quick.set_defaults(func=cmd_quickstart)
     return parser
 

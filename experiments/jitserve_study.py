@@ -74,7 +74,7 @@ def ablations(qrf: Any, patterns: Any) -> dict[str, Callable[[], Policy]]:
 
     return {
         "ablation: fixed cutoff p = 0.95": jit(cutoffs=(0.95,)),
-        "ablation: no preemption": jit(preempt=False),
+        "ablation: with preemption (gain > stall + victim's goodput)": jit(preempt=True),
         "ablation: no admission control": jit(waiting_time_s=None),
         "ablation: batch = engine max (256)": jit(batch_size=None),
         "ablation: no pattern graph (phi = 1)": jit(patterns=None),

@@ -187,7 +187,9 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
     return factories
 
 
-def run_quickstart(*, fast: bool = False, out_dir: str = "reports/quickstart", mlflow: bool = True) -> int:
+def run_quickstart(
+    *, fast: bool = False, out_dir: str = "reports/quickstart", mlflow: bool = True, serve: bool = False
+) -> int:
     started = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -233,6 +235,19 @@ def run_quickstart(*, fast: bool = False, out_dir: str = "reports/quickstart", m
     for plot in plots:
         print(f"plot:   {plot}")
     print(f"json:   {out / 'results.json'}")
+    if serve:
+        from experiments.quickstart_serve import serve_demo
+
+        live = serve_demo(out, fast)
+        (out / "serve.json").write_text(json.dumps(live, indent=2) + "\n")
+        client = live["client"]
+        print(
+            f"serve:  jitserve in vLLM swapped pattern-graph v{live['before']['components']['pattern-graph']}"
+            f" -> v{live['after']['components']['pattern-graph']} during the load;"
+            f" {client['ok']}/{client['requests']} requests ok, {client['failed']} failed"
+            f" (swaps {live['after']['swaps']}, failed swaps {live['after']['failed_swaps']})"
+            f"; {out / 'serve.json'}"
+        )
     if mlflow:
         from adapt import tracking
 

@@ -49,6 +49,21 @@ def _corpus(lines: int = 2000, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 24))) for _ in range(lines)]
 
 
+# vLLM arguments that fit the tiny model on a CPU: short context, fp32, no graph capture, and a
+# small share of RAM for the KV cache (`--gpu-memory-utilization` is RAM on the CPU backend).
+VLLM_CPU_ARGS: tuple[str, ...] = (
+    "--max-model-len",
+    "1024",
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--max-num-seqs",
+    "4",
+    "--gpu-memory-utilization",
+    "0.2",
+)
+
+
 def make_tiny_model(directory: str | Path, seed: int = 0) -> Path:
     """Write config, safetensors weights and tokenizer files to `directory`; returns it."""
     import torch

@@ -122,7 +122,7 @@ def _frame_view(running, waiting, kv_usage=0.95, max_running=1, step=0.05):
 @pytest.mark.parametrize("victim_context, preempted", [(1_000, True), (200_000, False)])
 def test_preemption_only_when_gain_beats_stall(victim_context, preempted):
     # Running: a deadline request that cannot make it any more (priority ~0). Waiting: one that can.
-    policy = JITServe(batch_size=1, frame_steps=50, delta=0.0, prefill_tokens_per_s=20_000.0)
+    policy = JITServe(batch_size=1, frame_steps=50, delta=0.0, prefill_tokens_per_s=20_000.0, preempt=True)
     hopeless = state("old", arrival=-100.0, prompt=victim_context, slo=SLO(kind="deadline", deadline_s=50.0))
     hopeless.phase, hopeless.tokens_computed = "decode", victim_context
     hopeful = state("new", prompt=100, slo=SLO(kind="deadline", deadline_s=20.0))
@@ -130,12 +130,31 @@ def test_preemption_only_when_gain_beats_stall(victim_context, preempted):
         request.cache["jit_bound"] = (100.0, 0)
         policy.on_arrival(request, 0.0)
     policy._unscored.clear()
-    # gain = priority(new) * frame (50 * 0.05 s); stall = context / 20k tok/s, times 1 / 0.05 tok/s.
+    # gain = priority(new) * frame (50 * 0.05 s); stall = context / 20k tok/s, times 1 / 0.05 tok/s;
+    # the hopeless victim has no goodput at stake.
     gain = 200 / (100 / 20_000 + 100 * 0.05) * 2.5
     stall_cost = victim_context / 20_000 / 0.05
     assert (gain > stall_cost) == preempted
     victims = policy._plan_frame(_frame_view([hopeless], [hopeful]), 0.05)
     assert victims == ([hopeless] if preempted else [])
+
+
+def test_no_preemption_of_a_request_that_still_expects_its_goodput():
+    # Running: 100-token prompt, up to 2,000 tokens to go, deadline 1000 s -- priority ~21/s but
+    # 2,100 tokens at stake. Waiting: priority ~220/s. The gain, (220 - 21) * 2.5 s ~ 500 tokens,
+    # beats the stall (100 / 20k / 0.05 = 0.1) but not the victim's goodput: no preemption.
+    policy = JITServe(batch_size=1, frame_steps=50, delta=0.0, preempt=True)
+    running = state("old", prompt=100, slo=SLO(kind="deadline", deadline_s=1000.0))
+    running.phase, running.tokens_computed = "decode", 100
+    running.cache["jit_bound"] = (2_000.0, 0)
+    waiting = state("new", prompt=1_000, slo=SLO(kind="deadline", deadline_s=20.0))
+    waiting.cache["jit_bound"] = (100.0, 0)
+    for request in (running, waiting):
+        policy.on_arrival(request, 0.0)
+    policy._unscored.clear()
+    priority = policy.priorities([waiting, running], 0.0, 0.05)
+    assert priority[0] > 10 * priority[1]  # the newcomer is the batch of one
+    assert policy._plan_frame(_frame_view([running], [waiting]), 0.05) == []
 
 
 def test_admission_control_drops_unscheduled_requests_after_waiting_time():
@@ -289,7 +308,10 @@ def test_no_request_lost_with_programs(seed, waiting, running):
         requests.extend(program_requests(pid, shrunk, start_s=0.3 * i))
     requests.append(Request("single", 0.2, 8, 4, slo=LATENCY))
     requests.sort(key=lambda r: r.arrival_s)  # stable: a program's calls keep their order
-    for policy in (JITServe(waiting_time_s=waiting, frame_steps=3), JITServeOracle(waiting_time_s=waiting)):
+    for policy in (
+        JITServe(waiting_time_s=waiting, frame_steps=3, preempt=True),
+        JITServeOracle(waiting_time_s=waiting),
+    ):
         records, _ = run_engine(requests, policy, max_running=running)
         assert set(records) == {r.request_id for r in requests}
         for r in records.values():

