@@ -196,6 +196,7 @@ def run_quickstart(
     policies = list(POLICIES)
     factories = train_components(out, fast)
     leaderboard: dict[str, dict[str, float | None]] = {}
+    dropped: dict[str, dict[str, float]] = {}
     plots: list[Path] = []
     everything: dict[str, Any] = {}
     print(
@@ -222,10 +223,13 @@ def run_quickstart(
                 log_to_mlflow("quickstart", setup.workload, policy, metrics[policy])
         headline = HEADLINES[workload]
         leaderboard[workload] = {p: headline.value(m) for p, m in metrics.items()}
+        dropped[workload] = {
+            p: m["dropped"] / m["num_requests"] for p, m in metrics.items() if m["num_requests"]
+        }
         plots.append(_cdf_plot(results, workload, out))
         everything[workload] = {"workload": setup.workload, "policies": metrics}
     (out / "results.json").write_text(json.dumps(everything, indent=2) + "\n")
-    table = format_leaderboard(leaderboard)
+    table = format_leaderboard(leaderboard, dropped)
     report = out / "report.md"
     report.write_text(_report(table, plots, fast))
     print()
@@ -258,14 +262,24 @@ def run_quickstart(
     return 0
 
 
-def format_leaderboard(leaderboard: dict[str, dict[str, float | None]]) -> str:
+def format_leaderboard(
+    leaderboard: dict[str, dict[str, float | None]], dropped: dict[str, dict[str, float]] | None = None
+) -> str:
+    """Policy x workload headline table. A latency headline only averages the requests a policy
+    served, so a policy that dropped requests (admission control) gets its drop share next to the
+    number and is not eligible for bold there; goodput already counts drops as zero."""
+    dropped = dropped or {}
     workloads = list(leaderboard)
     policies = list(next(iter(leaderboard.values())))
     lines = ["| policy | " + " | ".join(f"{w}: {HEADLINES[w].title}" for w in workloads) + " |"]
     lines.append("|---|" + "---|" * len(workloads))
+
+    def eligible(w: str, policy: str) -> bool:
+        return not HEADLINES[w].lower_is_better or not dropped.get(w, {}).get(policy)
+
     best = {
         w: (min if HEADLINES[w].lower_is_better else max)(
-            (v for v in leaderboard[w].values() if v is not None), default=None
+            (v for p, v in leaderboard[w].items() if v is not None and eligible(w, p)), default=None
         )
         for w in workloads
     }
@@ -274,7 +288,12 @@ def format_leaderboard(leaderboard: dict[str, dict[str, float | None]]) -> str:
         for w in workloads:
             value = leaderboard[w][policy]
             text = "-" if value is None else f"{value / HEADLINES[w].scale:.3f}"
-            cells.append(f"**{text}**" if value is not None and value == best[w] else text)
+            share = dropped.get(w, {}).get(policy, 0.0)
+            if share:
+                text += f" ({share:.0%} dropped)"
+            cells.append(
+                f"**{text}**" if value is not None and value == best[w] and eligible(w, policy) else text
+            )
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -284,8 +303,9 @@ def _report(table: str, plots: list[Path], fast: bool) -> str:
     return (
         "# adapt quickstart report\n\n"
         f"Mode: {'fast' if fast else 'full'}. Each cell is the workload's headline metric (best in bold;"
-        " lower is better except goodput). Oracle policies (`sjf-oracle`, `jitserve-oracle`) know true"
-        " output lengths (and, for jitserve, true stage shares) and bound what a perfect predictor"
-        " could reach.\n\n"
+        " lower is better except goodput; latencies average served requests only, so a policy that"
+        " dropped requests shows its drop share and is not bolded there). Oracle policies"
+        " (`sjf-oracle`, `jitserve-oracle`) know true output lengths (and, for jitserve, true stage"
+        " shares) and bound what a perfect predictor could reach.\n\n"
         f"{table}\n\n{images}\n"
     )
