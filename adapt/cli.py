@@ -302,6 +302,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             watch_interval_s=args.watch_interval,
+            log_dir=args.log_dir,
+            log_prompts=args.log_prompts,
             extra=extra,
         )
     except ValueError as exc:
@@ -441,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", required=True, help="model directory (or name vLLM can load offline)")
     serve.add_argument("--policy", required=True, help="policy spec, e.g. jitserve or sarathi:order=spf")
     serve.add_argument("--watch-interval", type=float, default=5.0, help="registry poll interval (s)")
+    serve.add_argument("--log-dir", help="write requests-*.jsonl and steps-*.jsonl here (for adapt retrain)")
+    serve.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then any vLLM serve arguments")

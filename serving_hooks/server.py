@@ -5,6 +5,8 @@
   `ADAPT_POLICY` (the engine-core process inherits the environment);
 - `--middleware serving_hooks.http.adapt_middleware`: `vllm_xargs` validation (HTTP 400) and
   `GET /v1/adapt/status`;
+- `ADAPT_LOG_DIR` (`--log-dir`): the request and step logs (`serving_hooks.monitor`), which
+  `adapt retrain --data-dir` reads;
 - `ADAPT_WATCH_INTERVAL` and `ADAPT_STATUS_FILE`: the scheduler follows the champions of the
   policy's components in the registry (`MLFLOW_TRACKING_URI`, resolved here so both processes use
   the same store) and publishes what it serves.
@@ -35,6 +37,8 @@ def server_command(
     port: int = 8000,
     watch_interval_s: float = 5.0,
     status_file: str | Path | None = None,
+    log_dir: str | Path | None = None,
+    log_prompts: bool = False,
     extra: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """The child's argv and environment (exposed for tests and for users wrapping it)."""
@@ -71,6 +75,9 @@ def server_command(
         "MLFLOW_TRACKING_URI": tracking.tracking_uri(),
         "HF_HUB_OFFLINE": "1",
     }
+    if log_dir is not None:
+        env["ADAPT_LOG_DIR"] = str(Path(log_dir).resolve())
+        env["ADAPT_LOG_PROMPTS"] = "1" if log_prompts else "0"
     return argv, env
 
 

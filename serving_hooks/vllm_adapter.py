@@ -32,8 +32,10 @@ from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.request import RequestStatus
 
 from adapt.policy import EngineView, Plan, RequestState
-from adapt.requests import SLO, ValidationError
+from adapt.requests import SLO, CompletedRequest, ValidationError
+from adapt.steplog import STEP_FIELDS
 from serving_hooks.live import LiveComponents
+from serving_hooks.monitor import Monitor
 from serving_hooks.policies import make_policy_from_spec
 from serving_hooks.xargs import program_from_extra_args, slo_from_extra_args
 
@@ -64,6 +66,12 @@ class PolicyScheduler(AsyncScheduler):
         self._tokenizer: Any = None
         self._program_starts: dict[str, float] = {}
         self.live = LiveComponents.from_environment(self.policy)  # `adapt serve`: follow the registry
+        log_dir = os.environ.get("ADAPT_LOG_DIR")
+        self.monitor = (
+            Monitor(log_dir, log_prompts=os.environ.get("ADAPT_LOG_PROMPTS") == "1") if log_dir else None
+        )
+        self._dropped_ids: set[str] = set()
+        self._last_step: tuple[float, dict[str, float]] | None = None
         log.info("adapt policy %s scheduling vLLM %s", self.policy.name, vllm.__version__)
 
     # ----------------------------------------------------------- lifecycle
@@ -107,7 +115,47 @@ class PolicyScheduler(AsyncScheduler):
             state.phase = "finished"
             state.finish_s = time.monotonic()
             self._call("on_finish", state, state.finish_s)
+            if self.monitor is not None:
+                self._log_request(request, state)
+                if not self._states:  # idle: nothing may sit in the buffers while no step comes
+                    self._flush_logs()
         return super()._free_request(request, *args, **kwargs)
+
+    def _flush_logs(self) -> None:
+        try:
+            if self._last_step is not None:
+                start, features = self._last_step
+                self.monitor.step(start, time.monotonic() - start, features)
+                self._last_step = None
+            self.monitor.flush()
+        except Exception:
+            log.exception("monitor: could not flush the logs")
+
+    def _log_request(self, request: Any, state: RequestState) -> None:
+        """One request-log record; logging trouble is reported, never raised into the engine."""
+        try:
+            dropped = request.request_id in self._dropped_ids
+            self._dropped_ids.discard(request.request_id)
+            output = int(request.num_output_tokens)
+            finished = not dropped and request.status != RequestStatus.FINISHED_ABORTED and output > 0
+            finish = state.finish_s
+            first = min(max(state.first_token_s or finish, state.arrival_s), finish) if finished else None
+            record = CompletedRequest(
+                request_id=state.id,
+                arrival_s=state.arrival_s,
+                prompt_tokens=state.prompt_tokens,
+                output_tokens=output,
+                first_token_s=first,
+                finish_s=finish if finished else None,
+                outcome="finished" if finished else ("dropped" if dropped else "aborted"),
+                slo=state.slo,
+                program=state.program,
+                preemptions=state.num_preemptions,
+                prompt_text=self._prompt_text(request) if self.monitor.log_prompts else None,
+            )
+            self.monitor.request(record)
+        except Exception:
+            log.exception("request log: could not record %s", request.request_id)
 
     def _call(self, hook: str, state: RequestState, now: float) -> None:
         try:
@@ -145,7 +193,35 @@ class PolicyScheduler(AsyncScheduler):
             if deferred:
                 self._restore(original, deferred)
         self._after_schedule(now)
+        if self.monitor is not None:
+            self._log_step(now, output)
         return output
+
+    def _log_step(self, now: float, output: Any) -> None:
+        """Step-log row of the previous step, whose duration is known now (the gap to this
+        schedule call), then remember this step's features (`adapt.steplog` columns)."""
+        try:
+            if self._last_step is not None:
+                start, features = self._last_step
+                self.monitor.step(start, now - start, features)
+            features = dict.fromkeys(STEP_FIELDS, 0.0)
+            for request_id, n in output.num_scheduled_tokens.items():
+                request = self.requests.get(request_id)
+                if request is None:
+                    continue
+                cached = request.num_computed_tokens - n  # vLLM advanced it inside schedule()
+                features["tokens"] += n
+                features["sampled"] += cached + n >= request.num_tokens
+                if n == 1 and cached >= request.num_prompt_tokens:
+                    features["num_decodes"] += 1
+                    features["decode_ctx_sum"] += cached
+                    features["decode_ctx_max"] = max(features["decode_ctx_max"], cached)
+                else:
+                    features["prefill_attn_units"] += n * cached + n * (n + 1) / 2
+                    features["prefill_kv_read"] += cached
+            self._last_step = (now, features) if features["tokens"] else None
+        except Exception:
+            log.exception("step log: could not record a step")
 
     def _sync(self, now: float) -> None:
         """Copy vLLM's counters into the policy's view of each request."""
@@ -180,6 +256,7 @@ class PolicyScheduler(AsyncScheduler):
         """Apply drops, preemptions, running order/deferral and admission order; returns the
         running requests taken out for this step."""
         if plan.drop:
+            self._dropped_ids.update(s.id for s in plan.drop)
             self.finish_requests([s.id for s in plan.drop], RequestStatus.FINISHED_ABORTED)
         for state in plan.preempt:
             request = self.requests.get(state.id)

@@ -58,6 +58,29 @@ def _status(port):
         return json.loads(response.read())
 
 
+def _check_logs(directory, expected):
+    """The monitor's logs are what the pipelines read: a request log of every request and a step
+    log with measured durations (flushed once the engine went idle)."""
+    from adapt.traces import load_trace
+    from pipelines.cost_model import load_step_log
+
+    deadline = time.time() + 30
+    while True:
+        files = sorted(directory.glob("requests-*.jsonl"))
+        records = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+        if len(records) >= expected or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(records) == expected and all(r["outcome"] == "finished" for r in records)
+    assert all(
+        1 <= r["output_tokens"] <= 16 and r["program"]["program_id"] for r in records
+    )  # EOS may stop one
+    assert len(load_trace(files[0], "requestlog")) == expected
+    steps = load_step_log(sorted(directory.glob("steps-*.jsonl"))[0])
+    generated = sum(r["output_tokens"] for r in records)
+    assert len(steps) > 0 and (steps["duration_s"] > 0).all() and steps["tokens"].sum() >= generated
+
+
 def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_path, monkeypatch):
     import subprocess
 
@@ -76,6 +99,7 @@ def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_pat
         port=port,
         watch_interval_s=0.5,
         status_file=tmp_path / "status.json",
+        log_dir=tmp_path / "logs",
         extra=VLLM_CPU_ARGS,
     )
     with open(tmp_path / "server.log", "w") as log:
@@ -116,6 +140,7 @@ def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_pat
         assert codes == [200] * 12  # zero failed requests across the swap
         status = _status(port)
         assert status["swaps"] >= 2 and status["failed_swaps"] == 0
+        _check_logs(tmp_path / "logs", expected=12)
 
         code, body = _post(
             port,
