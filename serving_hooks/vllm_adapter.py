@@ -6,8 +6,10 @@ Use: `LLM(model, scheduler_cls="serving_hooks.vllm_adapter.PolicyScheduler", ...
 
 Each step the adapter mirrors vLLM's requests into `RequestState`s, asks the policy for a `Plan`
 and applies it with vLLM's own mechanics before vLLM schedules:
-- admission order: the plan's first waiting requests are moved to the front of vLLM's FCFS
-  waiting queue, in the plan's order (vLLM then admits from the front while budget and blocks last);
+- admission order: the plan's waiting requests are moved to the front of vLLM's FCFS waiting
+  queue, in the plan's order (vLLM then admits from the front while budget and blocks last);
+  waiting requests the plan does not list sit out the step, as in the replay engine (a policy may
+  cap admissions, e.g. jitserve's batch size);
 - deferral: deferred running requests are taken out of `self.running` for this step only;
 - `running_order` / `late`: reorder `self.running` (vLLM schedules every running request before
   any waiting one, so `late` requests run last among the running, not after admissions);
@@ -71,6 +73,7 @@ class PolicyScheduler(AsyncScheduler):
             Monitor(log_dir, log_prompts=os.environ.get("ADAPT_LOG_PROMPTS") == "1") if log_dir else None
         )
         self._dropped_ids: set[str] = set()
+        self._held: list[Any] = []  # waiting requests the plan did not list, out for one step
         self._last_step: tuple[float, dict[str, float]] | None = None
         log.info("adapt policy %s scheduling vLLM %s", self.policy.name, vllm.__version__)
 
@@ -192,6 +195,9 @@ class PolicyScheduler(AsyncScheduler):
         finally:
             if deferred:
                 self._restore(original, deferred)
+            for request in self._held:  # after whatever vLLM left waiting, in their old order
+                self.waiting.add_request(request)
+            self._held = []
         self._after_schedule(now)
         if self.monitor is not None:
             self._log_step(now, output)
@@ -275,17 +281,22 @@ class PolicyScheduler(AsyncScheduler):
         chosen_ids = {r.request_id for r in chosen}
         deferred = [r for r in self.running if r.request_id not in chosen_ids]
         self.running = chosen
-        if plan.admit is not None:
-            waiting_ids = {r.request_id for r in self.waiting}
-            front = []
-            for state in plan.admit:
-                if len(front) >= self.max_num_running_reqs:
-                    break
-                if state.id in waiting_ids:
-                    front.append(self.requests[state.id])
-            if front:
-                self.waiting.remove_requests(front)
-                self.waiting.prepend_requests(reversed(front))  # extendleft reverses: keep plan order
+        waiting_ids = {r.request_id for r in self.waiting}
+        front = []
+        for state in plan.admit or ():
+            if len(front) >= self.max_num_running_reqs:
+                break
+            if state.id in waiting_ids:
+                front.append(self.requests[state.id])
+        # Only what the plan lists may be admitted, as in the replay engine: the rest of the queue
+        # sits out this step (put back after it). Past max_num_running_reqs none could start anyway.
+        front_ids = {r.request_id for r in front}
+        self._held = [r for r in self.waiting if r.request_id not in front_ids]
+        if self._held:
+            self.waiting.remove_requests(self._held)
+        if front:
+            self.waiting.remove_requests(front)
+            self.waiting.prepend_requests(reversed(front))  # extendleft reverses: keep plan order
         return deferred
 
     def _restore(self, original: list[Any], deferred: list[Any]) -> None:

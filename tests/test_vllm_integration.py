@@ -18,9 +18,9 @@ def tiny_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-def probe(model: Path, policy: str) -> dict:
+def probe(model: Path, policy: str, max_num_seqs: int = 1) -> dict:
     done = subprocess.run(
-        [sys.executable, str(PROBE), str(model), policy],
+        [sys.executable, str(PROBE), str(model), policy, str(max_num_seqs)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -65,3 +65,12 @@ def test_jitserve_plans_gmax_frames_inside_vllm(tiny_model):
     result = probe(tiny_model, "jitserve:frame_steps=4")
     assert result["errors"] == 0 and result["frames"] > 0
     assert sorted(result["order"]) == ["blocker", "long", "short"]
+
+
+def test_admissions_are_only_what_the_plan_lists(tiny_model):
+    """As in the replay engine, vLLM admits only the waiting requests the plan lists: jitserve with
+    a batch of one runs the three requests one at a time even with four sequence slots."""
+    assert probe(tiny_model, "fcfs", max_num_seqs=4)["most_running"] == 3
+    capped = probe(tiny_model, "jitserve:batch_size=1:frame_steps=1", max_num_seqs=4)
+    assert capped["errors"] == 0 and capped["most_running"] == 1
+    assert sorted(capped["order"]) == ["blocker", "long", "short"]

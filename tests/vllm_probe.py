@@ -1,6 +1,6 @@
 """Run a real vLLM engine (tiny model) under an adapt policy; print the order requests finished in.
 
-    python tests/vllm_probe.py MODEL_DIR POLICY_SPEC
+    python tests/vllm_probe.py MODEL_DIR POLICY_SPEC [MAX_NUM_SEQS]
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so a test-only policy
 registered below is visible to the scheduler. Output: one JSON line {"order": [...], "errors": N},
@@ -28,7 +28,7 @@ class ExplodingPolicy(Policy):
         raise RuntimeError("policy bug")
 
 
-def main(model: str, spec: str) -> None:
+def main(model: str, spec: str, max_num_seqs: int = 1) -> None:
     from serving_hooks import policies
 
     policies.POLICIES["explode"] = ExplodingPolicy
@@ -38,7 +38,7 @@ def main(model: str, spec: str) -> None:
     llm = LLM(
         model=model,
         max_model_len=1024,
-        max_num_seqs=1,
+        max_num_seqs=max_num_seqs,
         enforce_eager=True,
         dtype="float32",
         gpu_memory_utilization=0.3,
@@ -50,11 +50,12 @@ def main(model: str, spec: str) -> None:
     engine.add_request("blocker", "the request", SamplingParams(max_tokens=64, ignore_eos=True))
     engine.add_request("long", "the request queue " * 60, short)
     engine.add_request("short", "the request", short)
-    order, deadline = [], time.time() + 120
+    order, deadline, most_running = [], time.time() + 120, 0
+    scheduler = engine.engine_core.engine_core.scheduler
     while engine.has_unfinished_requests() and time.time() < deadline:
         order.extend(out.request_id for out in engine.step() if out.finished)
-    scheduler = engine.engine_core.engine_core.scheduler
-    report = {"order": order, "errors": scheduler.policy_errors}
+        most_running = max(most_running, len(scheduler.running))
+    report = {"order": order, "errors": scheduler.policy_errors, "most_running": most_running}
     if hasattr(scheduler.policy, "frames"):  # jitserve: GMAX frames planned inside the engine
         report["frames"] = scheduler.policy.frames
     history = getattr(scheduler.policy, "history", None)
@@ -65,4 +66,4 @@ def main(model: str, spec: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:]))
