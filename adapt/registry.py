@@ -277,3 +277,12 @@ def _flat_params(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def load_reference(name: str, reference: str) -> LearnedComponent:
+    """A component from the default store by a reference a user types: an alias (`champion`) or
+    a version (`v3`), as policy parameters take them (`jitserve:qrf=v2`)."""
+    registry = Registry()
+    if reference.startswith("v") and reference[1:].isdigit():
+        return registry.load(name, version=int(reference[1:]))
+    return registry.load(name, alias=reference)

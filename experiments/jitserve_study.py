@@ -51,9 +51,9 @@ def fit_components() -> tuple[Any, Any]:
 def load_components(spec: str) -> tuple[Any, Any]:
     if spec == "fit":
         return fit_components()
-    from serving_hooks.policies.jitserve import _resolve
+    from adapt.registry import load_reference
 
-    return _resolve("qrf-length", spec), _resolve("pattern-graph", spec)
+    return load_reference("qrf-length", spec), load_reference("pattern-graph", spec)
 
 
 def qrf_median(qrf: Any) -> Callable[[RequestState], float]:

@@ -22,30 +22,33 @@ from typing import Any
 STARTUP_TIMEOUT_S = 300
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
-def _status(port: int) -> dict[str, Any]:
+def adapt_status(port: int) -> dict[str, Any]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/adapt/status", timeout=10) as response:
         return json.loads(response.read())
 
 
-def _wait_for(port: int, server: subprocess.Popen, log: Path, ready) -> dict[str, Any]:
-    deadline = time.time() + STARTUP_TIMEOUT_S
+def wait_for_status(
+    port: int, server: subprocess.Popen, log: Path, ready, timeout_s: float = STARTUP_TIMEOUT_S
+) -> dict[str, Any]:
+    """Poll `GET /v1/adapt/status` until `ready(status)`; fail if the server exits or stalls."""
+    deadline = time.time() + timeout_s
     while time.time() < deadline:
         if server.poll() is not None:
             raise RuntimeError(f"adapt serve exited ({server.returncode}); see {log}")
         try:
-            status = _status(port)
+            status = adapt_status(port)
             if ready(status):
                 return status
         except OSError:
             pass
-        time.sleep(1)
-    raise RuntimeError(f"adapt serve not ready after {STARTUP_TIMEOUT_S} s; see {log}")
+        time.sleep(0.5)
+    raise RuntimeError(f"adapt serve not ready after {timeout_s} s; see {log}")
 
 
 def serve_demo(out: Path, fast: bool) -> dict[str, Any]:
@@ -59,7 +62,7 @@ def serve_demo(out: Path, fast: bool) -> dict[str, Any]:
 
     registry = Registry()
     model = make_tiny_model(out / "tiny-model")
-    port = _free_port()
+    port = free_port()
     log = out / "serve.log"
     argv, env = server_command(
         str(model),
@@ -73,7 +76,9 @@ def serve_demo(out: Path, fast: bool) -> dict[str, Any]:
     with open(log, "w") as handle:
         server = subprocess.Popen(argv, env=env, stdout=handle, stderr=subprocess.STDOUT)
     try:
-        before = _wait_for(port, server, log, lambda s: s["components"].get("pattern-graph") is not None)
+        before = wait_for_status(
+            port, server, log, lambda s: s["components"].get("pattern-graph") is not None
+        )
         print(f"[serve] GET /v1/adapt/status -> {json.dumps(before)}", file=sys.stderr)
         requests = get_workload("jitserve-mix").build(2.0, 20 if fast else 40, 1)
         result: dict[str, Any] = {}
@@ -92,9 +97,9 @@ def serve_demo(out: Path, fast: bool) -> dict[str, Any]:
         version = registry.log(retrained, metrics=retrained.evaluate(generate_graphs(100, seed=2000)))
         registry.promote("pattern-graph", version)
         print(f"[serve] promoted a retrained pattern-graph v{version} while the load runs", file=sys.stderr)
-        after = _wait_for(port, server, log, lambda s: s["components"].get("pattern-graph") == version)
+        wait_for_status(port, server, log, lambda s: s["components"].get("pattern-graph") == version)
         load.join()
-        after = _status(port)
+        after = adapt_status(port)
         print(f"[serve] GET /v1/adapt/status -> {json.dumps(after)}", file=sys.stderr)
         summary = summarise(result["records"])
         return {"before": before, "after": after, "promoted_version": version, "client": summary}

@@ -15,7 +15,7 @@ import pandas as pd
 from adapt.registry import Registry
 from adapt.steplog import STEP_LOG_COLUMNS
 from adapt.traces import TraceError
-from pipelines.outcome import TrainOutcome, beats, latest_data_hash
+from pipelines.outcome import TrainOutcome, latest_data_hash, register_and_gate
 from predictors.cost_model import FittedCostModel
 
 
@@ -66,14 +66,14 @@ def train_cost_model(
     source = "dataframe" if isinstance(data, pd.DataFrame) else str(data)
     candidate.metadata["data_window"] = {"source": source, "train_steps": cut, "test_steps": len(test)}
     metrics = candidate.evaluate(test)
-    version = registry.log(candidate, metrics=metrics)
     champion_metrics = champion.evaluate(test) if champion is not None else None
-    promoted = promote_if_better and beats(
-        metrics["mape"],
-        None if champion_metrics is None else champion_metrics["mape"],
+    return register_and_gate(
+        registry,
+        candidate,
+        metrics,
+        champion_metrics,
+        "mape",
         lower_is_better=True,
+        promote_if_better=promote_if_better,
         margin=margin,
     )
-    if promoted:
-        registry.promote("cost-model", version)
-    return TrainOutcome(version, promoted, metrics, champion_metrics)

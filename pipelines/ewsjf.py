@@ -29,7 +29,7 @@ from experiments.plots import figure, save
 from experiments.replay.cost import roofline
 from experiments.replay.engine import ReplayEngine
 from experiments.workloads import WORKLOADS
-from pipelines.outcome import TrainOutcome, beats, latest_data_hash
+from pipelines.outcome import TrainOutcome, beats, latest_data_hash, register_and_gate
 from predictors.ewsjf_meta import REWARD_WEIGHTS, THETA_SPACE, EwsjfMetaPolicy, equation5
 from serving_hooks.policies import make_policy
 from serving_hooks.policies.ewsjf import EWSJF
@@ -105,20 +105,20 @@ def train_ewsjf_meta(
         return TrainOutcome(None, False, {}, None)
     metrics = candidate.evaluate(lengths)
     metrics["layout_score"] = equation5(metrics)
-    version = registry.log(candidate, metrics=metrics)
     champion_metrics = None
     if champion is not None:
         champion_metrics = champion.evaluate(lengths)
         champion_metrics["layout_score"] = equation5(champion_metrics)
-    promoted = promote_if_better and beats(
-        metrics["layout_score"],
-        None if champion_metrics is None else champion_metrics["layout_score"],
+    return register_and_gate(
+        registry,
+        candidate,
+        metrics,
+        champion_metrics,
+        "layout_score",
         lower_is_better=False,
+        promote_if_better=promote_if_better,
         margin=margin,
     )
-    if promoted:
-        registry.promote("ewsjf-meta-policy", version)
-    return TrainOutcome(version, promoted, metrics, champion_metrics)
 
 
 def tune_ewsjf(

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from adapt.registry import Registry
-from adapt.traces import Trace, load_trace
-from pipelines.outcome import TrainOutcome, beats, latest_data_hash
+from adapt.traces import Trace
+from pipelines.outcome import TrainOutcome, latest_data_hash, register_and_gate
+from pipelines.semantic_history import load_prompt_responses
 from predictors.pattern_graph import PatternGraph, ProgramGraph, read_graphs
 from predictors.qrf_length import QrfLength
 from predictors.semantic_history import split_by_instruction
@@ -28,42 +29,8 @@ GENERATED_TRAIN = (2000, 1000)  # (programs, seed)
 GENERATED_TEST = (300, 2000)
 
 
-def _prompt_responses(data: str | Path | Trace | None) -> Trace:
-    if isinstance(data, Trace):
-        return data
-    if data is None:
-        from experiments.workloads import bundled
-
-        data = bundled("alpaca_eval_lengths.jsonl.gz")
-    trace = load_trace(data)
-    if trace.prompt_text is None:
-        raise ValueError(f"{data}: qrf-length needs prompts with their responses (an alpaca-format file)")
-    return trace
-
-
 def _has_response_text(trace: Trace) -> bool:
     return bool(getattr(trace, "columns", None)) and trace.columns.get("output_text") is not None
-
-
-def _gate(
-    registry: Registry,
-    candidate: Any,
-    metrics: dict[str, float],
-    champion_metrics: dict[str, float] | None,
-    metric: str,
-    promote_if_better: bool,
-    margin: float,
-) -> TrainOutcome:
-    version = registry.log(candidate, metrics=metrics)
-    promoted = promote_if_better and beats(
-        metrics[metric],
-        None if champion_metrics is None else champion_metrics[metric],
-        lower_is_better=True,
-        margin=margin,
-    )
-    if promoted:
-        registry.promote(candidate.name, version)
-    return TrainOutcome(version, promoted, metrics, champion_metrics)
 
 
 def train_qrf_length(
@@ -76,7 +43,7 @@ def train_qrf_length(
     skip_unchanged: bool = False,
     **params: Any,
 ) -> TrainOutcome:
-    trace = _prompt_responses(data)
+    trace = load_prompt_responses(data, "qrf-length")
     if not _has_response_text(trace):
         params.setdefault("generated_features", 0)
     train, test = split_by_instruction(trace, test_share)
@@ -98,7 +65,16 @@ def train_qrf_length(
     champion_metrics = None
     if champion is not None and (champion.generated_features == 0 or _has_response_text(test)):
         champion_metrics = champion.evaluate(test)
-    return _gate(registry, candidate, metrics, champion_metrics, "coverage_error", promote_if_better, margin)
+    return register_and_gate(
+        registry,
+        candidate,
+        metrics,
+        champion_metrics,
+        "coverage_error",
+        lower_is_better=True,
+        promote_if_better=promote_if_better,
+        margin=margin,
+    )
 
 
 def evaluate_qrf_length(
@@ -106,7 +82,7 @@ def evaluate_qrf_length(
 ) -> dict[str, float]:
     """Coverage and over-estimation of a registered version on any prompt/response file."""
     model = registry.load("qrf-length", alias=alias, version=version)
-    return model.evaluate(_prompt_responses(data))
+    return model.evaluate(load_prompt_responses(data, "qrf-length"))
 
 
 def _graphs(data: str | Path | None) -> tuple[list[ProgramGraph], list[ProgramGraph], str]:
@@ -145,7 +121,16 @@ def train_pattern_graph(
     metrics = candidate.evaluate(test)
     champion = registry.champion("pattern-graph")
     champion_metrics = champion.evaluate(test) if champion is not None else None
-    return _gate(registry, candidate, metrics, champion_metrics, "share_error", promote_if_better, margin)
+    return register_and_gate(
+        registry,
+        candidate,
+        metrics,
+        champion_metrics,
+        "share_error",
+        lower_is_better=True,
+        promote_if_better=promote_if_better,
+        margin=margin,
+    )
 
 
 def evaluate_pattern_graph(

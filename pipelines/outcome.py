@@ -36,3 +36,28 @@ def latest_data_hash(registry: Registry, name: str) -> str | None:
     except RegistryError:  # nothing registered yet
         return None
     return versions[-1].tags.get("adapt.data_hash") if versions else None
+
+
+def register_and_gate(
+    registry: Registry,
+    candidate,
+    metrics: dict[str, float],
+    champion_metrics: dict[str, float] | None,
+    metric: str,
+    *,
+    lower_is_better: bool,
+    promote_if_better: bool,
+    margin: float = 0.0,
+) -> TrainOutcome:
+    """Register the candidate, then promote it when asked and its `metric` beats the champion's
+    (scored on the same held-out data) by `margin`; the champion stays otherwise."""
+    version = registry.log(candidate, metrics=metrics)
+    promoted = promote_if_better and beats(
+        metrics[metric],
+        None if champion_metrics is None else champion_metrics[metric],
+        lower_is_better=lower_is_better,
+        margin=margin,
+    )
+    if promoted:
+        registry.promote(candidate.name, version)
+    return TrainOutcome(version, promoted, metrics, champion_metrics)

@@ -14,7 +14,7 @@ from typing import Any
 
 from adapt.registry import Registry
 from adapt.traces import Trace, load_trace
-from pipelines.outcome import TrainOutcome, beats, latest_data_hash
+from pipelines.outcome import TrainOutcome, latest_data_hash, register_and_gate
 from predictors.semantic_history import MODES, SemanticHistory, split_by_instruction
 
 BASELINE_MODES = tuple(m for m in MODES if m != "semantic")
@@ -26,10 +26,11 @@ def default_data() -> Path:
     return bundled("alpaca_eval_lengths.jsonl.gz")
 
 
-def _load(data: str | Path | Trace | None) -> Trace:
+def load_prompt_responses(data: str | Path | Trace | None, component: str = "semantic-history") -> Trace:
+    """A prompt/response trace (default: the bundled AlpacaEval slice) that has prompt texts."""
     trace = data if isinstance(data, Trace) else load_trace(data or default_data())
     if trace.prompt_text is None:
-        raise ValueError(f"{trace.name}: semantic-history needs prompt texts (an alpaca-format file)")
+        raise ValueError(f"{trace.name}: {component} needs prompt texts (an alpaca-format file)")
     return trace
 
 
@@ -56,7 +57,7 @@ def train_semantic_history(
     skip_unchanged: bool = False,
     **params: Any,
 ) -> TrainOutcome:
-    trace = _load(data)
+    trace = load_prompt_responses(data)
     train, test = split_by_instruction(trace, test_share)
     candidate = SemanticHistory(**params).fit(train)
     if skip_unchanged and candidate.metadata["data_hash"] == latest_data_hash(registry, "semantic-history"):
@@ -69,19 +70,19 @@ def train_semantic_history(
         "test_share": test_share,
     }
     metrics = evaluate_with_baselines(candidate, test, exclude_same_prompt=False)
-    version = registry.log(candidate, metrics=metrics)
     champion = registry.champion("semantic-history")
     # The champion may have seen the test prompts (other data): leave each prompt's own rows out.
     champion_metrics = champion.evaluate(test, exclude_same_prompt=True) if champion is not None else None
-    promoted = promote_if_better and beats(
-        metrics["wasserstein"],
-        None if champion_metrics is None else champion_metrics["wasserstein"],
+    return register_and_gate(
+        registry,
+        candidate,
+        metrics,
+        champion_metrics,
+        "wasserstein",
         lower_is_better=True,
+        promote_if_better=promote_if_better,
         margin=margin,
     )
-    if promoted:
-        registry.promote("semantic-history", version)
-    return TrainOutcome(version, promoted, metrics, champion_metrics)
 
 
 def evaluate_semantic_history(
@@ -90,4 +91,4 @@ def evaluate_semantic_history(
     """Metrics of a registered version on any prompt/response file, leave-one-prompt-out: a
     prompt's own rows never count as its neighbours, whether or not the window holds them."""
     history = registry.load("semantic-history", alias=alias, version=version)
-    return evaluate_with_baselines(history, _load(data), exclude_same_prompt=True)
+    return evaluate_with_baselines(history, load_prompt_responses(data), exclude_same_prompt=True)

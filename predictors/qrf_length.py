@@ -32,6 +32,7 @@ from typing import Any, Self
 import numpy as np
 
 from adapt.component import ComponentError, LearnedComponent, data_fingerprint
+from predictors.compiled_forest import CompiledQuantileForest
 
 TRAIN_POINTS: tuple[int, ...] = (0, 50, 100, 200, 400)
 EVAL_POINTS: tuple[int, ...] = (0, 50, 100, 200)
@@ -139,11 +140,7 @@ class QrfLength(LearnedComponent):
         return self._bound(rows, quantile)
 
     def _bound(self, rows: np.ndarray, quantile: float | None = None) -> np.ndarray:
-        if self._compiled is None:
-            from predictors.compiled_forest import CompiledQuantileForest
-
-            self._compiled = CompiledQuantileForest(self.forest_)
-        raw = self._compiled.predict(rows, quantile or self.quantile)
+        raw = self._forest_quantile(rows, quantile or self.quantile)
         if quantile in (None, self.quantile) and self.scales_:
             # rows[:, 1] is g; the scale of the last calibration point at or below it applies
             points = np.asarray(TRAIN_POINTS)
@@ -190,7 +187,7 @@ class QrfLength(LearnedComponent):
         quantile of their ratios, rounded up). Prompts in the calibration rows were not used to
         fit the forest, so the factor measures how far the forest's own quantile misses."""
         X, y, points = self._training_rows(calibration, TRAIN_POINTS)
-        raw = np.maximum(1.0, self._compiled_predict(X))
+        raw = np.maximum(1.0, self._forest_quantile(X, self.quantile))
         scales = {}
         for g in TRAIN_POINTS:
             mask = points == g
@@ -203,12 +200,11 @@ class QrfLength(LearnedComponent):
             scales[str(g)] = float(np.partition(ratios, rank)[rank])
         return scales
 
-    def _compiled_predict(self, rows: np.ndarray) -> np.ndarray:
-        from predictors.compiled_forest import CompiledQuantileForest
-
+    def _forest_quantile(self, rows: np.ndarray, quantile: float) -> np.ndarray:
+        """The forest's own (uncalibrated) quantile, through its numpy form, built on first use."""
         if self._compiled is None:
             self._compiled = CompiledQuantileForest(self.forest_)
-        return self._compiled.predict(rows, self.quantile)
+        return self._compiled.predict(rows, quantile)
 
     def evaluate(self, data: Any) -> dict[str, float]:
         """Coverage (share of true remaining lengths <= bound) and mean over-estimation ratio

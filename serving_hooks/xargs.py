@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from adapt.requests import SLO, ProgramRef, ValidationError
@@ -55,20 +54,11 @@ def validate_xargs(xargs: Any) -> str | None:
         return None
     if not isinstance(xargs, dict):
         return f"vllm_xargs: expected an object, got {type(xargs).__name__}"
-    fields = {ours: xargs[theirs] for theirs, ours in SLO_FIELDS.items() if theirs in xargs}
-    for name in ("ttft_s", "tbt_s", "deadline_s"):
-        value = fields.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            return f"vllm_xargs.{name}: expected a number, got {value!r}"
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"vllm_xargs.{name}: expected a finite number, got {value!r}"
-    if fields:
-        fields.setdefault("kind", "latency" if ("ttft_s" in fields or "tbt_s" in fields) else "best_effort")
-        try:
-            SLO(**fields)
-        except ValidationError as exc:
-            message = str(exc).replace("slo.kind", "vllm_xargs.slo_kind").replace("slo.", "vllm_xargs.")
-            return message if message.startswith("vllm_xargs") else f"vllm_xargs: {message}"
+    try:
+        slo_from_extra_args(xargs)  # the SLO's own checks; only the names change to the API's
+    except ValidationError as exc:
+        message = str(exc).replace("slo.kind", "vllm_xargs.slo_kind").replace("slo.", "vllm_xargs.")
+        return message if message.startswith("vllm_xargs") else f"vllm_xargs: {message}"
     if "stage" in xargs and "program_id" not in xargs:
         return "vllm_xargs.stage: needs program_id"
     if "program_id" in xargs and (not isinstance(xargs["program_id"], str) or not xargs["program_id"]):

@@ -11,6 +11,7 @@ import pytest
 
 from adapt.registry import Registry
 from experiments.compound_programs import generate_graphs
+from experiments.quickstart_serve import adapt_status, free_port, wait_for_status
 from predictors.pattern_graph import PatternGraph
 from serving_hooks.server import server_command
 from serving_hooks.tiny_model import VLLM_CPU_ARGS
@@ -32,14 +33,6 @@ def test_validate_xargs_names_the_field():
     assert validate_xargs([1]).startswith("vllm_xargs")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _post(port, body):
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions",
@@ -51,11 +44,6 @@ def _post(port, body):
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
-
-
-def _status(port):
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/adapt/status", timeout=10) as response:
-        return json.loads(response.read())
 
 
 def _check_logs(directory, expected):
@@ -72,9 +60,8 @@ def _check_logs(directory, expected):
             break
         time.sleep(0.5)
     assert len(records) == expected and all(r["outcome"] == "finished" for r in records)
-    assert all(
-        1 <= r["output_tokens"] <= 16 and r["program"]["program_id"] for r in records
-    )  # EOS may stop one
+    # A tiny random model may emit EOS early, so one call can stop short of its 16 tokens.
+    assert all(1 <= r["output_tokens"] <= 16 and r["program"]["program_id"] for r in records)
     assert len(load_trace(files[0], "requestlog")) == expected
     steps = load_step_log(sorted(directory.glob("steps-*.jsonl"))[0])
     generated = sum(r["output_tokens"] for r in records)
@@ -92,7 +79,7 @@ def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_pat
     first = registry.log(PatternGraph().fit(generate_graphs(60, seed=1)))
     registry.promote("pattern-graph", first)
     model = make_tiny_model(tmp_path / "tiny")
-    port = _free_port()
+    port = free_port()
     argv, env = server_command(
         str(model),
         "jitserve",
@@ -102,20 +89,12 @@ def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_pat
         log_dir=tmp_path / "logs",
         extra=VLLM_CPU_ARGS,
     )
-    with open(tmp_path / "server.log", "w") as log:
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
         server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 240
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            try:
-                if _status(port)["components"].get("pattern-graph") == first:
-                    break
-            except (OSError, KeyError, json.JSONDecodeError):
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(1)
-        assert _status(port)["policy"] == "jitserve"
+        wait_for_status(port, server, log_path, lambda s: s["components"].get("pattern-graph") == first, 240)
+        assert adapt_status(port)["policy"] == "jitserve"
 
         codes: list[int] = []
 
@@ -132,13 +111,10 @@ def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_pat
         client.start()
         second = registry.log(PatternGraph().fit(generate_graphs(80, seed=2)))
         registry.promote("pattern-graph", second)
-        swap_deadline = time.time() + 60
-        while _status(port)["components"]["pattern-graph"] != second:
-            assert time.time() < swap_deadline, "the promotion never reached the engine"
-            time.sleep(0.5)
+        wait_for_status(port, server, log_path, lambda s: s["components"]["pattern-graph"] == second, 60)
         client.join(timeout=120)
         assert codes == [200] * 12  # zero failed requests across the swap
-        status = _status(port)
+        status = adapt_status(port)
         assert status["swaps"] >= 2 and status["failed_swaps"] == 0
         _check_logs(tmp_path / "logs", expected=12)
 

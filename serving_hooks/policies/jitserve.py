@@ -320,24 +320,28 @@ class JITServe(Policy):
         self.cutoff = self.cutoffs[self._arm]
 
     # ------------------------------------------------------------ estimates
+    def _columns(self, requests: list[RequestState]) -> dict[str, np.ndarray]:
+        """The requests' table rows as columns (rows written first for requests not yet in it)."""
+        rows = self._table.rows
+        for request in requests:
+            if request.id not in rows:
+                self._write(request)
+        return self._table.columns(
+            np.fromiter((rows[r.id] for r in requests), dtype=np.int64, count=len(requests))
+        )
+
     def estimates(
         self, requests: list[RequestState], now: float, step_s: float
     ) -> tuple[np.ndarray, np.ndarray]:
         """(goodput, t_gen) per request (`gmax.estimates`), from their table rows."""
-        rows = self._table.rows
-        missing = [r for r in requests if r.id not in rows]
-        for request in missing:
-            self._write(request)
-        index = np.fromiter((rows[r.id] for r in requests), dtype=np.int64, count=len(requests))
-        return estimates(self._table.columns(index), now, step_s, self.prefill_tokens_per_s)
+        return estimates(self._columns(requests), now, step_s, self.prefill_tokens_per_s)
 
     def priorities(self, requests: list[RequestState], now: float, step_s: float) -> np.ndarray:
         """priority(r) = (goodput(r) + delta * frames waited) / t_gen(r)."""
         if not requests:
             return np.zeros(0)
-        goodput, t_gen = self.estimates(requests, now, step_s)
-        index = np.fromiter((self._table.rows[r.id] for r in requests), dtype=np.int64, count=len(requests))
-        columns = self._table.columns(index)
+        columns = self._columns(requests)
+        goodput, t_gen = estimates(columns, now, step_s, self.prefill_tokens_per_s)
         waited = np.where(columns["waiting"] > 0, np.maximum(now - columns["arrival"], 0.0), 0.0)
         goodput = goodput + self.delta * np.floor(waited / (self.frame_steps * step_s))
         priority = goodput / np.maximum(t_gen, step_s)
@@ -500,14 +504,11 @@ class JITServeOracle(JITServe):
 
 def _resolve(component: str, value: Any):
     """A component instance from what the policy was given (instance, alias, vN or None)."""
-    if value is None or not isinstance(value, str):
+    if not isinstance(value, str):
         return value
-    from adapt.registry import Registry
+    from adapt.registry import load_reference
 
-    registry = Registry()
-    if value.startswith("v") and value[1:].isdigit():
-        return registry.load(component, version=int(value[1:]))
-    return registry.load(component, alias=value)
+    return load_reference(component, value)
 
 
 def _version(component: Any) -> Any:

@@ -285,12 +285,9 @@ def resolve_history(history: Any):
     if isinstance(history, dict):
         return SemanticHistory(**history)
     if isinstance(history, str):
-        from adapt.registry import Registry
+        from adapt.registry import load_reference
 
-        registry = Registry()
-        if history.startswith("v") and history[1:].isdigit():
-            return registry.load("semantic-history", version=int(history[1:]))
-        return registry.load("semantic-history", alias=history)
+        return load_reference("semantic-history", history)
     raise ValueError(
         f"history: expected a SemanticHistory, a dict, an alias or vN, got {type(history).__name__}"
     )
