@@ -144,10 +144,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             promote_if_better=args.promote_if_better,
             margin=args.margin,
         )
-    elif args.component == "qrf-length":
+    elif args.component in ("qrf-length", "neural-length"):
         from pipelines.jitserve import train_qrf_length
+        from pipelines.neural_length import train_neural_length
 
-        outcome = train_qrf_length(
+        train = train_qrf_length if args.component == "qrf-length" else train_neural_length
+        outcome = train(
             registry,
             args.data,
             test_share=args.test_share,
@@ -188,10 +190,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    if args.component in ("qrf-length", "pattern-graph"):
+    if args.component in ("qrf-length", "neural-length", "pattern-graph"):
         from pipelines.jitserve import evaluate_pattern_graph, evaluate_qrf_length
+        from pipelines.neural_length import evaluate_neural_length
 
-        evaluate = evaluate_qrf_length if args.component == "qrf-length" else evaluate_pattern_graph
+        evaluate = {
+            "qrf-length": evaluate_qrf_length,
+            "neural-length": evaluate_neural_length,
+            "pattern-graph": evaluate_pattern_graph,
+        }[args.component]
         metrics = evaluate(_registry(args), args.data, version=args.version)
         print(f"{args.component} on {args.data}")
         for key, value in metrics.items():
@@ -365,20 +372,21 @@ def build_parser() -> argparse.ArgumentParser:
             "ewsjf-meta-policy",
             "semantic-history",
             "qrf-length",
+            "neural-length",
             "pattern-graph",
         ],
     )
     train.add_argument(
         "--data",
-        help="training data (cost-model: a step log; semantic-history, qrf-length: a prompt/response"
-        " file, default the bundled AlpacaEval slice; pattern-graph: a JSONL of program graphs,"
-        " default generated programs)",
+        help="training data (cost-model: a step log; semantic-history, qrf-length, neural-length: a"
+        " prompt/response file, default the bundled AlpacaEval slice; pattern-graph: a JSONL of"
+        " program graphs, default generated programs)",
     )
     train.add_argument(
         "--test-share",
         type=float,
         default=0.3,
-        help="semantic-history, qrf-length: share of instructions held out",
+        help="semantic-history, qrf-length, neural-length: share of instructions held out",
     )
     train.add_argument("--promote-if-better", action="store_true")
     train.add_argument("--margin", type=float, default=0.0, help="relative improvement required to promote")
@@ -388,7 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     evaluate = sub.add_parser("evaluate", help="score a registered component on any data file")
-    evaluate.add_argument("component", choices=["semantic-history", "qrf-length", "pattern-graph"])
+    evaluate.add_argument(
+        "component", choices=["semantic-history", "qrf-length", "neural-length", "pattern-graph"]
+    )
     evaluate.add_argument(
         "--data", required=True, help="prompt/response file (alpaca format); pattern-graph: JSONL graphs"
     )

@@ -79,9 +79,11 @@ class Registry:
         params: dict[str, Any] | None = None,
         run_name: str | None = None,
         experiment: str = COMPONENTS_EXPERIMENT,
+        run_id: str | None = None,
     ) -> int | None:
         """Log the component as an MLflow run + pyfunc model; register it as a new version.
-        Returns the version number (None when `register=False`)."""
+        Returns the version number (None when `register=False`). `run_id`: log into a run made
+        by `new_run` (where training already logged its curves) instead of a fresh one."""
         import mlflow
 
         experiment_id = tracking.ensure_experiment(self.client, experiment, self.tracking_uri)
@@ -98,9 +100,13 @@ class Registry:
                 "adapt.manifest_sha256": digest,
             }
             mlflow.set_tracking_uri(self.tracking_uri)
-            with mlflow.start_run(
-                experiment_id=experiment_id, run_name=run_name or component.name, tags=tags
-            ) as run:
+            started = (
+                mlflow.start_run(run_id=run_id)
+                if run_id
+                else mlflow.start_run(experiment_id=experiment_id, run_name=run_name or component.name)
+            )
+            with started as run:
+                mlflow.set_tags(tags)
                 logged_params = {**_flat_params(component.get_params()), **(params or {})}
                 if logged_params:
                     mlflow.log_params({k: str(v)[:500] for k, v in logged_params.items()})
@@ -122,6 +128,12 @@ class Registry:
         )
         log.info("logged %s version %s (run %s)", component.name, version.version, run_id)
         return int(version.version)
+
+    def new_run(self, run_name: str, experiment: str = COMPONENTS_EXPERIMENT) -> str:
+        """An empty run for a training job that logs while it trains (Lightning's MLflow logger);
+        pass its id to `log` so the curves and the registered version share one run."""
+        experiment_id = tracking.ensure_experiment(self.client, experiment, self.tracking_uri)
+        return self.client.create_run(experiment_id, run_name=run_name).info.run_id
 
     def _ensure_registered_model(self, name: str) -> None:
         from mlflow.exceptions import MlflowException

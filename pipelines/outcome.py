@@ -48,10 +48,12 @@ def register_and_gate(
     lower_is_better: bool,
     promote_if_better: bool,
     margin: float = 0.0,
+    run_id: str | None = None,
 ) -> TrainOutcome:
-    """Register the candidate, then promote it when asked and its `metric` beats the champion's
-    (scored on the same held-out data) by `margin`; the champion stays otherwise."""
-    version = registry.log(candidate, metrics=metrics)
+    """Register the candidate (in run `run_id` when training already opened one), then promote it
+    when asked and its `metric` beats the champion's (scored on the same held-out data) by
+    `margin`; the champion stays otherwise."""
+    version = registry.log(candidate, metrics=metrics, run_id=run_id)
     promoted = promote_if_better and beats(
         metrics[metric],
         None if champion_metrics is None else champion_metrics[metric],

@@ -10,7 +10,8 @@ Made for cron, systemd timers and Kubernetes CronJobs:
 Data comes from a directory the serving side fills (the vLLM monitor's logs, or files you drop in):
 `steps*.csv|jsonl|parquet` step logs for `cost-model`, `requests*.jsonl` request logs for
 `ewsjf-meta-policy` (its queue layout is refit on the logged prompt lengths, keeping Theta),
-`prompts*.jsonl[.gz]` prompt/response files for `semantic-history` and `qrf-length`, and
+`prompts*.jsonl[.gz]` prompt/response files for `semantic-history`, `qrf-length` and
+`neural-length`, and
 `programs*.jsonl` compound-program graphs for `pattern-graph`.
 Components tuned on replay (`slai-offset`, EWSJF's Theta) are retrained by `adapt tune`.
 """
@@ -32,6 +33,7 @@ from adapt.traces import Trace, load_trace
 from pipelines.cost_model import load_step_log, train_cost_model
 from pipelines.ewsjf import train_ewsjf_meta
 from pipelines.jitserve import train_pattern_graph, train_qrf_length
+from pipelines.neural_length import train_neural_length
 from pipelines.outcome import TrainOutcome
 from pipelines.semantic_history import train_semantic_history
 
@@ -136,6 +138,7 @@ RETRAINERS: dict[str, Callable[[Registry, Path, float], RetrainResult]] = {
     "ewsjf-meta-policy": retrain_ewsjf_layout,
     "semantic-history": _prompt_retrainer("semantic-history", train_semantic_history, "wasserstein"),
     "qrf-length": _prompt_retrainer("qrf-length", train_qrf_length, "coverage_error"),
+    "neural-length": _prompt_retrainer("neural-length", train_neural_length, "coverage_error"),
     "pattern-graph": retrain_pattern_graph,
 }
 

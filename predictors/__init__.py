@@ -59,3 +59,12 @@ def _pattern_graph():
 
 
 register_component("pattern-graph", _pattern_graph)
+
+
+def _neural_length():
+    from predictors.neural_length import NeuralLength
+
+    return NeuralLength
+
+
+register_component("neural-length", _neural_length)

@@ -33,12 +33,18 @@ import numpy as np
 
 from adapt.component import ComponentError, LearnedComponent, data_fingerprint
 from predictors.compiled_forest import CompiledQuantileForest
+from predictors.length_bounds import (
+    EVAL_POINTS,
+    TRAIN_POINTS,
+    apply_scales,
+    calibration_rows,
+    conformal_scales,
+    coverage_metrics,
+    refinement_rows,
+)
 
-TRAIN_POINTS: tuple[int, ...] = (0, 50, 100, 200, 400)
-EVAL_POINTS: tuple[int, ...] = (0, 50, 100, 200)
 FOREST_FILE = "forest.skops"
 SCALES_FILE = "calibration.json"
-MIN_CALIBRATION_ROWS = 30
 TRUSTED_TYPES = [
     "quantile_forest._quantile_forest.RandomForestQuantileRegressor",
     "quantile_forest._quantile_forest_fast.QuantileForest",
@@ -141,11 +147,8 @@ class QrfLength(LearnedComponent):
 
     def _bound(self, rows: np.ndarray, quantile: float | None = None) -> np.ndarray:
         raw = self._forest_quantile(rows, quantile or self.quantile)
-        if quantile in (None, self.quantile) and self.scales_:
-            # rows[:, 1] is g; the scale of the last calibration point at or below it applies
-            points = np.asarray(TRAIN_POINTS)
-            at = np.searchsorted(points, rows[:, 1], side="right") - 1
-            raw = raw * np.asarray([self.scales_[str(p)] for p in TRAIN_POINTS])[at]
+        if quantile in (None, self.quantile):
+            raw = apply_scales(raw, rows[:, 1], self.scales_)  # rows[:, 1] is g
         return np.maximum(1.0, raw)
 
     # ---------------------------------------------------------- fit / evaluate
@@ -182,23 +185,10 @@ class QrfLength(LearnedComponent):
         return self
 
     def _conformal_scales(self, calibration: Any) -> dict[str, float]:
-        """Split-conformal correction per refinement point g: the factor c_g such that a share
-        `quantile` of the calibration rows satisfy true remaining <= c_g * raw bound (the
-        quantile of their ratios, rounded up). Prompts in the calibration rows were not used to
-        fit the forest, so the factor measures how far the forest's own quantile misses."""
+        """Prompts in the calibration rows were not used to fit the forest, so the factors
+        measure how far the forest's own quantile misses (`length_bounds.conformal_scales`)."""
         X, y, points = self._training_rows(calibration, TRAIN_POINTS)
-        raw = np.maximum(1.0, self._forest_quantile(X, self.quantile))
-        scales = {}
-        for g in TRAIN_POINTS:
-            mask = points == g
-            ratios = y[mask] / raw[mask]
-            n = len(ratios)
-            if n < MIN_CALIBRATION_ROWS:
-                scales[str(g)] = 1.0
-                continue
-            rank = min(n - 1, int(np.ceil((n + 1) * self.quantile)) - 1)
-            scales[str(g)] = float(np.partition(ratios, rank)[rank])
-        return scales
+        return conformal_scales(y, self._forest_quantile(X, self.quantile), points, self.quantile)
 
     def _forest_quantile(self, rows: np.ndarray, quantile: float) -> np.ndarray:
         """The forest's own (uncalibrated) quantile, through its numpy form, built on first use."""
@@ -207,24 +197,10 @@ class QrfLength(LearnedComponent):
         return self._compiled.predict(rows, quantile)
 
     def evaluate(self, data: Any) -> dict[str, float]:
-        """Coverage (share of true remaining lengths <= bound) and mean over-estimation ratio
-        (bound / true remaining) after 0, 50, 100 and 200 generated tokens; `coverage_error` is
-        the largest |coverage - quantile| over those points."""
+        """Coverage and over-estimation after 0, 50, 100 and 200 generated tokens
+        (`length_bounds.coverage_metrics`); `coverage_error` is the gate's metric."""
         X, y, points = self._training_rows(data, EVAL_POINTS)
-        bound = self._bound(X)
-        metrics: dict[str, float] = {}
-        for g in EVAL_POINTS:
-            mask = points == g
-            if mask.any():
-                metrics[f"coverage_at_{g}"] = float(np.mean(y[mask] <= bound[mask]))
-                metrics[f"overestimate_at_{g}"] = float(np.mean(bound[mask] / y[mask]))
-                metrics[f"bound_mean_at_{g}"] = float(np.mean(bound[mask]))
-        metrics["coverage_error"] = max(
-            abs(metrics[f"coverage_at_{g}"] - self.quantile)
-            for g in EVAL_POINTS
-            if f"coverage_at_{g}" in metrics
-        )
-        return metrics
+        return coverage_metrics(y, self._bound(X), points, self.quantile)
 
     def _training_rows(self, data: Any, points: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         texts = data.columns.get("output_text") if getattr(data, "columns", None) else None
@@ -233,20 +209,13 @@ class QrfLength(LearnedComponent):
                 "qrf-length needs prompt and response texts (an AlpacaEval-format file with `output`;"
                 " with generated_features=0, prompt texts and response lengths suffice)"
             )
+        index, generated, remaining = refinement_rows(data.output_tokens, points)
         prefixes = response_prefixes(texts, points) if self.generated_features else None
-        rows: list[tuple[int, str, int, str]] = []
-        targets: list[float] = []
-        at: list[int] = []
-        for i, total in enumerate(np.asarray(data.output_tokens)):
-            for g in points:
-                if g < total:
-                    prefix = prefixes[g][i] if prefixes is not None else ""
-                    rows.append((int(data.prompt_tokens[i]), data.prompt_text[i], g, prefix))
-                    targets.append(float(total - g))
-                    at.append(g)
-        prompt_tokens, prompt_texts, generated, generated_texts = zip(*rows, strict=True)
+        prompt_tokens = np.asarray(data.prompt_tokens)[index]
+        prompt_texts = [data.prompt_text[i] for i in index]
+        generated_texts = [prefixes[g][i] if prefixes else "" for i, g in zip(index, generated, strict=True)]
         X = self.features(prompt_tokens, prompt_texts, generated, generated_texts)
-        return X, np.asarray(targets), np.asarray(at)
+        return X, remaining, generated
 
     # ------------------------------------------------------------ save / load
     def save_state(self, directory: Path) -> None:
@@ -273,15 +242,6 @@ class QrfLength(LearnedComponent):
         bound = self.predict_bound([12], ["write a short poem about the sea"], [0], [""])
         if not (np.isfinite(bound).all() and bound[0] >= 1.0):
             raise ComponentError("qrf-length: canary bound is not a positive length")
-
-
-def calibration_rows(texts: Sequence[str], share: float) -> np.ndarray:
-    """True for the rows held out to calibrate the bound, chosen by instruction like
-    `instruction_split` but from other bits of the hash, so the two splits are independent."""
-    from predictors.semantic_history import prompt_hash
-
-    cut = int(share * 1000)
-    return np.array([(prompt_hash(t) // 1000) % 1000 < cut for t in texts], dtype=bool)
 
 
 def response_prefixes(texts: Sequence[str], points: Sequence[int]) -> dict[int, list[str]]:

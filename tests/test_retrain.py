@@ -32,7 +32,7 @@ def test_retrain_once_is_idempotent_and_follows_new_data(tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'r.db'}"
     base = ["--tracking-uri", uri, "retrain", "--once", "--data-dir", str(data)]
     assert main(base) == 0
-    assert capsys.readouterr().out.count("no data") == 5
+    assert capsys.readouterr().out.count("no data") == 6
     write_logs(data, seed=0)
     assert main(base) == 0
     out = capsys.readouterr().out
@@ -40,7 +40,7 @@ def test_retrain_once_is_idempotent_and_follows_new_data(tmp_path, capsys):
     assert "ewsjf-meta-policy    registered v1 (promoted)" in out
     assert main(base) == 0  # unchanged data: nothing new
     statuses = [line.split()[1] for line in capsys.readouterr().out.splitlines()]
-    assert statuses == ["unchanged", "unchanged", "no", "no", "no"]
+    assert statuses == ["unchanged", "unchanged", "no", "no", "no", "no"]
     reg = Registry(uri, cache_dir=tmp_path / "c")
     assert [len(reg.versions(n)) for n in ("cost-model", "ewsjf-meta-policy")] == [1, 1]
     write_logs(data, seed=1, tag="b")  # new traffic arrived
@@ -51,8 +51,8 @@ def test_retrain_once_is_idempotent_and_follows_new_data(tmp_path, capsys):
 
 
 def test_retrain_picks_up_prompt_and_program_files(tmp_path, capsys):
-    """Prompt/response files retrain semantic-history and qrf-length, program graphs retrain
-    pattern-graph; a second pass on the same files registers nothing."""
+    """Prompt/response files retrain semantic-history, qrf-length and neural-length, program graphs
+    retrain pattern-graph; a second pass on the same files registers nothing."""
     import gzip
     import json
 
@@ -73,11 +73,11 @@ def test_retrain_picks_up_prompt_and_program_files(tmp_path, capsys):
     base = ["--tracking-uri", uri, "retrain", "--once", "--data-dir", str(data)]
     assert main(base) == 0
     out = capsys.readouterr().out
-    for name in ("semantic-history", "qrf-length", "pattern-graph"):
+    for name in ("semantic-history", "qrf-length", "neural-length", "pattern-graph"):
         assert f"{name:<20} registered v1 (promoted)" in out
     assert main(base) == 0
     statuses = [line.split()[1] for line in capsys.readouterr().out.splitlines()]
-    assert statuses == ["no", "no", "unchanged", "unchanged", "unchanged"]
+    assert statuses == ["no", "no", "unchanged", "unchanged", "unchanged", "unchanged"]
 
 
 def test_concurrent_retrains_do_not_corrupt_the_store(tmp_path):

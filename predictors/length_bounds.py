@@ -1,0 +1,91 @@
+"""What every remaining-length *bound* predictor shares (`qrf-length`, `neural-length`).
+
+JITServe re-predicts an upper bound on a request's remaining output every 50 generated tokens.
+Both bound predictors are trained and scored the same way, so the comparison between a quantile
+forest and a quantile network is on equal terms:
+
+- rows: each response contributes one row per refinement point g it outlives, with target
+  "tokens still to come" (`refinement_rows`);
+- calibration: a split-conformal factor per refinement point, measured on instructions held out
+  of the fit (`calibration_rows`, `conformal_scales`, `apply_scales`), because a model's own high
+  quantile under-covers on prompts it has not seen;
+- scoring: coverage, mean over-estimation and mean bound after 0/50/100/200 tokens, and
+  `coverage_error`, the largest miss of the target quantile (`coverage_metrics`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+TRAIN_POINTS: tuple[int, ...] = (0, 50, 100, 200, 400)
+EVAL_POINTS: tuple[int, ...] = (0, 50, 100, 200)
+MIN_CALIBRATION_ROWS = 30
+
+
+def refinement_rows(output_tokens: Sequence[int], points: Sequence[int]) -> tuple[np.ndarray, ...]:
+    """(response index, g, remaining) for every response and every point g < its length."""
+    totals = np.asarray(output_tokens, dtype=np.int64)
+    index, generated = [], []
+    for g in points:
+        alive = np.flatnonzero(totals > g)
+        index.append(alive)
+        generated.append(np.full(len(alive), g, dtype=np.int64))
+    index_all = np.concatenate(index) if index else np.zeros(0, dtype=np.int64)
+    order = np.argsort(index_all, kind="stable")  # response by response, as the texts are read
+    index_all, generated_all = index_all[order], np.concatenate(generated)[order]
+    return index_all, generated_all, (totals[index_all] - generated_all).astype(np.float64)
+
+
+def calibration_rows(texts: Sequence[str], share: float) -> np.ndarray:
+    """True for the rows held out to calibrate the bound, chosen by instruction like
+    `instruction_split` but from other bits of the hash, so the two splits are independent."""
+    from predictors.semantic_history import prompt_hash
+
+    cut = int(share * 1000)
+    return np.array([(prompt_hash(t) // 1000) % 1000 < cut for t in texts], dtype=bool)
+
+
+def conformal_scales(
+    remaining: np.ndarray, raw_bound: np.ndarray, generated: np.ndarray, quantile: float
+) -> dict[str, float]:
+    """Split-conformal correction per refinement point g: the factor c_g such that a share
+    `quantile` of the calibration rows satisfy remaining <= c_g * raw bound (the quantile of their
+    ratios, rounded up). 1.0 where fewer than MIN_CALIBRATION_ROWS rows reach g."""
+    scales = {}
+    for g in TRAIN_POINTS:
+        ratios = remaining[generated == g] / np.maximum(1.0, raw_bound[generated == g])
+        n = len(ratios)
+        if n < MIN_CALIBRATION_ROWS:
+            scales[str(g)] = 1.0
+            continue
+        rank = min(n - 1, int(np.ceil((n + 1) * quantile)) - 1)
+        scales[str(g)] = float(np.partition(ratios, rank)[rank])
+    return scales
+
+
+def apply_scales(raw_bound: np.ndarray, generated: np.ndarray, scales: dict[str, float]) -> np.ndarray:
+    """The calibrated bound: the scale of the last calibration point at or below g applies."""
+    if not scales:
+        return raw_bound
+    at = np.searchsorted(np.asarray(TRAIN_POINTS), generated, side="right") - 1
+    return raw_bound * np.asarray([scales[str(p)] for p in TRAIN_POINTS])[at]
+
+
+def coverage_metrics(
+    remaining: np.ndarray, bound: np.ndarray, generated: np.ndarray, quantile: float
+) -> dict[str, float]:
+    """Coverage (share of remaining <= bound), mean over-estimation (bound / remaining) and mean
+    bound at each of EVAL_POINTS; `coverage_error` is the largest |coverage - quantile|."""
+    metrics: dict[str, float] = {}
+    for g in EVAL_POINTS:
+        mask = generated == g
+        if mask.any():
+            metrics[f"coverage_at_{g}"] = float(np.mean(remaining[mask] <= bound[mask]))
+            metrics[f"overestimate_at_{g}"] = float(np.mean(bound[mask] / remaining[mask]))
+            metrics[f"bound_mean_at_{g}"] = float(np.mean(bound[mask]))
+    metrics["coverage_error"] = max(
+        abs(metrics[f"coverage_at_{g}"] - quantile) for g in EVAL_POINTS if f"coverage_at_{g}" in metrics
+    )
+    return metrics

@@ -1,0 +1,260 @@
+"""`neural-length`: a quantile network over prompt embeddings, the learned-network alternative to
+`qrf-length` that the papers compare against (JITServe section 4.1 weighs a BERT-style regressor
+against its forest; SageSched against a fine-tuned length classifier).
+
+Inputs per row: the prompt's all-MiniLM-L6-v2 embedding (384 numbers, `predictors.embedding`),
+log(1 + prompt tokens) and log(1 + g), the tokens generated so far (both standardised). The target
+is log(1 + remaining tokens): quantiles survive a monotone transform, and the log keeps 2-token
+and 2,000-token answers on one scale. One output per quantile in `quantiles` (pinball loss,
+`predictors.quantile_mlp`), the served bound is `quantile`, with the same split-conformal
+calibration as `qrf-length` (`predictors.length_bounds`), so the two are scored alike.
+
+State: `weights.safetensors` (the network) and `scaling.json` (feature standardisation and the
+conformal factors); serving needs torch but not Lightning.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+
+from adapt.component import ComponentError, LearnedComponent, data_fingerprint
+from predictors.embedding import DIMENSION, shared_cache
+from predictors.length_bounds import (
+    EVAL_POINTS,
+    TRAIN_POINTS,
+    apply_scales,
+    calibration_rows,
+    conformal_scales,
+    coverage_metrics,
+    refinement_rows,
+)
+
+WEIGHTS_FILE = "weights.safetensors"
+SCALING_FILE = "scaling.json"
+NUMERIC_FEATURES = 2  # log1p(prompt tokens), log1p(generated)
+
+
+class NeuralLength(LearnedComponent):
+    """Upper bound (quantile `quantile`) on the remaining output length (see module docstring)."""
+
+    name = "neural-length"
+    primary_metric = "coverage_error"
+    lower_is_better = True
+
+    def __init__(
+        self,
+        quantiles: Sequence[float] = (0.5, 0.9, 0.95),
+        quantile: float = 0.95,
+        hidden: int = 128,
+        dropout: float = 0.3,
+        epochs: int = 5,
+        batch_size: int = 512,
+        learning_rate: float = 2e-3,
+        weight_decay: float = 1e-4,
+        calibration_share: float = 0.2,
+        random_state: int = 0,
+    ) -> None:
+        super().__init__()
+        self.quantiles = tuple(float(q) for q in quantiles)
+        if not self.quantiles or list(self.quantiles) != sorted(set(self.quantiles)):
+            raise ValueError(f"quantiles: expected distinct values in ascending order, got {quantiles!r}")
+        if not all(0.0 < q < 1.0 for q in self.quantiles):
+            raise ValueError(f"quantiles: expected values in (0, 1), got {quantiles!r}")
+        if float(quantile) not in self.quantiles:
+            raise ValueError(f"quantile: {quantile!r} must be one of quantiles {self.quantiles}")
+        self.quantile = float(quantile)
+        self.hidden = int(hidden)
+        self.dropout = float(dropout)
+        self.epochs = int(epochs)
+        self.batch_size = int(batch_size)
+        self.learning_rate = float(learning_rate)
+        self.weight_decay = float(weight_decay)
+        if not 0 <= calibration_share < 1:
+            raise ValueError(f"calibration_share: expected a number in [0, 1), got {calibration_share!r}")
+        self.calibration_share = float(calibration_share)
+        self.random_state = int(random_state)
+        self.net_: Any = None
+        self.mean_ = np.zeros(NUMERIC_FEATURES)
+        self.std_ = np.ones(NUMERIC_FEATURES)
+        self.scales_: dict[str, float] = {}
+
+    def get_params(self) -> dict[str, Any]:
+        return {
+            "quantiles": list(self.quantiles),
+            "quantile": self.quantile,
+            "hidden": self.hidden,
+            "dropout": self.dropout,
+            "epochs": self.epochs,
+            "batch_size": self.batch_size,
+            "learning_rate": self.learning_rate,
+            "weight_decay": self.weight_decay,
+            "calibration_share": self.calibration_share,
+            "random_state": self.random_state,
+        }
+
+    # --------------------------------------------------------------- features
+    def features(self, prompt_tokens: Sequence[int], prompt_texts: Sequence[str], generated: Sequence[int]):
+        """(rows, 384 + 2) float32: embedding, then the standardised log counts."""
+        numeric = np.column_stack(
+            [
+                np.log1p(np.asarray(prompt_tokens, dtype=np.float64)),
+                np.log1p(np.asarray(generated, dtype=np.float64)),
+            ]
+        )
+        numeric = (numeric - self.mean_) / self.std_
+        return np.hstack([shared_cache().embed(list(prompt_texts)), numeric]).astype(np.float32)
+
+    def _new_net(self):
+        from predictors.quantile_mlp import QuantileNet
+
+        return QuantileNet(DIMENSION + NUMERIC_FEATURES, self.hidden, len(self.quantiles), self.dropout)
+
+    def _raw_quantiles(self, rows: np.ndarray) -> np.ndarray:
+        """(rows, len(quantiles)) predicted remaining lengths, uncalibrated."""
+        import torch
+
+        with torch.inference_mode():
+            log_lengths = self.net_(torch.from_numpy(rows)).numpy()
+        return np.expm1(np.clip(log_lengths, 0.0, 12.0))
+
+    def predict_bound(
+        self,
+        prompt_tokens: Sequence[int],
+        prompt_texts: Sequence[str],
+        generated_tokens: Sequence[int],
+        generated_texts: Sequence[str] = (),
+        quantile: float | None = None,
+    ) -> np.ndarray:
+        """Upper bound on the tokens still to come, one per request (>= 1); the same call as
+        `QrfLength.predict_bound` so JITServe takes either. `generated_texts` is accepted and
+        unused (the network sees the count, not the text); `quantile` must be a trained one."""
+        if self.net_ is None:
+            raise ComponentError("neural-length: not fitted")
+        wanted = self.quantile if quantile is None else float(quantile)
+        if wanted not in self.quantiles:
+            raise ValueError(f"neural-length: quantile {wanted} not trained; trained: {self.quantiles}")
+        rows = self.features(prompt_tokens, prompt_texts, generated_tokens)
+        raw = self._raw_quantiles(rows)[:, self.quantiles.index(wanted)]
+        if wanted == self.quantile:
+            raw = apply_scales(raw, np.asarray(generated_tokens), self.scales_)
+        return np.maximum(1.0, raw)
+
+    # ---------------------------------------------------------- fit / evaluate
+    def fit(self, data: Any, logger: Any = None) -> Self:
+        """`data`: a Trace with prompt texts and output lengths (the AlpacaEval format; response
+        texts are not needed). `logger`: a Lightning logger for the per-epoch losses (the
+        pipeline passes an MLFlowLogger on the version's own run)."""
+        import torch
+
+        from predictors.quantile_mlp import train_quantile_net
+
+        data_hash = training_hash(data)
+        calibration = None
+        if self.calibration_share > 0:
+            held = calibration_rows(data.prompt_text, self.calibration_share)
+            if held.any() and not held.all():
+                calibration = data.take(np.flatnonzero(held))
+                data = data.take(np.flatnonzero(~held))
+        prompt_tokens, texts, generated, remaining = self._rows(data, TRAIN_POINTS)
+        logs = np.column_stack([np.log1p(prompt_tokens), np.log1p(generated)])
+        self.mean_, self.std_ = logs.mean(axis=0), np.maximum(logs.std(axis=0), 1e-6)
+        print(
+            f"neural-length: embedding {len(set(texts)):,} prompts, training on {len(remaining):,} rows",
+            file=sys.stderr,
+        )
+
+        def tensors(rows: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+            *inputs, target = rows
+            x = torch.from_numpy(self.features(*inputs))
+            return x, torch.from_numpy(np.log1p(target).astype(np.float32))
+
+        validation = tensors(self._rows(calibration, TRAIN_POINTS)) if calibration is not None else None
+        self.net_ = train_quantile_net(
+            self._new_net(),
+            tensors((prompt_tokens, texts, generated, remaining)),
+            validation,
+            quantiles=self.quantiles,
+            epochs=self.epochs,
+            batch_size=self.batch_size,
+            learning_rate=self.learning_rate,
+            weight_decay=self.weight_decay,
+            seed=self.random_state,
+            logger=logger,
+        )
+        self.scales_ = {}
+        if calibration is not None:
+            c_prompt, c_texts, c_generated, c_remaining = self._rows(calibration, TRAIN_POINTS)
+            raw = self._raw_quantiles(self.features(c_prompt, c_texts, c_generated))
+            self.scales_ = conformal_scales(
+                c_remaining, raw[:, self.quantiles.index(self.quantile)], c_generated, self.quantile
+            )
+        self.metadata.update(
+            calibration_scales=self.scales_,
+            training_rows=len(remaining),
+            responses=len(data),
+            data_hash=data_hash,
+        )
+        return self
+
+    def evaluate(self, data: Any) -> dict[str, float]:
+        """Coverage and over-estimation after 0, 50, 100 and 200 generated tokens, as `qrf-length`;
+        plus `pinball_<q>` (on log lengths) for each trained quantile."""
+        prompt_tokens, texts, generated, remaining = self._rows(data, EVAL_POINTS)
+        bound = self.predict_bound(prompt_tokens, texts, generated)
+        metrics = coverage_metrics(remaining, bound, generated, self.quantile)
+        raw = np.log1p(self._raw_quantiles(self.features(prompt_tokens, texts, generated)))
+        error = np.log1p(remaining)[:, None] - raw
+        for column, q in enumerate(self.quantiles):
+            loss = np.maximum(q * error[:, column], (q - 1.0) * error[:, column])
+            metrics[f"pinball_{q:g}"] = float(loss.mean())
+        return metrics
+
+    @staticmethod
+    def _rows(data: Any, points: Sequence[int]) -> tuple[np.ndarray, list[str], np.ndarray, np.ndarray]:
+        if data.prompt_text is None:
+            raise ValueError("neural-length needs prompt texts (an AlpacaEval-format file)")
+        index, generated, remaining = refinement_rows(data.output_tokens, points)
+        prompt_tokens = np.asarray(data.prompt_tokens)[index]
+        return prompt_tokens, [data.prompt_text[i] for i in index], generated, remaining
+
+    # ------------------------------------------------------------ save / load
+    def save_state(self, directory: Path) -> None:
+        from safetensors.torch import save_file
+
+        if self.net_ is None:
+            raise ComponentError("neural-length: nothing to save before fit")
+        save_file({k: v.contiguous() for k, v in self.net_.state_dict().items()}, directory / WEIGHTS_FILE)
+        scaling = {"mean": self.mean_.tolist(), "std": self.std_.tolist(), "scales": self.scales_}
+        (directory / SCALING_FILE).write_text(json.dumps(scaling))
+
+    def load_state(self, directory: Path) -> None:
+        from safetensors.torch import load_file
+
+        net = self._new_net()
+        try:
+            net.load_state_dict(load_file(directory / WEIGHTS_FILE))
+        except RuntimeError as error:  # shapes or names that do not match the hyper-parameters
+            raise ComponentError(
+                f"neural-length: {WEIGHTS_FILE} does not fit the network: {error}"
+            ) from error
+        self.net_ = net.eval()
+        scaling = json.loads((directory / SCALING_FILE).read_text())
+        self.mean_, self.std_ = np.asarray(scaling["mean"]), np.asarray(scaling["std"])
+        self.scales_ = scaling["scales"]
+
+    def validate(self) -> None:
+        bounds = self.predict_bound([12, 12], ["write a short poem about the sea"] * 2, [0, 200])
+        if not (np.isfinite(bounds).all() and (bounds >= 1.0).all()):
+            raise ComponentError("neural-length: canary bound is not a positive length")
+
+
+def training_hash(data: Any) -> str:
+    """The hash `fit` records for its training data, computable without fitting: retraining on an
+    unchanged window can be skipped before a minute of training."""
+    return data_fingerprint(np.asarray(data.output_tokens), list(data.prompt_text))

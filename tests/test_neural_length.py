@@ -1,0 +1,127 @@
+"""`neural-length` and the bound helpers it shares with `qrf-length`: the pinball loss and the
+conformal factor against hand-computed cases, non-crossing quantiles, and (slow) a fit on real
+AlpacaEval prompts, its safetensors round trip, and the pipeline's MLflow run."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from adapt.component import ComponentError, read_component
+from adapt.registry import Registry
+from predictors.length_bounds import apply_scales, conformal_scales, coverage_metrics, refinement_rows
+from predictors.neural_length import NeuralLength
+from predictors.quantile_mlp import QuantileNet, pinball_loss
+
+
+def test_pinball_loss_by_hand():
+    # y = 3; predictions 1 (q = 0.5) and 4 (q = 0.9): errors 2 and -1
+    # losses 0.5 * 2 = 1.0 and (0.9 - 1) * -1 = 0.1 -> mean 0.55
+    loss = pinball_loss(torch.tensor([[1.0, 4.0]]), torch.tensor([3.0]), torch.tensor([0.5, 0.9]))
+    assert loss.item() == pytest.approx(0.55)
+
+
+def test_quantile_outputs_never_cross():
+    net = QuantileNet(inputs=8, hidden=16, quantiles=3).eval()
+    out = net(torch.randn(500, 8) * 10)
+    assert (torch.diff(out, dim=1) >= 0).all()
+
+
+def test_refinement_rows_by_hand():
+    index, generated, remaining = refinement_rows([30, 120], (0, 50, 100))
+    assert index.tolist() == [0, 1, 1, 1]
+    assert generated.tolist() == [0, 0, 50, 100]
+    assert remaining.tolist() == [30, 120, 70, 20]
+
+
+def test_conformal_scale_is_the_rounded_up_ratio_quantile():
+    # 39 rows at g = 0 with ratios 1/39 ... 39/39: (n + 1) * 0.95 = 38 -> the 38th smallest ratio
+    n = 39
+    remaining = np.arange(1, n + 1, dtype=float)
+    scales = conformal_scales(remaining, np.full(n, float(n)), np.zeros(n, dtype=int), 0.95)
+    assert scales["0"] == pytest.approx(38 / 39)
+    assert scales["50"] == 1.0  # no rows reached 50: left alone
+    bounds = apply_scales(np.array([100.0, 100.0]), np.array([10, 60]), {**scales, "50": 2.0})
+    assert bounds.tolist() == pytest.approx([100 * 38 / 39, 200.0])
+
+
+def test_coverage_metrics_by_hand():
+    metrics = coverage_metrics(np.array([10.0, 30.0]), np.array([20.0, 20.0]), np.array([0, 0]), 0.95)
+    assert metrics["coverage_at_0"] == 0.5
+    assert metrics["overestimate_at_0"] == pytest.approx((2.0 + 2 / 3) / 2)
+    assert metrics["coverage_error"] == pytest.approx(0.45)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"quantiles": (0.9, 0.5)}, {"quantiles": (0.5, 1.0), "quantile": 0.5}, {"quantile": 0.8}],
+)
+def test_bad_quantiles_are_refused(kwargs):
+    with pytest.raises(ValueError, match="quantile"):
+        NeuralLength(**kwargs)
+
+
+def _slice(tmp_path, instructions: int):
+    from experiments.workloads import bundled
+
+    with gzip.open(bundled("alpaca_eval_lengths.jsonl.gz"), "rt") as handle:
+        rows = [json.loads(line) for line in handle]
+    keep = set(sorted({r["instruction"] for r in rows})[:instructions])
+    path = tmp_path / "slice.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["instruction"] in keep))
+    return path
+
+
+@pytest.mark.slow
+def test_fit_round_trip_and_tampering(tmp_path):
+    from adapt.traces import load_trace
+    from predictors.semantic_history import split_by_instruction
+
+    train, test = split_by_instruction(load_trace(_slice(tmp_path, 120)), 0.3)
+    model = NeuralLength(epochs=3).fit(train)
+    metrics = model.evaluate(test)
+    for g in (0, 50, 100, 200):
+        assert 0.6 <= metrics[f"coverage_at_{g}"] <= 1.0
+    assert metrics["pinball_0.5"] > metrics["pinball_0.95"] > 0  # the median's loss is the widest
+    assert set(model.scales_) == {"0", "50", "100", "200", "400"}
+    prompts = (["Write a haiku.", "Explain quantum computing in detail."], [6, 9], [0, 100])
+    wide = model.predict_bound(prompts[1], prompts[0], prompts[2])
+    median = model.predict_bound(prompts[1], prompts[0], prompts[2], quantile=0.5)
+    assert (wide >= 1).all() and (median >= 1).all() and not np.allclose(median, wide)
+    with pytest.raises(ValueError, match="not trained"):
+        model.predict_bound([6], ["hi"], [0], quantile=0.7)
+    directory = model.save(tmp_path / "component")
+    assert (directory / "weights.safetensors").is_file()
+    again = read_component(directory)
+    assert np.allclose(again.predict_bound(prompts[1], prompts[0], prompts[2]), wide)
+    # weights from another network shape must not load
+    from safetensors.torch import save_file
+
+    save_file({"body.0.weight": torch.zeros(2, 2)}, directory / "weights.safetensors")
+    with pytest.raises(ComponentError, match="does not fit"):
+        NeuralLength().load_state(directory)
+    with pytest.raises(ComponentError, match="checksum mismatch"):
+        read_component(directory)  # and the manifest notices the swap first
+
+
+@pytest.mark.slow
+def test_pipeline_logs_curves_in_the_version_run_and_skips_unchanged_data(tmp_path):
+    from pipelines.neural_length import train_neural_length
+
+    data = _slice(tmp_path, 80)
+    registry = Registry(f"sqlite:///{tmp_path / 'n.db'}", cache_dir=tmp_path / "c")
+    outcome = train_neural_length(registry, data, promote_if_better=True, epochs=3)
+    assert outcome.version == 1 and outcome.promoted
+    version = registry.versions("neural-length")[0]
+    run = registry.client.get_run(version.run_id)
+    history = registry.client.get_metric_history(version.run_id, "train_pinball")
+    assert len(history) == 3  # one point per epoch, from Lightning's MLflow logger
+    assert "val_pinball" in run.data.metrics and "coverage_error" in run.data.metrics
+    assert run.data.params["epochs"] == "3"
+    again = train_neural_length(registry, data, promote_if_better=True, epochs=3, skip_unchanged=True)
+    assert again.version is None and len(registry.versions("neural-length")) == 1
+    assert registry.load("neural-length").predict_bound([5], ["Say hi."], [0])[0] >= 1
