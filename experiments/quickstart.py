@@ -4,7 +4,8 @@
    `cost-model` (calibrated on a step log of a replayed Azure slice), `slai-offset` (Optuna on
    replay of slai-tiers), `ewsjf-meta-policy` (Refine-and-Prune + Optuna on ewsjf-mixed),
    `semantic-history` (MiniLM + FAISS window on the AlpacaEval train split), `qrf-length` (quantile
-   forest on the same split) and `pattern-graph` (k-medoids over generated compound programs).
+   forest on the same split), `neural-length` (quantile MLP on the same split, the forest's
+   learned-network alternative) and `pattern-graph` (k-medoids over generated compound programs).
 2. Replays every policy on every named workload and the real Azure trace -- `slai`, `ewsjf`,
    `sagesched` and `jitserve` with the champions loaded from the registry -- logging each
    (workload, policy) as an MLflow run.
@@ -95,6 +96,7 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
     from pipelines.cost_model import train_cost_model
     from pipelines.ewsjf import tune_ewsjf
     from pipelines.jitserve import train_pattern_graph, train_qrf_length
+    from pipelines.neural_length import train_neural_length
     from pipelines.semantic_history import train_semantic_history
     from pipelines.slai import train_slai_offset
     from serving_hooks.policies.ewsjf import EWSJF
@@ -105,7 +107,7 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
     registry = Registry()
     spec = WORKLOADS["azure-conv"]
     print(
-        "[train 1/6] cost-model: step log of a replayed Azure trace slice -> fit -> register", file=sys.stderr
+        "[train 1/7] cost-model: step log of a replayed Azure trace slice -> fit -> register", file=sys.stderr
     )
     engine = ReplayEngine(
         POLICIES["fcfs"](), roofline(spec.model, spec.gpu, tp=spec.tp), EngineConfig(record_steps=True)
@@ -121,7 +123,7 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
         f" (promoted: {'yes' if outcome.promoted else 'no'})",
         file=sys.stderr,
     )
-    print("[train 2/6] slai-offset: Optuna on replay of slai-tiers -> register -> gate", file=sys.stderr)
+    print("[train 2/7] slai-offset: Optuna on replay of slai-tiers -> register -> gate", file=sys.stderr)
     outcome = train_slai_offset(
         registry,
         rate=2.4,  # the highest load Sarathi sustains in our replay (see the SLAI study)
@@ -135,7 +137,7 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
         file=sys.stderr,
     )
     print(
-        "[train 3/6] ewsjf-meta-policy: Refine-and-Prune + Bayesian meta-optimiser on replay", file=sys.stderr
+        "[train 3/7] ewsjf-meta-policy: Refine-and-Prune + Bayesian meta-optimiser on replay", file=sys.stderr
     )
     outcome = tune_ewsjf(registry, rate=40.0, num_requests=400 if fast else 1000, trials=3 if fast else 8)
     print(
@@ -143,7 +145,7 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
         file=sys.stderr,
     )
     print(
-        "[train 4/6] semantic-history: embed AlpacaEval prompts -> FAISS window -> held-out score",
+        "[train 4/7] semantic-history: embed AlpacaEval prompts -> FAISS window -> held-out score",
         file=sys.stderr,
     )
     outcome = train_semantic_history(registry, promote_if_better=True)
@@ -155,16 +157,16 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
         file=sys.stderr,
     )
     print(
-        "[train 5/6] qrf-length: quantile forest on the AlpacaEval train split -> coverage", file=sys.stderr
+        "[train 5/7] qrf-length: quantile forest on the AlpacaEval train split -> coverage", file=sys.stderr
     )
     outcome = train_qrf_length(registry, promote_if_better=True, **({"n_estimators": 20} if fast else {}))
-    coverage = ", ".join(f"{outcome.metrics[f'coverage_at_{g}']:.3f}" for g in (0, 50, 100, 200))
+    _print_bound("qrf-length", outcome)
     print(
-        f"  qrf-length v{outcome.version}: held-out coverage of the 0.95 bound after 0/50/100/200"
-        f" tokens {coverage} (promoted: {'yes' if outcome.promoted else 'no'})",
+        "[train 6/7] neural-length: Lightning quantile MLP over MiniLM embeddings, the same split",
         file=sys.stderr,
     )
-    print("[train 6/6] pattern-graph: k-medoids over generated compound programs", file=sys.stderr)
+    _print_bound("neural-length", train_neural_length(registry, promote_if_better=True))
+    print("[train 7/7] pattern-graph: k-medoids over generated compound programs", file=sys.stderr)
     outcome = train_pattern_graph(registry, promote_if_better=True)
     print(
         f"  pattern-graph v{outcome.version}: held-out stage-share error {outcome.metrics['share_error']:.3f}"
@@ -185,6 +187,16 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
     meta = registry.load("ewsjf-meta-policy")
     factories["ewsjf"] = lambda: EWSJF(meta)
     return factories
+
+
+def _print_bound(name: str, outcome: Any) -> None:
+    coverage = ", ".join(f"{outcome.metrics[f'coverage_at_{g}']:.3f}" for g in (0, 50, 100, 200))
+    bound = ", ".join(f"{outcome.metrics[f'bound_mean_at_{g}']:.0f}" for g in (0, 50, 100, 200))
+    print(
+        f"  {name} v{outcome.version}: held-out coverage of the 0.95 bound after 0/50/100/200 tokens"
+        f" {coverage}, mean bound {bound} tokens (promoted: {'yes' if outcome.promoted else 'no'})",
+        file=sys.stderr,
+    )
 
 
 def run_quickstart(

@@ -1,0 +1,208 @@
+"""Scheduler overhead per step inside vLLM (issue: vLLM serving): vLLM's own V1 scheduler versus
+`PolicyScheduler` running each policy, in a GPU-free harness.
+
+    .venv/bin/python -m experiments.bench_scheduler [--running 256] [--waiting 1000] [--steps 100]
+                                                    [--policies fcfs,sarathi,...]
+
+The harness builds vLLM's real scheduler objects (`AsyncScheduler` and our subclass) with a KV
+cache that exists only as block accounting, the way vLLM's own scheduler tests do, fills
+`--running` requests into the batch (64-token prompts, outputs long enough to stay), queues
+`--waiting` more behind them, and then times `schedule()` + `update_from_output()` over
+`--steps` decode steps, feeding back one sampled token per request as a model runner would. No
+model runs, so the figures are the scheduler's own cost per step: `vLLM schedule` is the time in
+vLLM's `AsyncScheduler.schedule`, `policy+adapter` what `PolicyScheduler` adds around it (a policy
+that caps the batch, like jitserve, makes vLLM's own part cheaper, so whole steps are not the
+comparison). Needs a model directory only
+for vLLM's config (a tiny one is generated in a temporary directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PROMPT_TOKENS = 64
+BLOCK_SIZE = 16
+
+
+def make_scheduler(model_dir: Path, scheduler_cls: type, max_num_seqs: int, num_blocks: int) -> Any:
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=8192,
+        max_model_len=2048,
+        enable_chunked_prefill=True,
+        async_scheduling=True,
+        is_encoder_decoder=False,
+    )
+    model_config = ModelConfig(model=str(model_dir), dtype="float32", seed=0, max_model_len=2048)
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, cache_dtype="auto")
+    cache_config.num_gpu_blocks = num_blocks
+    vllm_config = VllmConfig(
+        scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32),
+            )
+        ],
+    )
+    return scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
+
+
+def make_requests(count: int, start: int, seed: int) -> list[Any]:
+    """Random 64-token prompts, hashed into blocks as vLLM's engine core does for prefix caching."""
+    import random
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=1024, ignore_eos=True)
+    return [
+        Request(
+            request_id=f"r{start + i}",
+            prompt_token_ids=[rng.randrange(1, 500) for _ in range(PROMPT_TOKENS)],
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=hasher,
+        )
+        for i in range(count)
+    ]
+
+
+def step(scheduler: Any) -> tuple[float, float]:
+    """One engine step without a model: (schedule() seconds, update_from_output() seconds)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    started = time.perf_counter()
+    output = scheduler.schedule()
+    scheduled = time.perf_counter()
+    ids = list(output.num_scheduled_tokens)
+    sampled = []
+    for request_id in ids:
+        request = scheduler.requests[request_id]
+        done_prefill = request.num_computed_tokens >= request.num_prompt_tokens
+        sampled.append([7] if done_prefill else [])
+    runner_output = ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+    )
+    scheduler.update_from_output(output, runner_output)
+    return scheduled - started, time.perf_counter() - scheduled
+
+
+def bench(model_dir: Path, policy: str | None, running: int, waiting: int, steps: int) -> dict[str, float]:
+    """Per-step times (ms) with `policy` (None: plain vLLM). `policy+adapter` is the time
+    `schedule()` spends outside vLLM's own `AsyncScheduler.schedule` (timed by wrapping it for the
+    run): mirroring state, the policy's `on_step`, and applying its plan."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    if policy is None:
+        cls = AsyncScheduler
+    else:
+        from serving_hooks.vllm_adapter import PolicyScheduler
+
+        os.environ["ADAPT_POLICY"] = policy
+        cls = PolicyScheduler
+    blocks = (running + waiting) * (PROMPT_TOKENS + steps + 64) // BLOCK_SIZE + 64
+    scheduler = make_scheduler(model_dir, cls, running, blocks)
+    for request in make_requests(running, 0, 0):
+        scheduler.add_request(request)
+    for _ in range(20):  # prefill the running set
+        step(scheduler)
+        if len(scheduler.running) >= running and all(
+            r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running
+        ):
+            break
+    for request in make_requests(waiting, running, 1):
+        scheduler.add_request(request)
+    inner: list[float] = []
+    vllm_schedule = AsyncScheduler.schedule
+
+    def timed_schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return vllm_schedule(self, *args, **kwargs)
+        finally:
+            inner.append(time.perf_counter() - started)
+
+    AsyncScheduler.schedule = timed_schedule
+    try:
+        times = [step(scheduler) for _ in range(steps)]
+    finally:
+        AsyncScheduler.schedule = vllm_schedule
+    overhead = [(total - own) * 1000 for (total, _), own in zip(times, inner, strict=True)]
+    return {
+        "step_ms": statistics.median(a + b for a, b in times) * 1000,
+        "vllm_ms": statistics.median(inner) * 1000,
+        "overhead_ms": statistics.median(overhead),
+        "overhead_p99_ms": sorted(overhead)[int(0.99 * (len(overhead) - 1))],
+        "running": len(scheduler.running),
+        "waiting": len(scheduler.waiting),
+        "errors": getattr(scheduler, "policy_errors", 0),
+    }
+
+
+def main() -> None:
+    from serving_hooks.policies import POLICIES
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--running", type=int, default=256)
+    parser.add_argument("--waiting", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--policies", default=",".join(p for p in POLICIES if not p.endswith("oracle")))
+    parser.add_argument("--model", help="a model directory for vLLM's config (default: a tiny one)")
+    args = parser.parse_args()
+    logging.getLogger("vllm").setLevel(logging.WARNING)
+    logging.getLogger("adapt").setLevel(logging.WARNING)
+    with tempfile.TemporaryDirectory(prefix="adapt-bench-") as tmp:
+        model_dir = Path(args.model) if args.model else None
+        if model_dir is None:
+            from serving_hooks.tiny_model import make_tiny_model
+
+            model_dir = make_tiny_model(Path(tmp) / "tiny")
+        print(f"{args.running} running + {args.waiting} waiting, {args.steps} decode steps; ms per step")
+        print(
+            f"{'scheduler':<24}{'step':>8}{'vLLM schedule':>15}{'policy+adapter':>16}{'p99':>8}"
+            f"{'running':>9}{'waiting':>9}"
+        )
+        for policy in [None, *args.policies.split(",")]:
+            r = bench(model_dir, policy, args.running, args.waiting, args.steps)
+            label = "vllm (AsyncScheduler)" if policy is None else f"adapt: {policy}"
+            print(
+                f"{label:<24}{r['step_ms']:>8.3f}{r['vllm_ms']:>15.3f}{r['overhead_ms']:>16.3f}"
+                f"{r['overhead_p99_ms']:>8.3f}{r['running']:>9}{r['waiting']:>9}"
+                + (f"  ({r['errors']} policy errors)" if r["errors"] else ""),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
