@@ -30,6 +30,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 PROMPT_TOKENS = 64
+ORACLE_DEFAULTS = ("ltr", "trail")  # rank by a noisy oracle unless given a predictor: not servable
 BLOCK_SIZE = 16
 
 
@@ -177,7 +178,10 @@ def main() -> None:
     parser.add_argument("--running", type=int, default=256)
     parser.add_argument("--waiting", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--policies", default=",".join(p for p in POLICIES if not p.endswith("oracle")))
+    servable = [
+        name for name, cls in POLICIES.items() if name not in ORACLE_DEFAULTS and not cls.needs_oracle
+    ]
+    parser.add_argument("--policies", default=",".join(servable))
     parser.add_argument("--model", help="a model directory for vLLM's config (default: a tiny one)")
     args = parser.parse_args()
     logging.getLogger("vllm").setLevel(logging.WARNING)

@@ -60,6 +60,11 @@ class PolicyScheduler(AsyncScheduler):
         if not isinstance(self.waiting, FCFSRequestQueue):
             raise ValueError("PolicyScheduler needs vLLM's FCFS waiting queue (scheduling_policy='fcfs')")
         self.policy = make_policy_from_spec(os.environ.get("ADAPT_POLICY", "fcfs"))
+        if self.policy.needs_oracle:
+            raise ValueError(
+                f"policy {self.policy.name!r} needs true output lengths (an oracle or a noisy oracle),"
+                " which only the replay simulator knows; in vLLM give it a predictor or pick another policy"
+            )
         self.policy_errors = 0
         self._states: dict[str, RequestState] = {}
         self._running_ids: set[str] = set()
@@ -74,6 +79,7 @@ class PolicyScheduler(AsyncScheduler):
         )
         self._dropped_ids: set[str] = set()
         self._held: list[Any] = []  # waiting requests the plan did not list, out for one step
+        self._unplanned: set[str] = set()  # on_arrival raised: the policy cannot plan these, FCFS does
         self._last_step: tuple[float, dict[str, float]] | None = None
         log.info("adapt policy %s scheduling vLLM %s", self.policy.name, vllm.__version__)
 
@@ -98,7 +104,8 @@ class PolicyScheduler(AsyncScheduler):
             program=program,
         )
         self._states[request.request_id] = state
-        self._call("on_arrival", state, now)
+        if not self._call("on_arrival", state, now):
+            self._unplanned.add(request.request_id)
 
     def _prompt_text(self, request: Any) -> str | None:
         """The prompt as text: the engine core only keeps token ids, so decode them with the
@@ -114,6 +121,7 @@ class PolicyScheduler(AsyncScheduler):
     def _free_request(self, request: Any, *args: Any, **kwargs: Any):
         state = self._states.pop(request.request_id, None)
         self._running_ids.discard(request.request_id)
+        self._unplanned.discard(request.request_id)
         if state is not None:
             state.phase = "finished"
             state.finish_s = time.monotonic()
@@ -160,12 +168,15 @@ class PolicyScheduler(AsyncScheduler):
         except Exception:
             log.exception("request log: could not record %s", request.request_id)
 
-    def _call(self, hook: str, state: RequestState, now: float) -> None:
+    def _call(self, hook: str, state: RequestState, now: float) -> bool:
+        """Run one policy hook; False (logged, counted) when it raised."""
         try:
             getattr(self.policy, hook)(state, now)
         except Exception:  # a policy bug must not take the engine down
             self.policy_errors += 1
             log.exception("policy %s.%s failed for %s", self.policy.name, hook, state.id)
+            return False
+        return True
 
     # ------------------------------------------------------------- one step
     def schedule(self, *args: Any, **kwargs: Any):
@@ -290,7 +301,9 @@ class PolicyScheduler(AsyncScheduler):
                 front.append(self.requests[state.id])
         # Only what the plan lists may be admitted, as in the replay engine: the rest of the queue
         # sits out this step (put back after it). Past max_num_running_reqs none could start anyway.
-        front_ids = {r.request_id for r in front}
+        # Requests the policy never took (its on_arrival raised) stay, in FCFS order, after the
+        # plan's: otherwise nothing would ever admit them.
+        front_ids = {r.request_id for r in front} | self._unplanned
         self._held = [r for r in self.waiting if r.request_id not in front_ids]
         if self._held:
             self.waiting.remove_requests(self._held)

@@ -50,6 +50,20 @@ def test_a_policy_that_raises_leaves_the_engine_serving(tiny_model):
     assert result["errors"] > 0
 
 
+def test_requests_a_policy_failed_to_take_are_still_served(tiny_model):
+    result = probe(tiny_model, "explode-arrival")
+    assert sorted(result["order"]) == ["blocker", "long", "short"]  # none stranded in the queue
+    assert result["errors"] >= 3
+
+
+def test_an_oracle_policy_is_refused_at_engine_start(tiny_model):
+    done = subprocess.run(
+        [sys.executable, str(PROBE), str(tiny_model), "ltr"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode != 0
+    assert "needs true output lengths" in done.stderr
+
+
 def test_sagesched_inside_vllm_reads_prompt_text_and_learns_online(tiny_model):
     """A cold window predicts the same length for every prompt, so the KV cost model puts the short
     prompt first; each completion enters the window with its detokenised prompt's embedding."""

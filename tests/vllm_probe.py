@@ -17,6 +17,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 from adapt.policy import Policy
+from serving_hooks.policies.baselines import FCFS
 
 
 class ExplodingPolicy(Policy):
@@ -28,10 +29,20 @@ class ExplodingPolicy(Policy):
         raise RuntimeError("policy bug")
 
 
+class FailingArrivalPolicy(FCFS):
+    """Raises for every arrival, so its queue stays empty: the adapter must still serve them."""
+
+    name = "explode-arrival"
+
+    def on_arrival(self, request, now):
+        raise RuntimeError("arrival bug")
+
+
 def main(model: str, spec: str, max_num_seqs: int = 1) -> None:
     from serving_hooks import policies
 
     policies.POLICIES["explode"] = ExplodingPolicy
+    policies.POLICIES["explode-arrival"] = FailingArrivalPolicy
     os.environ["ADAPT_POLICY"] = spec
     from vllm import LLM, SamplingParams
 

@@ -1,0 +1,150 @@
+"""Real-engine throughput at saturation (issue: vLLM serving): vLLM's default scheduler versus
+`PolicyScheduler` with each policy, on the same model and the same burst of requests.
+
+    .venv/bin/python -m experiments.bench_throughput [--requests 256] [--max-tokens 64]
+        [--max-num-seqs 64] [--policies fcfs,sarathi,...] [--model DIR] [--repeats 1]
+
+Every request arrives at once (the queue never empties: saturation), prompts are 16-256 filler
+words, each generates exactly `--max-tokens` tokens (ignore_eos). Each configuration runs in its
+own process (a fresh engine, `VLLM_ENABLE_V1_MULTIPROCESSING=0` so the scheduler lives in it);
+throughput is output tokens per second of wall time from the first submission to the last
+finish, and the table gives it relative to vLLM's default. Without `--model` a tiny random model is
+generated (DESIGN.md section 6) -- on a CPU its forward pass is cheap, so scheduling shows more
+than it would next to a real model on a GPU. Policies that cap the batch on purpose (jitserve's B)
+trade throughput for goodput; the table says how many ran at most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT = "vllm-default"
+
+
+def worker(model: str, policy: str, requests: int, max_tokens: int, max_num_seqs: int) -> None:
+    """One engine, one burst; prints one JSON line."""
+    import random
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    extra = {}
+    if policy != DEFAULT:
+        os.environ["ADAPT_POLICY"] = policy
+        extra["scheduler_cls"] = "serving_hooks.vllm_adapter.PolicyScheduler"
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=model,
+        max_model_len=1024,
+        max_num_seqs=max_num_seqs,
+        enforce_eager=True,
+        dtype="float32",
+        gpu_memory_utilization=0.3,
+        async_scheduling=True,
+        **extra,
+    )
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    rng = random.Random(0)
+    words = ["the", "request", "queue", "token", "model", "batch", "cache", "step"]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(16, 256))) for _ in range(requests)]
+    engine.add_request("warmup", "the request", SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    started = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    tokens, finished, most_running = 0, 0, 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished += 1
+                tokens += len(output.outputs[0].token_ids)
+        most_running = max(most_running, len(scheduler.running))
+    wall = time.perf_counter() - started
+    report = {
+        "policy": policy,
+        "tokens": tokens,
+        "finished": finished,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "most_running": most_running,
+        "policy_errors": getattr(scheduler, "policy_errors", 0),
+    }
+    print("RESULT " + json.dumps(report), flush=True)
+
+
+def run(model: str, policy: str, args: argparse.Namespace) -> dict:
+    command = [
+        sys.executable,
+        "-m",
+        "experiments.bench_throughput",
+        "--worker",
+        policy,
+        "--model",
+        model,
+        "--requests",
+        str(args.requests),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(f"{policy}: no result (exit {done.returncode}):\n{done.stderr[-3000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument(
+        "--policies", default="fcfs,sarathi,spf,edf,ltr,ewsjf,sagesched,jitserve,slai,vllm-v0"
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="runs per configuration (median taken)")
+    parser.add_argument("--model", help="model directory (default: a generated tiny model)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.model, args.worker, args.requests, args.max_tokens, args.max_num_seqs)
+        return
+    with tempfile.TemporaryDirectory(prefix="adapt-throughput-") as tmp:
+        model = args.model
+        if model is None:
+            from serving_hooks.tiny_model import make_tiny_model
+
+            model = str(make_tiny_model(Path(tmp) / "tiny"))
+        print(
+            f"{args.requests} requests at once, {args.max_tokens} output tokens each, max_num_seqs"
+            f" {args.max_num_seqs}, {args.repeats} run(s) each (median)"
+        )
+        print(f"{'scheduler':<16}{'tokens/s':>10}{'vs default':>12}{'most running':>14}{'errors':>8}")
+        base = None
+        for policy in [DEFAULT, *args.policies.split(",")]:
+            results = sorted(
+                (run(model, policy, args) for _ in range(args.repeats)), key=lambda r: r["tokens_per_s"]
+            )
+            result = results[len(results) // 2]
+            base = base or result["tokens_per_s"]
+            print(
+                f"{policy:<16}{result['tokens_per_s']:>10.1f}{result['tokens_per_s'] / base:>12.3f}"
+                f"{result['most_running']:>14}{result['policy_errors']:>8}"
+                + ("" if result["finished"] == args.requests else f"  only {result['finished']} finished"),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
