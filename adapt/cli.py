@@ -311,6 +311,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             watch_interval_s=args.watch_interval,
             log_dir=args.log_dir,
             log_prompts=args.log_prompts,
+            follow_policy_config=args.follow_policy_config,
             extra=extra,
         )
     except ValueError as exc:
@@ -455,6 +456,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--watch-interval", type=float, default=5.0, help="registry poll interval (s)")
     serve.add_argument("--log-dir", help="write requests-*.jsonl and steps-*.jsonl here (for adapt retrain)")
     serve.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log")
+    serve.add_argument(
+        "--follow-policy-config",
+        action="store_true",
+        help="serve the policy the policy-config champion names, swapping live when it moves"
+        " (--policy serves while none is registered)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then any vLLM serve arguments")

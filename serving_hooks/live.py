@@ -6,6 +6,12 @@ the two share the status through a small JSON file (`ADAPT_STATUS_FILE`), replac
 (write + rename) whenever a version, a swap count or a refusal changes. Slots poll the registry in
 their own threads (`adapt.hotswap.Slot`); the scheduler thread only compares versions and hands a
 new component to the policy (`Policy.use_component`), so a swap never blocks a step.
+
+With `ADAPT_FOLLOW_POLICY_CONFIG=1` (`adapt serve --follow-policy-config`) one more slot follows
+the `policy-config` champion: the whole policy is what that version names (the `--policy` given to
+the server serves only while none is registered). A new version is built into a fresh policy,
+the scheduler hands it every request in flight (`PolicyScheduler._switch_policy`), and the
+component slots are re-made for the new policy's components.
 """
 
 from __future__ import annotations
@@ -23,24 +29,43 @@ log = logging.getLogger("adapt.live")
 
 STATUS_ENV = "ADAPT_STATUS_FILE"
 WATCH_ENV = "ADAPT_WATCH_INTERVAL"
+FOLLOW_CONFIG_ENV = "ADAPT_FOLLOW_POLICY_CONFIG"
 
 
 class LiveComponents:
     """One slot per component the policy holds; `apply()` once per step."""
 
-    def __init__(self, policy: Policy, interval_s: float, status_file: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        interval_s: float,
+        status_file: str | Path | None = None,
+        follow_config: bool = False,
+    ) -> None:
         from adapt.registry import Registry
 
-        self.policy = policy
+        self.registry = Registry()
+        self.interval_s = interval_s
         self.status_file = Path(status_file) if status_file else None
-        registry = Registry()
+        self.config_slot = (
+            Slot(self.registry, "policy-config", interval_s=interval_s).start() if follow_config else None
+        )
+        self.config_version: int | None = None
+        self.policy_swaps = 0
+        self._last_status: dict[str, Any] | None = None
+        self._follow(policy)
+        self.apply()
+
+    def _follow(self, policy: Policy) -> None:
+        """Make one slot per component of `policy` (stopping the previous policy's slots)."""
+        for slot in getattr(self, "slots", {}).values():
+            slot.stop()
+        self.policy = policy
         self.slots = {
-            attribute: Slot(registry, name, interval_s=interval_s).start()
+            attribute: Slot(self.registry, name, interval_s=self.interval_s).start()
             for attribute, name in policy.components.items()
         }
         self.applied: dict[str, int | None] = dict.fromkeys(self.slots)
-        self._last_status: dict[str, Any] | None = None
-        self.apply()
 
     @classmethod
     def from_environment(cls, policy: Policy) -> LiveComponents | None:
@@ -48,7 +73,27 @@ class LiveComponents:
         interval = os.environ.get(WATCH_ENV)
         if not interval:
             return None
-        return cls(policy, float(interval), os.environ.get(STATUS_ENV))
+        follow = os.environ.get(FOLLOW_CONFIG_ENV) == "1"
+        return cls(policy, float(interval), os.environ.get(STATUS_ENV), follow_config=follow)
+
+    def next_policy(self) -> Policy | None:
+        """A fresh policy built from a `policy-config` version that went live since the last call
+        (None when not following, or nothing changed). The caller moves the requests in flight
+        to it and then calls `adopt`."""
+        if self.config_slot is None:
+            return None
+        config, version = self.config_slot.snapshot()
+        if config is None or version == self.config_version:
+            return None
+        self.config_version = version  # a config that fails to build is not retried
+        return config.build()
+
+    def adopt(self, policy: Policy) -> None:
+        """`policy` serves from now on: follow its components instead of the old policy's."""
+        self._follow(policy)
+        self.policy_swaps += 1
+        log.info("now serving policy %s (policy-config v%s)", policy.name, self.config_version)
+        self.apply()
 
     def apply(self) -> None:
         for attribute, slot in self.slots.items():
@@ -60,11 +105,14 @@ class LiveComponents:
         self._publish()
 
     def status(self) -> dict[str, Any]:
+        slots = [*self.slots.values(), *([self.config_slot] if self.config_slot else [])]
         return {
             "policy": self.policy.name,
+            "policy_config": self.config_version,
+            "policy_swaps": self.policy_swaps,
             "components": {slot.name: self.applied[a] for a, slot in self.slots.items()},
-            "swaps": sum(slot.swaps for slot in self.slots.values()),
-            "failed_swaps": sum(slot.failed_swaps for slot in self.slots.values()),
+            "swaps": sum(slot.swaps for slot in slots),
+            "failed_swaps": sum(slot.failed_swaps for slot in slots),
         }
 
     def _publish(self) -> None:
@@ -77,5 +125,5 @@ class LiveComponents:
         self._last_status = status
 
     def stop(self) -> None:
-        for slot in self.slots.values():
+        for slot in [*self.slots.values(), *([self.config_slot] if self.config_slot else [])]:
             slot.stop()

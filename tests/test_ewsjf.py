@@ -187,3 +187,21 @@ def test_online_tuner_runs_trials_inside_the_engine_from_the_champion():
     assert len({round(h[0]["b_u"], 6) for h in history}) > 1  # later windows try other weights
     assert all(np.isfinite(value) for _, value, _ in history)
     assert champion.get_params() == before  # the champion object is never mutated
+
+
+def test_a_new_meta_policy_re_routes_every_waiting_request():
+    """A live swap of `ewsjf-meta-policy` replaces the queue layout; the requests already waiting
+    move into the new queues, oldest first, and none is lost."""
+    from adapt.policy import EngineView
+
+    policy = _policy([(1, 10), (11, 100), (101, 1000)])
+    assert policy.components == {"meta": "ewsjf-meta-policy"}
+    lengths = [5, 50, 500, 60, 7, 900]
+    for i, prompt in enumerate(lengths):
+        policy.on_arrival(req(f"r{i}", prompt, float(i)), float(i))
+    new = _policy([(1, 80), (81, 2000)]).meta
+    policy.use_component("meta", new)
+    assert policy.meta is new and [(q.low, q.high) for q in policy.queues] == [(1, 80), (81, 2000)]
+    assert [list(q.items) for q in policy.queues] == [["r0", "r1", "r3", "r4"], ["r2", "r5"]]
+    plan = policy.on_step(EngineView(10.0, [], [], 0.0, 512, 256, 0.02))
+    assert sorted(r.id for r in plan.admit) == [f"r{i}" for i in range(len(lengths))]

@@ -103,3 +103,11 @@ def test_noncritical_decode_yields_budget_to_a_new_prefill_in_the_engine():
     assert records["a"].finish_s == pytest.approx(0.5)
     records, _ = token_gaps(make_policy("sarathi", token_budget=8))
     assert records["a"].finish_s == pytest.approx(0.4)
+
+
+def test_the_offset_is_a_swappable_component_and_the_fixed_variant_has_none():
+    policy = SLAI()
+    assert policy.components == {"offset": "slai-offset"} and policy.current_offset(0.99) == 10
+    policy.use_component("offset", SlaiOffset([0.5], [1.0, 3.0]))  # what a live swap does
+    assert policy.current_offset(0.4) == 1.0 and policy.current_offset(0.99) == 3.0
+    assert make_policy("slai-fixed").components == {}

@@ -63,6 +63,7 @@ def _terms(groups: list[np.ndarray], num_queues: int, max_queues: int) -> dict[s
 
 class EWSJF(Policy):
     name = "ewsjf"
+    components = {"meta": "ewsjf-meta-policy"}  # noqa: RUF012
 
     def __init__(
         self,
@@ -80,6 +81,20 @@ class EWSJF(Policy):
         self.queues: list[LengthQueue] = [LengthQueue(q.low, q.high, q.mean) for q in meta.queues_]
         self.bubbles_created = 0
         self._where: dict[str, LengthQueue] = {}
+
+    def use_component(self, attribute: str, component: Any) -> None:
+        """A new meta-policy brings a new queue layout: rebuild the queues from it and re-route
+        every waiting request, oldest first, so none is lost and each keeps its place in line."""
+        super().use_component(attribute, component)
+        waiting = sorted(
+            (r for queue in self.queues for r in queue.items.values()), key=lambda r: r.arrival_s
+        )
+        self.queues = [LengthQueue(q.low, q.high, q.mean) for q in component.queues_]
+        self._where = {}
+        for request in waiting:
+            queue = self._queue_for(request.prompt_tokens)
+            queue.items[request.id] = request
+            self._where[request.id] = queue
 
     # ------------------------------------------------------------ dispatcher
     def _queue_for(self, length: float) -> LengthQueue:
@@ -203,6 +218,7 @@ class OnlineEWSJF(EWSJF):
     """
 
     name = "ewsjf-online"
+    components = {}  # noqa: RUF012  (it tunes its own copy while serving; a swap would fight the tuner)
 
     def __init__(
         self,

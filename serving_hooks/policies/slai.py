@@ -38,10 +38,11 @@ class SLAI(PriorityPolicy):
     """SLAI with a fixed or KV-dependent offset (see module docstring)."""
 
     name = "slai"
+    components = {"offset": "slai-offset"}  # noqa: RUF012  (the offset is read fresh every step)
 
     def __init__(
         self,
-        offset: float | dict[str, list[float]] | Callable[[float], float] | None = None,
+        offset: float | str | dict[str, list[float]] | Callable[[float], float] | None = None,
         prefill_order: str = "spf",
         paying_first: bool = False,
         token_budget: int = 512,
@@ -55,6 +56,10 @@ class SLAI(PriorityPolicy):
             from predictors.slai_offset import SlaiOffset
 
             offset = SlaiOffset(**(offset or {}))  # a dict is a policy-config's serialised offset
+        elif isinstance(offset, str):  # "champion", an alias or "vN" of the registered slai-offset
+            from adapt.registry import load_reference
+
+            offset = load_reference("slai-offset", offset)
         self.offset = offset
         self.prefill_order = prefill_order
         self.paying_first = paying_first
@@ -125,6 +130,7 @@ class SLAIFixed(SLAI):
     """SLAI with the paper's fixed offset of 10 batch times."""
 
     name = "slai-fixed"
+    components = {}  # noqa: RUF012  (a fixed offset: nothing to swap)
 
     def __init__(self, offset: float = 10.0, **kwargs: Any) -> None:
         super().__init__(offset=offset, **kwargs)

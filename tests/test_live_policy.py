@@ -1,0 +1,57 @@
+"""A whole policy swapped live inside vLLM's scheduler: `PolicyScheduler` following the
+`policy-config` champion (`adapt serve --follow-policy-config`), in the GPU-free scheduler harness
+of `experiments.bench_scheduler` (vLLM's real scheduler objects, no model run)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_scheduler_follows_the_policy_config_champion(tmp_path, monkeypatch):
+    from adapt.component import PolicyConfig
+    from adapt.registry import Registry
+    from experiments.bench_scheduler import make_requests, make_scheduler, step
+    from serving_hooks.tiny_model import make_tiny_model
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    registry = Registry(cache_dir=tmp_path / "cache")  # the test's own sqlite store (conftest)
+    registry.promote("policy-config", registry.log(PolicyConfig("spf")))
+    status = tmp_path / "status.json"
+    for key, value in {
+        "ADAPT_POLICY": "fcfs",
+        "ADAPT_WATCH_INTERVAL": "0.2",
+        "ADAPT_FOLLOW_POLICY_CONFIG": "1",
+        "ADAPT_STATUS_FILE": str(status),
+    }.items():
+        monkeypatch.setenv(key, value)
+    scheduler = make_scheduler(make_tiny_model(tmp_path / "tiny"), PolicyScheduler, 4, 2000)
+    try:
+        assert scheduler.policy.name == "spf"  # the champion config, not --policy, serves
+        requests = make_requests(12, 0, 0)
+        for request in requests:
+            scheduler.add_request(request)
+        for _ in range(3):
+            step(scheduler)
+        registry.promote(
+            "policy-config", registry.log(PolicyConfig("sarathi", {"order": "spf", "token_budget": 256}))
+        )
+        deadline = time.time() + 30
+        while scheduler.policy.name != "sarathi" and time.time() < deadline:
+            time.sleep(0.1)
+            step(scheduler)
+        assert scheduler.policy.name == "sarathi" and scheduler.policy.token_budget == 256
+        for _ in range(5000):  # every request finishes under the new policy: none lost in the swap
+            if not scheduler.requests:
+                break
+            step(scheduler)
+        assert not scheduler.requests and scheduler.policy_errors == 0
+        published = json.loads(status.read_text())
+        assert published["policy"] == "sarathi" and published["policy_config"] == 2
+        assert published["policy_swaps"] == 2 and published["failed_swaps"] == 0
+    finally:
+        scheduler.live.stop()
