@@ -143,6 +143,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             test_share=args.test_share,
             promote_if_better=args.promote_if_better,
             margin=args.margin,
+            replay=args.replay,
         )
     elif args.component in ("qrf-length", "neural-length"):
         from pipelines.jitserve import train_qrf_length
@@ -155,12 +156,17 @@ def cmd_train(args: argparse.Namespace) -> int:
             test_share=args.test_share,
             promote_if_better=args.promote_if_better,
             margin=args.margin,
+            replay=args.replay,
         )
     elif args.component == "pattern-graph":
         from pipelines.jitserve import train_pattern_graph
 
         outcome = train_pattern_graph(
-            registry, args.data, promote_if_better=args.promote_if_better, margin=args.margin
+            registry,
+            args.data,
+            promote_if_better=args.promote_if_better,
+            margin=args.margin,
+            replay=args.replay,
         )
     elif args.component == "ewsjf-meta-policy":
         from pipelines.ewsjf import train_ewsjf_meta
@@ -390,6 +396,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="semantic-history, qrf-length, neural-length: share of instructions held out",
     )
     train.add_argument("--promote-if-better", action="store_true")
+    train.add_argument(
+        "--no-replay",
+        dest="replay",
+        action="store_false",
+        help="semantic-history, qrf-length, neural-length, pattern-graph: skip the replay check (the"
+        " policy the component drives, replayed with candidate and champion; a candidate that"
+        " schedules worse is not promoted)",
+    )
     train.add_argument("--margin", type=float, default=0.0, help="relative improvement required to promote")
     train.add_argument("--rate", type=float, help="slai-offset: arrival rate to tune at (default 2.8)")
     train.add_argument("--num-requests", type=int, help="slai-offset: requests per replay (default 800)")

@@ -15,7 +15,8 @@ import pandas as pd
 from adapt.registry import Registry
 from adapt.steplog import STEP_LOG_COLUMNS
 from adapt.traces import TraceError
-from pipelines.outcome import TrainOutcome, latest_data_hash, register_and_gate
+from pipelines.outcome import TrainOutcome
+from pipelines.runner import PipelineSpec, Split, run_pipeline
 from predictors.cost_model import FittedCostModel
 
 
@@ -55,25 +56,23 @@ def train_cost_model(
     `kv_capacity` defaults to the champion's (the engine did not change size), else 50,000.
     With `skip_unchanged`, nothing is registered when the data equals the latest version's."""
     frame = data if isinstance(data, pd.DataFrame) else load_step_log(data)
-    cut = int(len(frame) * 0.8)
-    train, test = frame.iloc[:cut], frame.iloc[cut:]
     champion = registry.champion("cost-model")
     if kv_capacity is None:
         kv_capacity = champion.kv_capacity if champion is not None else 50_000
-    candidate = FittedCostModel(kv_capacity=kv_capacity).fit(train)
-    if skip_unchanged and candidate.metadata["data_hash"] == latest_data_hash(registry, "cost-model"):
-        return TrainOutcome(None, False, {}, None)
     source = "dataframe" if isinstance(data, pd.DataFrame) else str(data)
-    candidate.metadata["data_window"] = {"source": source, "train_steps": cut, "test_steps": len(test)}
-    metrics = candidate.evaluate(test)
-    champion_metrics = champion.evaluate(test) if champion is not None else None
-    return register_and_gate(
+
+    def split(steps: pd.DataFrame) -> Split:
+        cut = int(len(steps) * 0.8)
+        window = {"source": source, "train_steps": cut, "test_steps": len(steps) - cut}
+        return Split(steps.iloc[:cut], steps.iloc[cut:], window)
+
+    spec = PipelineSpec("cost-model", "mape", lower_is_better=True, build=FittedCostModel, split=split)
+    return run_pipeline(
+        spec,
         registry,
-        candidate,
-        metrics,
-        champion_metrics,
-        "mape",
-        lower_is_better=True,
+        frame,
         promote_if_better=promote_if_better,
         margin=margin,
+        skip_unchanged=skip_unchanged,
+        kv_capacity=kv_capacity,
     )

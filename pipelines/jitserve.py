@@ -13,17 +13,17 @@ the held-out set -- and gate on the mean stage-share error.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 from adapt.registry import Registry
 from adapt.traces import Trace
-from pipelines.outcome import TrainOutcome, latest_data_hash, register_and_gate
-from pipelines.semantic_history import load_prompt_responses
+from pipelines.outcome import TrainOutcome
+from pipelines.replay_checks import jitserve_goodput
+from pipelines.runner import PipelineSpec, Split, run_pipeline
+from pipelines.semantic_history import instruction_window, load_prompt_responses
 from predictors.pattern_graph import PatternGraph, ProgramGraph, read_graphs
 from predictors.qrf_length import QrfLength
-from predictors.semantic_history import split_by_instruction
 
 GENERATED_TRAIN = (2000, 1000)  # (programs, seed)
 GENERATED_TEST = (300, 2000)
@@ -41,39 +41,39 @@ def train_qrf_length(
     promote_if_better: bool = False,
     margin: float = 0.0,
     skip_unchanged: bool = False,
+    replay: bool = False,
     **params: Any,
 ) -> TrainOutcome:
+    """Gate: held-out coverage error; replay metric: jitserve's token goodput with this bound."""
     trace = load_prompt_responses(data, "qrf-length")
     if not _has_response_text(trace):
         params.setdefault("generated_features", 0)
-    train, test = split_by_instruction(trace, test_share)
-    print(
-        f"qrf-length: fitting on {len(train):,} responses, scoring on {len(test):,} (held-out instructions)",
-        file=sys.stderr,
-    )
-    candidate = QrfLength(**params).fit(train)
-    if skip_unchanged and candidate.metadata["data_hash"] == latest_data_hash(registry, "qrf-length"):
-        return TrainOutcome(None, False, {}, None)
-    candidate.metadata["data_window"] = {
-        "source": str(data if isinstance(data, str | Path) else trace.name),
-        "train_rows": len(train),
-        "test_rows": len(test),
-        "test_share": test_share,
-    }
-    metrics = candidate.evaluate(test)
-    champion = registry.champion("qrf-length")
-    champion_metrics = None
-    if champion is not None and (champion.generated_features == 0 or _has_response_text(test)):
-        champion_metrics = champion.evaluate(test)
-    return register_and_gate(
-        registry,
-        candidate,
-        metrics,
-        champion_metrics,
+
+    def evaluate_champion(champion: QrfLength, test: Trace) -> dict[str, float] | None:
+        # A champion that reads generated text cannot be scored on lengths-only data.
+        return (
+            champion.evaluate(test) if champion.generated_features == 0 or _has_response_text(test) else None
+        )
+
+    spec = PipelineSpec(
+        "qrf-length",
         "coverage_error",
         lower_is_better=True,
+        build=QrfLength,
+        split=instruction_window(trace, data, test_share),
+        evaluate_champion=evaluate_champion,
+        replay=jitserve_goodput("qrf"),
+        replay_metric="replay_goodput_tokens",
+    )
+    return run_pipeline(
+        spec,
+        registry,
+        trace,
         promote_if_better=promote_if_better,
         margin=margin,
+        skip_unchanged=skip_unchanged,
+        replay=replay,
+        **params,
     )
 
 
@@ -106,30 +106,34 @@ def train_pattern_graph(
     promote_if_better: bool = False,
     margin: float = 0.0,
     skip_unchanged: bool = False,
+    replay: bool = False,
     **params: Any,
 ) -> TrainOutcome:
-    train, test, source = _graphs(data)
-    print(f"pattern-graph: clustering {len(train):,} programs, scoring on {len(test):,}", file=sys.stderr)
-    candidate = PatternGraph(**params).fit(train)
-    if skip_unchanged and candidate.metadata["data_hash"] == latest_data_hash(registry, "pattern-graph"):
-        return TrainOutcome(None, False, {}, None)
-    candidate.metadata["data_window"] = {
-        "source": source,
-        "train_programs": len(train),
-        "test_programs": len(test),
-    }
-    metrics = candidate.evaluate(test)
-    champion = registry.champion("pattern-graph")
-    champion_metrics = champion.evaluate(test) if champion is not None else None
-    return register_and_gate(
-        registry,
-        candidate,
-        metrics,
-        champion_metrics,
+    """Gate: held-out stage-share error; replay metric: jitserve's token goodput with this graph."""
+
+    def split(source: str | Path | None) -> Split:
+        train, test, description = _graphs(source)
+        window = {"source": description, "train_programs": len(train), "test_programs": len(test)}
+        return Split(train, test, window)
+
+    spec = PipelineSpec(
+        "pattern-graph",
         "share_error",
         lower_is_better=True,
+        build=PatternGraph,
+        split=split,
+        replay=jitserve_goodput("patterns"),
+        replay_metric="replay_goodput_tokens",
+    )
+    return run_pipeline(
+        spec,
+        registry,
+        data,
         promote_if_better=promote_if_better,
         margin=margin,
+        skip_unchanged=skip_unchanged,
+        replay=replay,
+        **params,
     )
 
 

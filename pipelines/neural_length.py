@@ -8,16 +8,16 @@ network's per-epoch pinball losses go to the version's own MLflow run through Li
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 from adapt.registry import Registry
 from adapt.traces import Trace
-from pipelines.outcome import TrainOutcome, latest_data_hash, register_and_gate
-from pipelines.semantic_history import load_prompt_responses
+from pipelines.outcome import TrainOutcome
+from pipelines.replay_checks import jitserve_goodput
+from pipelines.runner import PipelineSpec, run_pipeline
+from pipelines.semantic_history import instruction_window, load_prompt_responses
 from predictors.neural_length import NeuralLength, training_hash
-from predictors.semantic_history import split_by_instruction
 
 
 def train_neural_length(
@@ -28,39 +28,39 @@ def train_neural_length(
     promote_if_better: bool = False,
     margin: float = 0.0,
     skip_unchanged: bool = False,
+    replay: bool = False,
     **params: Any,
 ) -> TrainOutcome:
-    from lightning.pytorch.loggers import MLFlowLogger
-
+    """Gate: held-out coverage error; replay metric: jitserve's token goodput with this bound."""
     trace = load_prompt_responses(data, "neural-length")
-    train, test = split_by_instruction(trace, test_share)
-    candidate = NeuralLength(**params)
-    if skip_unchanged and training_hash(train) == latest_data_hash(registry, "neural-length"):
-        return TrainOutcome(None, False, {}, None)  # checked before spending a minute on training
-    print(
-        f"neural-length: training on {len(train):,} responses, scoring on {len(test):,} held out",
-        file=sys.stderr,
-    )
-    run_id = registry.new_run("neural-length")
-    candidate.fit(train, logger=MLFlowLogger(tracking_uri=registry.tracking_uri, run_id=run_id))
-    candidate.metadata["data_window"] = {
-        "source": str(data if isinstance(data, str | Path) else trace.name),
-        "train_rows": len(train),
-        "test_rows": len(test),
-        "test_share": test_share,
-    }
-    metrics = candidate.evaluate(test)
-    champion = registry.champion("neural-length")
-    return register_and_gate(
-        registry,
-        candidate,
-        metrics,
-        champion.evaluate(test) if champion is not None else None,
+
+    def fit(candidate: NeuralLength, train: Trace, registry: Registry) -> str:
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        run_id = registry.new_run("neural-length")
+        candidate.fit(train, logger=MLFlowLogger(tracking_uri=registry.tracking_uri, run_id=run_id))
+        return run_id
+
+    spec = PipelineSpec(
+        "neural-length",
         "coverage_error",
         lower_is_better=True,
+        build=NeuralLength,
+        split=instruction_window(trace, data, test_share),
+        fit=fit,
+        training_hash=training_hash,  # checked before a minute of training
+        replay=jitserve_goodput("qrf"),
+        replay_metric="replay_goodput_tokens",
+    )
+    return run_pipeline(
+        spec,
+        registry,
+        trace,
         promote_if_better=promote_if_better,
         margin=margin,
-        run_id=run_id,
+        skip_unchanged=skip_unchanged,
+        replay=replay,
+        **params,
     )
 
 

@@ -111,7 +111,9 @@ def _prompt_retrainer(name: str, train: Callable[..., TrainOutcome], metric: str
         trace = _prompt_responses(data_dir)
         if trace is None:
             return RetrainResult(name, "no data", detail=f"no prompts*.jsonl[.gz] in {data_dir}")
-        outcome = train(registry, trace, promote_if_better=True, margin=margin, skip_unchanged=True)
+        outcome = train(
+            registry, trace, promote_if_better=True, margin=margin, skip_unchanged=True, replay=True
+        )
         return _result(name, outcome, f"held-out {metric} {outcome.metrics.get(metric, float('nan')):.4g}")
 
     return retrain
@@ -124,7 +126,7 @@ def retrain_pattern_graph(registry: Registry, data_dir: Path, margin: float) -> 
     merged = data_dir / ".programs-merged.jsonl"
     merged.write_text("".join(f.read_text() for f in files))
     outcome = train_pattern_graph(
-        registry, merged, promote_if_better=True, margin=margin, skip_unchanged=True
+        registry, merged, promote_if_better=True, margin=margin, skip_unchanged=True, replay=True
     )
     return _result(
         "pattern-graph",

@@ -9,12 +9,15 @@ version carries its own comparison. The gate is the held-out Wasserstein distanc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from adapt.registry import Registry
 from adapt.traces import Trace, load_trace
-from pipelines.outcome import TrainOutcome, latest_data_hash, register_and_gate
+from pipelines.outcome import TrainOutcome
+from pipelines.replay_checks import sagesched_ttlt
+from pipelines.runner import PipelineSpec, Split, run_pipeline
 from predictors.semantic_history import MODES, SemanticHistory, split_by_instruction
 
 BASELINE_MODES = tuple(m for m in MODES if m != "semantic")
@@ -47,6 +50,28 @@ def evaluate_with_baselines(
     return metrics
 
 
+def instruction_window(trace: Trace, data: Any, test_share: float) -> Callable[[Trace], Split]:
+    """The split every prompt/response pipeline uses: by instruction, `test_share` held out."""
+
+    def split(window: Trace) -> Split:
+        train, test = split_by_instruction(window, test_share)
+        source = (
+            data if isinstance(data, str | Path) else (trace.name if data is not None else default_data())
+        )
+        return Split(
+            train,
+            test,
+            {
+                "source": str(source),
+                "train_rows": len(train),
+                "test_rows": len(test),
+                "test_share": test_share,
+            },
+        )
+
+    return split
+
+
 def train_semantic_history(
     registry: Registry,
     data: str | Path | Trace | None = None,
@@ -55,33 +80,34 @@ def train_semantic_history(
     promote_if_better: bool = False,
     margin: float = 0.0,
     skip_unchanged: bool = False,
+    replay: bool = False,
     **params: Any,
 ) -> TrainOutcome:
+    """Gate: held-out Wasserstein distance; replay metric: sagesched's mean TTLT on sagesched-mix.
+    The champion may have seen the test prompts (other data), so each prompt's own rows are left
+    out of its neighbours when the champion is scored."""
     trace = load_prompt_responses(data)
-    train, test = split_by_instruction(trace, test_share)
-    candidate = SemanticHistory(**params).fit(train)
-    if skip_unchanged and candidate.metadata["data_hash"] == latest_data_hash(registry, "semantic-history"):
-        return TrainOutcome(None, False, {}, None)
-    source = data if isinstance(data, str | Path) else (trace.name if data is not None else default_data())
-    candidate.metadata["data_window"] = {
-        "source": str(source),
-        "train_rows": len(train),
-        "test_rows": len(test),
-        "test_share": test_share,
-    }
-    metrics = evaluate_with_baselines(candidate, test, exclude_same_prompt=False)
-    champion = registry.champion("semantic-history")
-    # The champion may have seen the test prompts (other data): leave each prompt's own rows out.
-    champion_metrics = champion.evaluate(test, exclude_same_prompt=True) if champion is not None else None
-    return register_and_gate(
-        registry,
-        candidate,
-        metrics,
-        champion_metrics,
+    spec = PipelineSpec(
+        "semantic-history",
         "wasserstein",
         lower_is_better=True,
+        build=SemanticHistory,
+        split=instruction_window(trace, data, test_share),
+        evaluate=lambda model, test: evaluate_with_baselines(model, test, exclude_same_prompt=False),
+        evaluate_champion=lambda model, test: model.evaluate(test, exclude_same_prompt=True),
+        replay=sagesched_ttlt,
+        replay_metric="replay_ttlt_mean",
+        replay_lower_is_better=True,
+    )
+    return run_pipeline(
+        spec,
+        registry,
+        trace,
         promote_if_better=promote_if_better,
         margin=margin,
+        skip_unchanged=skip_unchanged,
+        replay=replay,
+        **params,
     )
 
 

@@ -1,0 +1,50 @@
+"""Replay metrics for the pipelines' gate: the policy a component drives, replayed with the
+candidate and with the champion on the same small workload (a fixed seed, so the two runs differ
+only in the component).
+
+A few hundred requests keep a check to seconds on two CPU cores; it is a guard against a
+candidate that scores well offline but schedules worse, not a study (see `experiments/`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from adapt.registry import Registry
+
+REPLAY_SEED = 11
+REPLAY_JOBS = 300
+
+
+def _replay(workload: str, rate: float, policy: Any) -> dict[str, Any]:
+    from experiments.replay.cost import roofline
+    from experiments.replay.engine import ReplayEngine
+    from experiments.workloads import WORKLOADS
+
+    spec = WORKLOADS[workload]
+    requests = spec.build(rate, REPLAY_JOBS, REPLAY_SEED)
+    return ReplayEngine(policy, roofline(spec.model, spec.gpu, tp=spec.tp)).run(requests).metrics()
+
+
+def jitserve_goodput(part: str) -> Callable[[Registry, Any], float]:
+    """Token goodput of `jitserve` on jitserve-mix at 3.0 jobs/s with the component as its `part`
+    ("qrf": the length bound, from qrf-length or neural-length; "patterns": the pattern graph);
+    the other part is the registry's champion, or none."""
+    other = {"qrf": ("patterns", "pattern-graph"), "patterns": ("qrf", "qrf-length")}[part]
+
+    def replay(registry: Registry, component: Any) -> float:
+        from serving_hooks.policies import make_policy
+
+        parts = {part: component, other[0]: registry.champion(other[1])}
+        return float(_replay("jitserve-mix", 3.0, make_policy("jitserve", **parts))["goodput_tokens"])
+
+    return replay
+
+
+def sagesched_ttlt(registry: Registry, history: Any) -> float:
+    """Mean time to last token of `sagesched` on sagesched-mix at 3.0 req/s with this history (the
+    policy learns online on its own copy, so the component is not changed)."""
+    from serving_hooks.policies import make_policy
+
+    return float(_replay("sagesched-mix", 3.0, make_policy("sagesched", history=history))["ttlt_mean"])
