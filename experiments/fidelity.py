@@ -7,14 +7,16 @@ latency with what the engine measured.
 
 Two real runs of vLLM (in-process engine core, `PolicyScheduler` with `--policy`, the monitor's
 request and step logs on), each on its own slice of the bundled Azure conversation trace: real
-arrival gaps time-scaled to `--rate`, real prompt and output lengths scaled down by the same
-factor to fit the tiny model's 1,024-token context (a prompt of exactly that many token ids, an
-output of exactly that many tokens). Run A calibrates: `cost-model` is fitted on its step log.
-Run B is predicted: its request log (arrival, prompt, output) is replayed with the same policy,
-the fitted cost model and the engine's own limits (token budget, max running, KV blocks), and each
-request's simulated TTFT and E2E are compared with B's measured ones. Also reported: the same
-replay with the cost model fitted on B itself (in-sample), and the step-time error of the fit.
-Vidur reports under 9% error on end-to-end metrics (median absolute % error is used here).
+arrival gaps time-scaled to `--rate`, real prompt and output lengths cut by 4 (clipped) to fit the
+tiny model's 1,024-token context (a prompt of exactly that many token ids, an output of exactly
+that many tokens). Each request's times are taken as a client gets them: submitted, then its
+first token and its end when `engine.step()` returns them. Run A calibrates: `cost-model` is
+fitted on its step log. Run B is predicted: its requests (arrival, prompt, output) are replayed
+with the same policy, the fitted cost model and the engine's own limits (token budget, max
+running, KV blocks), and each request's simulated TTFT and E2E are compared with B's measured
+ones. Also reported: the replay with the cost model fitted on B itself (in-sample), the signed
+bias, and the step-time error of the fit. Vidur reports under 9% error on end-to-end metrics
+(median absolute % error is used here).
 Without `--model` a tiny random model is generated (DESIGN.md section 6).
 """
 
@@ -74,6 +76,7 @@ def worker(
     scheduler = engine.engine_core.engine_core.scheduler
     rng = np.random.default_rng(0)
     pending = list(enumerate(rows))
+    seen: dict[str, list[float | None]] = {}  # request id -> [arrival, first token, finish], client side
     started = time.monotonic()
     while pending or engine.has_unfinished_requests():
         now = time.monotonic() - started
@@ -82,10 +85,17 @@ def worker(
             tokens = rng.integers(5, 500, size=prompt).tolist()
             params = SamplingParams(max_tokens=output, ignore_eos=True)
             engine.add_request(f"r{index}", {"prompt_token_ids": tokens}, params)
+            seen[f"r{index}"] = [time.monotonic() - started, None, None]
         if engine.has_unfinished_requests():
-            engine.step()
+            for out in engine.step():  # what a client would receive, when it would receive it
+                times, now = seen[out.request_id], time.monotonic() - started
+                if times[1] is None and out.outputs and out.outputs[0].token_ids:
+                    times[1] = now
+                if out.finished:
+                    times[2] = now
         elif pending:
             time.sleep(max(0.0, pending[0][1][0] - (time.monotonic() - started)))
+    (Path(log_dir) / "client.json").write_text(json.dumps(seen))
     limits = {
         "token_budget": int(scheduler.max_num_scheduled_tokens),
         "max_running": int(scheduler.max_num_running_reqs),
@@ -111,14 +121,15 @@ def serve_and_log(model: str, policy: str, rows: list, log_dir: Path, max_num_se
 
 
 def real_requests(log_dir: Path) -> list[dict[str, Any]]:
+    """Each request's lengths (the engine's request log) with its times as the client saw them:
+    arrival when it was submitted, first token and finish when `engine.step()` returned them."""
+    client = json.loads((log_dir / "client.json").read_text())
     records = []
     for path in sorted(log_dir.glob("requests-*.jsonl")):
         records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    start = min(r["arrival_s"] for r in records)
-    for record in records:
-        for key in ("arrival_s", "first_token_s", "finish_s"):
-            if record.get(key) is not None:
-                record[key] -= start
+    for record in records:  # the engine core's id is the client's plus "-<random suffix>"
+        client_id = record["request_id"].rsplit("-", 1)[0]
+        record["arrival_s"], record["first_token_s"], record["finish_s"] = client[client_id]
     return sorted(records, key=lambda r: r["arrival_s"])
 
 
@@ -160,7 +171,7 @@ def replay_errors(
         r.request_id: r
         for r in ReplayEngine(make_policy_from_spec(policy), cost, config).run(requests).records
     }
-    errors: dict[str, list[float]] = {"ttft": [], "e2e": []}
+    errors: dict[str, list[float]] = {"ttft": [], "e2e": []}  # signed: (simulated - real) / real
     for record in real:
         sim = simulated.get(record["request_id"])
         if record.get("finish_s") is None or sim is None or sim.finish_s is None:
@@ -169,10 +180,12 @@ def replay_errors(
             measured = record[end] - record["arrival_s"]
             predicted = getattr(sim, end) - sim.arrival_s
             if measured > 0:
-                errors[key].append(abs(predicted - measured) / measured)
+                errors[key].append((predicted - measured) / measured)
     return {
-        "ttft_error": float(np.median(errors["ttft"])),
-        "e2e_error": float(np.median(errors["e2e"])),
+        "ttft_error": float(np.median(np.abs(errors["ttft"]))),
+        "e2e_error": float(np.median(np.abs(errors["e2e"]))),
+        "ttft_bias": float(np.median(errors["ttft"])),
+        "e2e_bias": float(np.median(errors["e2e"])),
         "requests": len(errors["e2e"]),
     }
 
@@ -218,12 +231,14 @@ def main() -> None:
             f" (fit on 80% of run A's steps): {step_error_a:.3f}"
         )
         print(
-            f"{'replay of run B with':<36}{'TTFT err (median)':>19}{'E2E err (median)':>18}{'requests':>10}"
+            f"{'replay of run B with':<30}{'TTFT |err|':>12}{'E2E |err|':>11}{'TTFT bias':>11}"
+            f"{'E2E bias':>10}{'requests':>10}   (medians; bias = signed (sim - real) / real)"
         )
         for label, cost in (("cost model fitted on run A", cost_a), ("cost model fitted on run B", cost_b)):
             result = replay_errors(real, cost, limits, args.policy)
             print(
-                f"{label:<36}{result['ttft_error']:>19.3f}{result['e2e_error']:>18.3f}{result['requests']:>10}"
+                f"{label:<30}{result['ttft_error']:>12.3f}{result['e2e_error']:>11.3f}"
+                f"{result['ttft_bias']:>+11.3f}{result['e2e_bias']:>+10.3f}{result['requests']:>10}"
             )
         measured = [
             (r["first_token_s"] - r["arrival_s"], r["finish_s"] - r["arrival_s"])
