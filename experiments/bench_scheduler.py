@@ -30,7 +30,6 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 PROMPT_TOKENS = 64
-ORACLE_DEFAULTS = ("ltr", "trail")  # rank by a noisy oracle unless given a predictor: not servable
 BLOCK_SIZE = 16
 
 
@@ -73,7 +72,7 @@ def make_scheduler(model_dir: Path, scheduler_cls: type, max_num_seqs: int, num_
     )
 
 
-def make_requests(count: int, start: int, seed: int) -> list[Any]:
+def make_requests(count: int, start: int, seed: int, max_tokens: int = 1024) -> list[Any]:
     """Random 64-token prompts, hashed into blocks as vLLM's engine core does for prefix caching."""
     import random
 
@@ -86,7 +85,7 @@ def make_requests(count: int, start: int, seed: int) -> list[Any]:
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=1024, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     return [
         Request(
             request_id=f"r{start + i}",
@@ -172,16 +171,13 @@ def bench(model_dir: Path, policy: str | None, running: int, waiting: int, steps
 
 
 def main() -> None:
-    from serving_hooks.policies import POLICIES
+    from serving_hooks.policies import servable_policies
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--running", type=int, default=256)
     parser.add_argument("--waiting", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=100)
-    servable = [
-        name for name, cls in POLICIES.items() if name not in ORACLE_DEFAULTS and not cls.needs_oracle
-    ]
-    parser.add_argument("--policies", default=",".join(servable))
+    parser.add_argument("--policies", default=",".join(servable_policies()))
     parser.add_argument("--model", help="a model directory for vLLM's config (default: a tiny one)")
     args = parser.parse_args()
     logging.getLogger("vllm").setLevel(logging.WARNING)

@@ -110,10 +110,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--policies", help="comma-separated (default: every servable policy)")
     parser.add_argument(
-        "--policies", default="fcfs,sarathi,spf,edf,ltr,ewsjf,sagesched,jitserve,slai,vllm-v0"
+        "--repeats", type=int, default=1, help="rounds over all configurations (median taken)"
     )
-    parser.add_argument("--repeats", type=int, default=1, help="runs per configuration (median taken)")
     parser.add_argument("--model", help="model directory (default: a generated tiny model)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -128,15 +128,23 @@ def main() -> None:
             model = str(make_tiny_model(Path(tmp) / "tiny"))
         print(
             f"{args.requests} requests at once, {args.max_tokens} output tokens each, max_num_seqs"
-            f" {args.max_num_seqs}, {args.repeats} run(s) each (median)"
+            f" {args.max_num_seqs}, {args.repeats} round(s) over all configurations (median)"
         )
+        from serving_hooks.policies import servable_policies
+
+        configs = [DEFAULT, *(args.policies.split(",") if args.policies else servable_policies())]
+        runs: dict[str, list[dict]] = {policy: [] for policy in configs}
+        for repeat in range(args.repeats):  # round robin, so a drift in machine speed hits all alike
+            for policy in configs:
+                runs[policy].append(run(model, policy, args))
+                print(
+                    f"  run {repeat + 1}: {policy} {runs[policy][-1]['tokens_per_s']:.1f} tokens/s",
+                    flush=True,
+                )
         print(f"{'scheduler':<16}{'tokens/s':>10}{'vs default':>12}{'most running':>14}{'errors':>8}")
         base = None
-        for policy in [DEFAULT, *args.policies.split(",")]:
-            results = sorted(
-                (run(model, policy, args) for _ in range(args.repeats)), key=lambda r: r["tokens_per_s"]
-            )
-            result = results[len(results) // 2]
+        for policy, results in runs.items():
+            result = sorted(results, key=lambda r: r["tokens_per_s"])[len(results) // 2]
             base = base or result["tokens_per_s"]
             print(
                 f"{policy:<16}{result['tokens_per_s']:>10.1f}{result['tokens_per_s'] / base:>12.3f}"

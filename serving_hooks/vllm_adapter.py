@@ -322,21 +322,25 @@ class PolicyScheduler(AsyncScheduler):
         chosen_ids = {r.request_id for r in chosen}
         deferred = [r for r in self.running if r.request_id not in chosen_ids]
         self.running = chosen
+        room = self.max_num_running_reqs - len(self.running)
+        if room <= 0 or not self.waiting:
+            return deferred  # vLLM admits nothing this step: the queue's order does not matter
         waiting_ids = {r.request_id for r in self.waiting}
         front = []
         for state in plan.admit or ():
-            if len(front) >= self.max_num_running_reqs:
+            if len(front) >= room:
                 break
             if state.id in waiting_ids:
                 front.append(self.requests[state.id])
-        # Only what the plan lists may be admitted, as in the replay engine: the rest of the queue
-        # sits out this step (put back after it). Past max_num_running_reqs none could start anyway.
+        # Only what the plan lists may be admitted, as in the replay engine: when the plan fills
+        # fewer slots than are free, the rest of the queue sits out this step (put back after it).
         # Requests the policy never took (its on_arrival raised) stay, in FCFS order, after the
         # plan's: otherwise nothing would ever admit them.
-        front_ids = {r.request_id for r in front} | self._unplanned
-        self._held = [r for r in self.waiting if r.request_id not in front_ids]
-        if self._held:
-            self.waiting.remove_requests(self._held)
+        if len(front) < room:
+            front_ids = {r.request_id for r in front} | self._unplanned
+            self._held = [r for r in self.waiting if r.request_id not in front_ids]
+            if self._held:
+                self.waiting.remove_requests(self._held)
         if front:
             self.waiting.remove_requests(front)
             self.waiting.prepend_requests(reversed(front))  # extendleft reverses: keep plan order

@@ -54,6 +54,12 @@ def make_policy(name: str, **params: Any) -> Policy:
     return POLICIES[name](**params)
 
 
+def servable_policies() -> list[str]:
+    """Policies whose default configuration can run inside vLLM: all but those that read true
+    output lengths (the oracles, and ltr/trail whose default ranker is a noisy oracle)."""
+    return [name for name in POLICIES if not make_policy(name).needs_oracle]
+
+
 def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """`name` or `name:key=value:key=value` (values parsed as JSON when they parse, else strings),
     e.g. `sarathi:order=spf` or `slai-fixed:offset=5`, so the CLI can name configured variants."""
