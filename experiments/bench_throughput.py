@@ -1,7 +1,7 @@
 """Real-engine throughput at saturation (issue: vLLM serving): vLLM's default scheduler versus
 `PolicyScheduler` with each policy, on the same model and the same burst of requests.
 
-    .venv/bin/python -m experiments.bench_throughput [--requests 256] [--max-tokens 64]
+    .venv/bin/python -m experiments.bench_throughput [--requests 768] [--max-tokens 128]
         [--max-num-seqs 64] [--policies fcfs,sarathi,...] [--model DIR] [--repeats 1]
 
 Every request arrives at once (the queue never empties: saturation), prompts are 16-256 filler
@@ -107,8 +107,8 @@ def run(model: str, policy: str, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=768)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--policies", help="comma-separated (default: every servable policy)")
     parser.add_argument(

@@ -78,6 +78,7 @@ class PolicyScheduler(AsyncScheduler):
             Monitor(log_dir, log_prompts=os.environ.get("ADAPT_LOG_PROMPTS") == "1") if log_dir else None
         )
         self._dropped_ids: set[str] = set()
+        self._drops_to_report: list[Any] = []  # dropped by the policy, not yet told to the client
         self._held: list[Any] = []  # waiting requests the plan did not list, out for one step
         self._unplanned: set[str] = set()  # on_arrival raised: the policy cannot plan these, FCFS does
         self._last_step: tuple[float, dict[str, float]] | None = None
@@ -244,6 +245,29 @@ class PolicyScheduler(AsyncScheduler):
             self._log_step(now, output)
         return output
 
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
+        """vLLM's update, plus a finished (abort) output for each request the policy dropped:
+        `finish_requests` is made for aborts the client started, so without this the client of
+        a dropped request would wait for it forever."""
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._drops_to_report:
+            from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+
+            for request in self._drops_to_report:
+                finished = EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finished_reason(),
+                    events=request.take_events(),
+                    trace_headers=request.trace_headers,
+                )
+                if request.client_index in outputs:
+                    outputs[request.client_index].outputs.append(finished)
+                else:
+                    outputs[request.client_index] = EngineCoreOutputs(outputs=[finished])
+            self._drops_to_report = []
+        return outputs
+
     def _log_step(self, now: float, output: Any) -> None:
         """Step-log row of the previous step, whose duration is known now (the gap to this
         schedule call), then remember this step's features (`adapt.steplog` columns)."""
@@ -304,7 +328,9 @@ class PolicyScheduler(AsyncScheduler):
         running requests taken out for this step."""
         if plan.drop:
             self._dropped_ids.update(s.id for s in plan.drop)
-            self.finish_requests([s.id for s in plan.drop], RequestStatus.FINISHED_ABORTED)
+            self._drops_to_report += self.finish_requests(
+                [s.id for s in plan.drop], RequestStatus.FINISHED_ABORTED
+            )
         for state in plan.preempt:
             request = self.requests.get(state.id)
             if request is not None and request in self.running:
