@@ -61,13 +61,23 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def default_cache_dir(uri: str) -> Path:
+    """Where downloaded versions are kept. Beside an embedded store (`mlruns/model-cache`), so
+    deleting the store deletes its cache: entries are content-addressed and every fresh store adds
+    new ones, which in a shared temp dir would pile up (a qrf-length version is ~400 MB).
+    A remote server's versions are cached in the temp dir."""
+    if tracking.is_embedded(uri):
+        return tracking.artifact_root(uri).parent / "model-cache"
+    return Path(tempfile.gettempdir()) / "adapt-model-cache"
+
+
 class Registry:
     """`Registry(tracking_uri=None)`: the embedded sqlite store under mlruns/ unless told otherwise."""
 
     def __init__(self, tracking_uri: str | None = None, cache_dir: str | Path | None = None) -> None:
         self.tracking_uri = tracking.tracking_uri(tracking_uri)
         self.client = tracking.client(self.tracking_uri)
-        self.cache_dir = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "adapt-model-cache"
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir(self.tracking_uri)
 
     # ------------------------------------------------------------------ write
     def log(

@@ -321,3 +321,13 @@ def test_replay_with_a_registered_fitted_cost_model(tmp_path, monkeypatch):
     fitted = json.loads(out.read_text())
     assert fitted["workload"]["cost_model"] == "cost-model v1"
     assert fitted["policies"]["fcfs"]["ttlt_mean"] == pytest.approx(reference["ttlt_mean"], rel=0.15)
+
+
+def test_default_cache_lives_beside_an_embedded_store(tmp_path):
+    """Deleting mlruns/ must delete the downloaded versions too (they are content-addressed, so a
+    shared temp-dir cache grows with every fresh store)."""
+    registry = Registry(f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}")
+    version = registry.log(PolicyConfig("fcfs"))
+    registry.load("policy-config", version=version)
+    assert registry.cache_dir == tmp_path / "store" / "model-cache"
+    assert list((registry.cache_dir / "policy-config").iterdir())
