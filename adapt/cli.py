@@ -22,6 +22,12 @@ class UsageError(ValueError):
     """A user-facing error: printed as one line, exit status 2."""
 
 
+OVERLAP_HELP = (
+    "slai: the replay's roofline form -- one per step, or linear and attention added as the SLAI"
+    " paper's batch-time model does (experiments/replay/cost.py)"
+)
+
+
 def _write_json(path: str | None, data: Any) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -180,6 +186,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             rate=args.rate or 2.8,
             num_requests=args.num_requests or 800,
             trials=args.trials,
+            overlap=args.overlap,
             promote_if_better=args.promote_if_better,
             margin=args.margin,
         )
@@ -254,6 +261,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             rate=args.rate or 2.8,
             num_requests=args.num_requests or 800,
             trials=args.trials,
+            overlap=args.overlap,
             promote_if_better=True,
             with_policy_config=True,
         )
@@ -408,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--rate", type=float, help="slai-offset: arrival rate to tune at (default 2.8)")
     train.add_argument("--num-requests", type=int, help="slai-offset: requests per replay (default 800)")
     train.add_argument("--trials", type=int, default=20, help="slai-offset: Optuna trials")
+    train.add_argument("--overlap", choices=("step", "operator"), default="step", help=OVERLAP_HELP)
     train.set_defaults(func=cmd_train)
 
     evaluate = sub.add_parser("evaluate", help="score a registered component on any data file")
@@ -429,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--trials", type=int, default=20)
     tune.add_argument("--rate", type=float)
     tune.add_argument("--num-requests", type=int)
+    tune.add_argument("--overlap", choices=("step", "operator"), default="step", help=OVERLAP_HELP)
     tune.add_argument(
         "--storage", help="Optuna storage URL (e.g. sqlite:///mlruns/optuna.db, postgresql://...)"
     )

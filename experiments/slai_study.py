@@ -1,6 +1,7 @@
 """SLAI study (issue: SLAI with a learned dynamic offset), reproducing the paper's section 7 setup.
 
-    .venv/bin/python -m experiments.slai_study [--requests N] [--trials N] [--tune-rate R] [--out DIR]
+    .venv/bin/python -m experiments.slai_study [--requests N] [--trials N] [--tune-rate R]
+        [--overlap step|operator] [--rates R,R,...] [--out DIR]
 
 1. Tunes the `slai-offset` component with Optuna on replay of `slai-tiers` at `--tune-rate`:
    minimise median TTFT subject to P99 TBT <= SLO for both tiers (paying 0.1 s, free 0.5 s).
@@ -9,6 +10,10 @@
    usage, 10 above) and SLAI with the tuned offset; prints median TTFT and P99 TBT per tier, and the
    largest rate each sustains (median TTFT <= 0.5 s and both tiers' P99 TBT within SLO).
 3. Plots KV usage over time at the highest rate for offsets fixed 5, fixed 10 and tuned (paper Fig. 8).
+
+`--overlap operator` replays under the paper's own batch-time model (section 3.2: the linear layers'
+time by token count plus the attention GeMVs of every decode, added) instead of one roofline per
+step, where a decode's KV read is free inside a compute-bound 512-token batch (see cost.py).
 """
 
 from __future__ import annotations
@@ -42,8 +47,8 @@ def make_setup(rate: float, num_requests: int, seed: int = 0, paying_share: floa
     return ReplaySetup(requests, spec.info(rate, num_requests, seed), spec.model, spec.gpu, spec.tp)
 
 
-def run(setup: ReplaySetup, policy: Policy) -> ReplayResult:
-    engine = ReplayEngine(policy, roofline(setup.model, setup.gpu, tp=setup.tp))
+def run(setup: ReplaySetup, policy: Policy, overlap: str = "step") -> ReplayResult:
+    engine = ReplayEngine(policy, roofline(setup.model, setup.gpu, tp=setup.tp, overlap=overlap))
     return engine.run(setup.requests)
 
 
@@ -88,12 +93,14 @@ def keep_up_ratio(result: ReplayResult, start: float = 0.2, end: float = 0.8) ->
     return finished / arrived if arrived else 1.0
 
 
-def replay_objective(rate: float, num_requests: int, seed: int = 0) -> Callable[[SlaiOffset], dict[str, Any]]:
+def replay_objective(
+    rate: float, num_requests: int, seed: int = 0, overlap: str = "step"
+) -> Callable[[SlaiOffset], dict[str, Any]]:
     """What `SlaiOffset.fit` optimises: replay SLAI (SPF) with a candidate offset."""
     setup = make_setup(rate, num_requests, seed)
 
     def evaluate(offset: SlaiOffset) -> dict[str, Any]:
-        return summarise(run(setup, SLAI(offset=offset)), SLOS)
+        return summarise(run(setup, SLAI(offset=offset), overlap), SLOS)
 
     return evaluate
 
@@ -109,15 +116,18 @@ def policies(tuned: SlaiOffset) -> dict[str, Callable[[], Policy]]:
     }
 
 
-def kv_plot(rate: float, num_requests: int, tuned: SlaiOffset, out: Path) -> Path:
+def kv_plot(rate: float, num_requests: int, tuned: SlaiOffset, out: Path, overlap: str = "step") -> Path:
     setup = make_setup(rate, num_requests)
     fig, ax = figure()
     for label, policy in (
         ("fixed offset 5", SLAI(offset=5.0)),
         ("fixed offset 10", SLAI(offset=10.0)),
-        (f"tuned {tuned.thresholds}/{[round(v, 1) for v in tuned.levels]}", SLAI(offset=tuned)),
+        (
+            f"tuned {[round(t, 2) for t in tuned.thresholds]}/{[round(v, 1) for v in tuned.levels]}",
+            SLAI(offset=tuned),
+        ),
     ):
-        times, usage = run(setup, policy).kv_timeline
+        times, usage = run(setup, policy, overlap).kv_timeline
         ax.plot(times, usage * 100, label=label, linewidth=0.8)
     ax.set_xlabel("time (s)")
     ax.set_ylabel("KV-cache usage (%)")
@@ -129,50 +139,117 @@ def kv_plot(rate: float, num_requests: int, tuned: SlaiOffset, out: Path) -> Pat
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=800)
-    parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--tune-rate", type=float, default=2.8)
-    parser.add_argument("--rates", default=",".join(str(r) for r in RATES))
-    parser.add_argument("--out", default="reports/slai")
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
-    print(f"tuning slai-offset at {args.tune_rate} req/s ({args.trials} trials)", file=sys.stderr)
-    tuned = SlaiOffset().fit(replay_objective(args.tune_rate, args.requests), n_trials=args.trials)
-    print(f"tuned offset: thresholds {tuned.thresholds}, levels {tuned.levels}", file=sys.stderr)
-
-    rates = [float(r) for r in args.rates.split(",")]
+def sweep(
+    rates: list[float], num_requests: int, seed: int, tuned: SlaiOffset, overlap: str
+) -> dict[str, dict[float, dict[str, Any]]]:
+    """Every policy at every rate on one seed's trace: policy -> rate -> summary."""
     table: dict[str, dict[float, dict[str, Any]]] = {}
     for rate in rates:
-        setup = make_setup(rate, args.requests)
+        setup = make_setup(rate, num_requests, seed)
         for name, build in policies(tuned).items():
-            table.setdefault(name, {})[rate] = summarise(run(setup, build()), SLOS)
-        print(f"  rate {rate} done", file=sys.stderr)
+            table.setdefault(name, {})[rate] = summarise(run(setup, build(), overlap), SLOS)
+        print(f"  seed {seed}: rate {rate} done", file=sys.stderr)
+    return table
 
-    header = f"{'policy':<18}" + "".join(f"{r:>20}" for r in rates) + f"{'capacity':>10}"
+
+def capacity(row: dict[float, dict[str, Any]]) -> float:
+    """The largest rate sustained (0 when none is)."""
+    return max((rate for rate, s in row.items() if s["sustained"]), default=0.0)
+
+
+def print_table(seed: int, table: dict[str, dict[float, dict[str, Any]]], rates: list[float]) -> None:
     print(
-        "median TTFT s / P99 TBT paying / P99 TBT free  (* = sustained: median TTFT <= 0.5 s, both"
-        " tiers' P99 TBT within SLO, throughput >= 95% of the arrival rate)"
+        f"seed {seed}: median TTFT s / P99 TBT paying / P99 TBT free  (* = sustained: median TTFT <= 0.5 s,"
+        " both tiers' P99 TBT within SLO, throughput >= 95% of the arrival rate)"
     )
-    print(header)
+    print(f"{'policy':<18}" + "".join(f"{r:>20}" for r in rates) + f"{'capacity':>10}")
     for name, row in table.items():
         cells = []
         for rate in rates:
             s = row[rate]
             mark = "*" if s["sustained"] else " "
             cells.append(f"{s['ttft_p50']:.3f}/{s['paying_tbt_p99']:.3f}/{s['free_tbt_p99']:.3f}{mark}")
-        capacity = max((r for r in rates if row[r]["sustained"]), default=0.0)
-        print(f"{name:<18}" + "".join(f"{c:>20}" for c in cells) + f"{capacity:>10}")
-    plot = kv_plot(max(rates), args.requests, tuned, out)
+        print(f"{name:<18}" + "".join(f"{c:>20}" for c in cells) + f"{capacity(row):>10}")
+
+
+def headline(seed: int, table: dict[str, dict[float, dict[str, Any]]]) -> dict[str, Any]:
+    """The issue's target: at the largest rate Sarathi (FCFS) sustains, how much lower is SLAI's
+    median TTFT (tuned offset, and the paper's rule), and are SLAI's TBTs within SLO there."""
+    rate = capacity(table["sarathi-fcfs"])
+    if not rate:
+        return {"seed": seed, "sarathi_capacity": 0.0}
+    base = table["sarathi-fcfs"][rate]["ttft_p50"]
+    result: dict[str, Any] = {"seed": seed, "sarathi_capacity": rate, "sarathi_ttft_p50": base}
+    for name in ("slai(tuned)", "slai(paper rule)"):
+        s = table[name][rate]
+        result[name] = {
+            "ttft_p50": s["ttft_p50"],
+            "change": s["ttft_p50"] / base - 1.0,
+            "tbt_within_slo": all((s.get(f"{tier}_tbt_p99") or 0.0) <= slo for tier, slo in SLOS.items()),
+            "keeps_up": s.get("throughput_ratio", 1.0) >= MIN_THROUGHPUT_RATIO,
+            "capacity": capacity(table[name]),
+        }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=800)
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--tune-rate", type=float, default=2.8)
+    parser.add_argument("--rates", default=",".join(str(r) for r in RATES))
+    parser.add_argument(
+        "--seeds",
+        default="0",
+        help="traces to sweep; the offset is tuned on seed 0 only, the rest are held out",
+    )
+    parser.add_argument("--overlap", choices=("step", "operator"), default="step", help="see cost.py")
+    parser.add_argument("--out", default="reports/slai")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    print(f"tuning slai-offset at {args.tune_rate} req/s ({args.trials} trials)", file=sys.stderr)
+    objective = replay_objective(args.tune_rate, args.requests, overlap=args.overlap)
+    tuned = SlaiOffset().fit(objective, n_trials=args.trials)
+    print(f"tuned offset: thresholds {tuned.thresholds}, levels {tuned.levels}", file=sys.stderr)
+
+    rates = [float(r) for r in args.rates.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    tables = {seed: sweep(rates, args.requests, seed, tuned, args.overlap) for seed in seeds}
+    headlines = []
+    for seed, table in tables.items():
+        print_table(seed, table, rates)
+        headlines.append(headline(seed, table))
+    for h in headlines:
+        if not h["sarathi_capacity"]:
+            print(f"seed {h['seed']}: sarathi-fcfs sustains none of the rates")
+            continue
+        parts = []
+        for name in ("slai(tuned)", "slai(paper rule)"):
+            tbt = "TBT within SLO" if h[name]["tbt_within_slo"] else "TBT SLO MISSED"
+            if not h[name]["keeps_up"]:
+                tbt += ", falls behind the load"
+            parts.append(
+                f"{name} {h[name]['ttft_p50']:.3f} s ({h[name]['change']:+.0%}, {tbt};"
+                f" capacity {h[name]['capacity']})"
+            )
+        print(
+            f"seed {h['seed']}: at {h['sarathi_capacity']} req/s (sarathi-fcfs's capacity) median TTFT"
+            f" sarathi-fcfs {h['sarathi_ttft_p50']:.3f} s, " + ", ".join(parts)
+        )
+    plot = kv_plot(max(rates), args.requests, tuned, out, args.overlap)
     (out / "slai_study.json").write_text(
         json.dumps(
             {
+                "overlap": args.overlap,
                 "tuned": tuned.get_params(),
                 "rates": rates,
-                "table": {k: {str(r): v for r, v in row.items()} for k, row in table.items()},
+                "headlines": headlines,
+                "tables": {
+                    str(seed): {k: {str(r): v for r, v in row.items()} for k, row in table.items()}
+                    for seed, table in tables.items()
+                },
             },
             indent=2,
         )

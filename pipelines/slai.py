@@ -32,11 +32,12 @@ def train_slai_offset(
     num_requests: int = 800,
     trials: int = 20,
     seed: int = 0,
+    overlap: str = "step",
     promote_if_better: bool = False,
     margin: float = 0.0,
     with_policy_config: bool = False,
 ) -> TrainOutcome:
-    objective = replay_objective(rate, num_requests, seed)
+    objective = replay_objective(rate, num_requests, seed, overlap)
     print(
         f"tuning slai-offset on slai-tiers at {rate} req/s, {num_requests} requests, {trials} trials",
         file=sys.stderr,
@@ -47,6 +48,7 @@ def train_slai_offset(
         "rate": rate,
         "requests": num_requests,
         "seed": seed,
+        "overlap": overlap,
     }
     metrics = candidate.evaluate(objective)
     version = registry.log(candidate, metrics=metrics, params={"tune_rate": rate, "trials": trials})

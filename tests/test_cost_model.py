@@ -38,6 +38,26 @@ def test_decode_sum_versus_max_attention_by_hand():
     assert tiny_model(decode_attention="max").time(batch) == pytest.approx(0.01 + 0.00568)
 
 
+def test_operator_overlap_adds_linear_and_attention_rooflines_by_hand():
+    # Half the bandwidth (5e5 B/s) so that attention over a long context is memory-bound while the
+    # GEMMs over 10 tokens stay compute-bound. Linear: 2*700*10 + 2*100*2 = 14,400 FLOPs -> 14.4 ms
+    # vs 1,600 B of weights -> 3.2 ms. Attention: 4*10*(1000 + 2) = 40,080 FLOPs -> 40.08 ms vs
+    # 40*1000 B of KV -> 80 ms. "operator" pays both: 14.4 + 80 ms. "step" hides the GEMMs under the
+    # memory traffic: max(54.48 ms of FLOPs, 41,600 B -> 83.2 ms).
+    half_bandwidth = GPUSpec("half", memory_gb=1.0, peak_tflops=1e-6, hbm_gbps=5e-4, interconnect_gbps=1e-3)
+    batch = StepBatch(tokens=10, sampled=2, num_decodes=2, decode_ctx_sum=1000, decode_ctx_max=500)
+
+    def model(**kw) -> RooflineCostModel:
+        return RooflineCostModel(
+            TINY, half_bandwidth, flops_efficiency=1.0, bw_efficiency=1.0, step_overhead_s=0.01, **kw
+        )
+
+    assert model(overlap="operator").time(batch) == pytest.approx(0.01 + 0.0144 + 0.080)
+    assert model().time(batch) == pytest.approx(0.01 + 0.0832)
+    with pytest.raises(ValueError, match="overlap"):
+        model(overlap="both")
+
+
 def test_decode_run_times_match_single_steps():
     model = roofline("llama-2-13b", "a100-80g")
     run = model.decode_run_times(num_decodes=3, context_sum=300, context_max=150, steps=5)

@@ -36,12 +36,15 @@ def test_tune_slai_registers_component_and_policy_config(tmp_path, capsys):
         "150",
         "--rate",
         "1.2",  # a load every candidate sustains, so the gate has a feasible winner
+        "--overlap",
+        "operator",
     ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "slai-offset: registered version 1" in out and "promoted to champion: yes" in out
     reg = Registry(uri, cache_dir=tmp_path / "c")
     offset = reg.load("slai-offset")
+    assert offset.metadata["data_window"]["overlap"] == "operator"
     config = reg.load("policy-config")
     assert isinstance(config, PolicyConfig) and config.policy == "slai"
     assert config.params["offset"] == offset.get_params()

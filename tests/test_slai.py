@@ -111,3 +111,38 @@ def test_the_offset_is_a_swappable_component_and_the_fixed_variant_has_none():
     policy.use_component("offset", SlaiOffset([0.5], [1.0, 3.0]))  # what a live swap does
     assert policy.current_offset(0.4) == 1.0 and policy.current_offset(0.99) == 3.0
     assert make_policy("slai-fixed").components == {}
+
+
+def test_study_headline_compares_at_sarathis_largest_sustained_rate():
+    """The issue's target is read at the largest rate Sarathi (FCFS) sustains; a rate sustained
+    after an unsustained one still counts (capacity is the largest sustained rate)."""
+    from experiments.slai_study import capacity, headline
+
+    def cell(ttft, sustained, tbt_free=0.3, ratio=1.0):
+        return {
+            "ttft_p50": ttft,
+            "sustained": sustained,
+            "paying_tbt_p99": 0.05,
+            "free_tbt_p99": tbt_free,
+            "throughput_ratio": ratio,
+        }
+
+    table = {
+        "sarathi-fcfs": {1.0: cell(0.3, True), 2.0: cell(0.45, True), 3.0: cell(0.9, False)},
+        "slai(tuned)": {1.0: cell(0.2, True), 2.0: cell(0.3, True), 3.0: cell(0.48, True)},
+        "slai(paper rule)": {
+            1.0: cell(0.2, True),
+            2.0: cell(0.36, False, ratio=0.9),
+            3.0: cell(0.7, False, 0.6),
+        },
+    }
+    assert capacity(table["sarathi-fcfs"]) == 2.0
+    h = headline(0, table)
+    assert h["sarathi_capacity"] == 2.0 and h["sarathi_ttft_p50"] == 0.45
+    assert h["slai(tuned)"]["change"] == pytest.approx(0.3 / 0.45 - 1)
+    assert h["slai(tuned)"]["capacity"] == 3.0
+    assert h["slai(tuned)"]["tbt_within_slo"] and h["slai(tuned)"]["keeps_up"]
+    paper = h["slai(paper rule)"]
+    assert paper["tbt_within_slo"] and not paper["keeps_up"] and paper["capacity"] == 1.0
+    table["sarathi-fcfs"] = {r: cell(1.0, False) for r in (1.0, 2.0, 3.0)}
+    assert headline(0, table) == {"seed": 0, "sarathi_capacity": 0.0}

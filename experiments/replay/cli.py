@@ -78,6 +78,12 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router", choices=ROUTERS, default="least-outstanding")
     parser.add_argument("--decode-attention", choices=("sum", "max"), default="sum", help="see cost.py")
     parser.add_argument(
+        "--overlap",
+        choices=("step", "operator"),
+        default="step",
+        help="one roofline per step, or linear and attention rooflines added (see cost.py)",
+    )
+    parser.add_argument(
         "--cost-model",
         default="roofline",
         help="roofline (default), or a registered cost-model fitted to a real engine: champion or a version",
@@ -139,6 +145,7 @@ def replay_policy(
     replicas: int = 1,
     router: str = "least-outstanding",
     decode_attention: str = "sum",
+    overlap: str = "step",
     seed: int = 0,
     progress: bool = False,
     config: EngineConfig | None = None,
@@ -148,7 +155,9 @@ def replay_policy(
     """Replay the setup's requests under one policy (fresh policy and engine per replica).
     `cost` overrides the preset roofline (e.g. a fitted `cost-model`); `policy_factory` builds the
     policy instead of the spec (e.g. SLAI with a registered offset component)."""
-    cost = cost or roofline(setup.model, setup.gpu, tp=setup.tp, decode_attention=decode_attention)
+    cost = cost or roofline(
+        setup.model, setup.gpu, tp=setup.tp, decode_attention=decode_attention, overlap=overlap
+    )
     build = policy_factory or (lambda: make_policy_from_spec(policy_name))
     engines = [ReplayEngine(build(), cost, config) for _ in range(replicas)]
     bar = None
@@ -261,6 +270,8 @@ def run_replay_command(args: argparse.Namespace) -> int:
         else:
             cost = Registry().load("cost-model", alias=args.cost_model)
         setup.workload["cost_model"] = f"cost-model v{cost.metadata['registry_version']}"
+    else:  # which roofline form, so that runs replayed under different ones are told apart
+        setup.workload.update(decode_attention=args.decode_attention, overlap=args.overlap)
     results: dict[str, dict[str, Any]] = {}
     for policy in policies:
         result = replay_policy(
@@ -271,6 +282,7 @@ def run_replay_command(args: argparse.Namespace) -> int:
             replicas=args.replicas,
             router=args.router,
             decode_attention=args.decode_attention,
+            overlap=args.overlap,
             seed=args.seed,
             progress=not args.quiet,
         )
