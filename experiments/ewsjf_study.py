@@ -43,6 +43,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument(
+        "--overlap",
+        choices=("step", "operator"),
+        default="step",
+        help="roofline form: one per step, or linear and attention added (see cost.py)",
+    )
     parser.add_argument("--out", default="reports/ewsjf")
     parser.add_argument(
         "--decode-attention",
@@ -88,6 +94,7 @@ def main() -> None:
                 name if factory is None else "fcfs",
                 policy_factory=factory,
                 decode_attention=args.decode_attention,
+                overlap=args.overlap,
             ).metrics()
             table.setdefault(name, {})[rate] = row(metrics)
         print(f"  rate {rate} done", file=sys.stderr)
@@ -118,7 +125,11 @@ def main() -> None:
     ]:
         meta.fit(lengths)
         metrics = replay_policy(
-            setup, "fcfs", policy_factory=lambda m=meta: EWSJF(m), decode_attention=args.decode_attention
+            setup,
+            "fcfs",
+            policy_factory=lambda m=meta: EWSJF(m),
+            decode_attention=args.decode_attention,
+            overlap=args.overlap,
         ).metrics()
         study[label] = {"queues": len(meta.queues_), **row(metrics)}
         s = study[label]

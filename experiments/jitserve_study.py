@@ -108,9 +108,10 @@ def run_study(
     qrf: Any,
     patterns: Any,
     with_ablations: bool = False,
+    overlap: str = "step",
 ) -> dict[str, Any]:
     spec = WORKLOADS["jitserve-mix"]
-    cost = roofline(spec.model, spec.gpu, tp=spec.tp)
+    cost = roofline(spec.model, spec.gpu, tp=spec.tp, overlap=overlap)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for rate in rates:
         for seed in seeds:
@@ -198,6 +199,12 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--components", default="fit", help="fit (bundled data), champion, or vN")
     parser.add_argument("--ablations", action="store_true", help="also run jitserve with parts switched off")
+    parser.add_argument(
+        "--overlap",
+        choices=("step", "operator"),
+        default="step",
+        help="roofline form: one per step, or linear and attention added (see cost.py)",
+    )
     parser.add_argument("--out", default="reports/jitserve")
     args = parser.parse_args()
     out = Path(args.out)
@@ -210,6 +217,7 @@ def main() -> None:
         qrf,
         patterns,
         args.ablations,
+        args.overlap,
     )
     (out / "jitserve_study.json").write_text(json.dumps(study, indent=2))
     text = markdown(study)

@@ -89,11 +89,12 @@ def run_study(
     history: SemanticHistory,
     seeds: list[int],
     token_budget: int = EngineConfig.token_budget,
+    overlap: str = "step",
 ) -> dict[str, Any]:
     """Every policy at every rate on the same requests per seed; the table holds the mean over
     seeds (near saturation one seed's order of arrivals swings a policy's mean TTLT by 20-40%)."""
     spec = WORKLOADS["sagesched-mix"]
-    cost = roofline(spec.model, spec.gpu, tp=spec.tp)
+    cost = roofline(spec.model, spec.gpu, tp=spec.tp, overlap=overlap)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for rate in rates:
         for seed in seeds:
@@ -157,6 +158,12 @@ def main() -> None:
         default=EngineConfig.token_budget,
         help="engine tokens per step (vLLM max_num_batched_tokens; 512 is Sarathi-Serve's chunk)",
     )
+    parser.add_argument(
+        "--overlap",
+        choices=("step", "operator"),
+        default="step",
+        help="roofline form: one per step, or linear and attention added (see cost.py)",
+    )
     parser.add_argument("--out", default="reports/sagesched")
     args = parser.parse_args()
     out = Path(args.out)
@@ -164,7 +171,7 @@ def main() -> None:
     history = load_history(args.history)
     rates = [float(r) for r in args.rates.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
-    study = run_study(rates, args.requests, history, seeds, args.token_budget)
+    study = run_study(rates, args.requests, history, seeds, args.token_budget, args.overlap)
     study["history"] = {**history.get_params(), "size": history.size, **history.metadata}
     (out / "sagesched_study.json").write_text(json.dumps(study, indent=2, default=str))
     text = markdown(study)
