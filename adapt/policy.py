@@ -139,10 +139,6 @@ class Plan:
              in `defer` or `late`, in admission order (vLLM's rule).
     late:    running requests to schedule *after* admissions, in this order, while budget remains
              (SLAI's non-critical decodes); a KV shortfall preempts as in the main pass.
-
-    When KV blocks run out, the engine evicts (by recompute) the last request of the step's running
-    order -- `running_order` (or the default) followed by `late` -- that is not yet scheduled, as
-    vLLM does with its running list. A policy that wants another victim preempts it in `preempt`.
     """
 
     admit: Iterable[RequestState] | None = None
@@ -156,10 +152,9 @@ class Plan:
 @dataclass(frozen=True)
 class Horizon:
     """How long the policy's plan stays valid if nothing arrives or finishes: a number of
-    decode steps after the step it was asked about, an absolute time, and a KV-usage level whose
-    crossing (from below) changes the plan. The replay engine uses it to advance runs of identical
-    decode steps in one move; a policy that re-plans at token, time or memory boundaries must say
-    so."""
+    decode steps, an absolute time, and a KV-usage level whose crossing (from below) changes the
+    plan. The replay engine uses it to advance runs of identical decode steps in one move; a
+    policy that re-plans at token, time or memory boundaries must say so."""
 
     steps: float = math.inf
     until_s: float = math.inf
@@ -214,6 +209,11 @@ class Policy:
         """See `Horizon`. The default suits policies whose plan only changes on arrivals,
         admissions and completions."""
         return FOREVER
+
+    def preemption_victim(self, candidates: Sequence[RequestState]) -> RequestState:
+        """Which request to preempt when KV blocks run out; `candidates` are the running requests
+        not yet scheduled this step, in admission order. vLLM's FCFS rule: the last admitted."""
+        return candidates[-1]
 
     def describe(self) -> dict[str, Any]:
         """Parameters worth logging with a replay run."""

@@ -2,10 +2,9 @@
 
 Each step: the policy plans (`adapt.policy`); the engine applies drops and preemptions, schedules
 running requests in admission order (decodes take 1 token, unfinished prefills a chunk) under the
-token budget, allocating KV blocks and preempting by recompute when the pool runs dry (the last
-request of the running order not yet scheduled, as vLLM pops its running list), then admits
-waiting requests in the policy's order while the running cap, the budget and the free blocks
-allow -- as vLLM's scheduler does. The step's duration comes from the
+token budget, allocating KV blocks and preempting by recompute when the pool runs dry (the policy
+picks the victim), then admits waiting requests in the policy's order while the running cap, the
+budget and the free blocks allow -- as vLLM's scheduler does. The step's duration comes from the
 cost model; every request whose known tokens are all computed samples one token at its end.
 
 Compound programs: a request whose `program.parent_ids` are set is held back when added and
@@ -286,9 +285,7 @@ class ReplayEngine:
         else:
             skip = plan.defer | set(plan.late) if plan.late else plan.defer
             sequence = [r for r in self.running if r not in skip] if skip else list(self.running)
-        # vLLM's running list for this step: the order, then the late ones; deferred ones are out.
-        evictable = [*sequence, *plan.late] if plan.late else sequence
-        budget, preempted_now = self._schedule_running(sequence, budget, scheduled, done, evictable)
+        budget, preempted_now = self._schedule_running(sequence, budget, scheduled, done)
         changed = changed or preempted_now
         acted = changed or bool(plan.defer) or plan.running_order is not None or bool(plan.late)
         if plan.admit is not None and not preempted_now and budget > 0:
@@ -297,7 +294,7 @@ class ReplayEngine:
             budget -= sum(n for _, n in admitted)
             acted = acted or bool(admitted)
         if plan.late:
-            _, preempted_late = self._schedule_running(plan.late, budget, scheduled, done, plan.late)
+            _, preempted_late = self._schedule_running(plan.late, budget, scheduled, done)
             changed = changed or preempted_late
         return scheduled, changed, acted
 
@@ -307,11 +304,10 @@ class ReplayEngine:
         budget: int,
         scheduled: list[tuple[RequestState, int]],
         done: set[str],
-        evictable: Sequence[RequestState],
     ) -> tuple[int, bool]:
         """Give running requests their next tokens in `sequence` order under the budget. When KV
-        blocks run out, the last of `evictable` not yet scheduled this step is preempted by
-        recompute (possibly the request itself), as vLLM pops the end of its running list."""
+        blocks run out, the policy's victim among the requests not yet scheduled this step is
+        preempted by recompute (possibly the request itself), as vLLM does."""
         preempted = False
         for state in sequence:
             if budget <= 0:
@@ -320,9 +316,10 @@ class ReplayEngine:
                 continue
             tokens = min(state.tokens_to_compute, budget)
             while not self.kv.can_grow(state.id, state.tokens_computed + tokens):
-                victim = next(
-                    r for r in reversed(evictable) if r.id not in done and r.phase in ("prefill", "decode")
-                )
+                candidates = [r for r in self.running if r.id not in done]
+                victim = self.policy.preemption_victim(candidates)
+                if victim not in candidates:
+                    victim = candidates[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is state:

@@ -8,7 +8,7 @@ does not look at.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from sortedcontainers import SortedList
@@ -17,7 +17,8 @@ from adapt.policy import EngineView, Plan, Policy, RequestState
 
 
 class PriorityPolicy(Policy):
-    """Admit waiting requests by ascending `key`. Subclasses define `key`."""
+    """Admit waiting requests by ascending `key`; under KV pressure preempt the running request
+    with the largest key (vLLM's priority-scheduling rule). Subclasses define `key`."""
 
     def __init__(self) -> None:
         self._waiting = SortedList()
@@ -54,3 +55,10 @@ class PriorityPolicy(Policy):
 
     def on_step(self, view: EngineView) -> Plan:
         return Plan(admit=self.waiting_in_order())
+
+    def running_key(self, request: RequestState, now: float) -> tuple[Any, ...]:
+        """Key of a running request when choosing a preemption victim (default: its admission key)."""
+        return self.key(request, now)
+
+    def preemption_victim(self, candidates: Sequence[RequestState]) -> RequestState:
+        return max(reversed(candidates), key=lambda r: self.running_key(r, r.last_token_s or r.arrival_s))

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from adapt.policy import EngineView, Horizon, Plan, RequestState
+from adapt.policy import EngineView, Horizon, Plan, Policy, RequestState
 from serving_hooks.policies.base import PriorityPolicy
 
 LengthPredictor = Callable[[RequestState], float]
@@ -28,6 +28,9 @@ class FCFS(PriorityPolicy):
 
     def key(self, request: RequestState, now: float) -> tuple[Any, ...]:
         return (request.arrival_s,)
+
+    def preemption_victim(self, candidates: Sequence[RequestState]) -> RequestState:
+        return Policy.preemption_victim(self, candidates)
 
 
 class VllmV0(FCFS):

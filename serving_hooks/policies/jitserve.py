@@ -236,8 +236,7 @@ class JITServe(Policy):
         return min(self.batch_size or view.max_running, view.max_running)
 
     def horizon(self, view: EngineView) -> Horizon:
-        # The view is the step just planned: the frame has this many steps left after it.
-        return Horizon(steps=max(0, self._frame_start + self.frame_steps - view.step_index - 1))
+        return Horizon(steps=max(1, self._frame_start + self.frame_steps - view.step_index))
 
     def _admission_control(self, now: float) -> list[RequestState]:
         if self.waiting_time_s is None:
@@ -466,6 +465,9 @@ class JITServe(Policy):
         if slo.kind in ("deadline", "compound"):
             return float(tokens) if request.finish_s <= request.deadline_at else 0.0
         return float(tokens)
+
+    def preemption_victim(self, candidates):
+        return min(reversed(candidates), key=lambda r: self._priority.get(r.id, 0.0))
 
     def describe(self) -> dict[str, Any]:
         return {

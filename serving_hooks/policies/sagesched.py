@@ -13,10 +13,8 @@ distribution.
    lowest first: the best ratio of expected work to completion probability over all budgets. With
    the support sorted, prefix sums give every budget's ratio at once, O(K) per request.
 4. Refresh: a running request's index is recomputed when it crosses a bucket boundary (every
-   `bucket` generated tokens, 200 by default); it places a preempted request back in the queue.
-   When KV blocks run out the engine evicts the last admitted request, as vLLM does (evicting the
-   largest index instead threw away the longest, most advanced requests again and again under KV
-   pressure: mean TTLT up to 2x FCFS's). With `preempt_on_flip`, a full engine also preempts a running request
+   `bucket` generated tokens, 200 by default); it decides which running request the engine evicts
+   when KV blocks run out. With `preempt_on_flip`, a full engine also preempts a running request
    whose index exceeds the best waiting one's by `flip_ratio` (4x) if its recompute is cheap (fewer
    than `preempt_below_tokens` tokens). The paper assumes swap-based, nearly free preemption; vLLM
    V1 and our replay preempt by recompute, and there flip preemption raised mean TTLT at every load
