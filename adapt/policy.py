@@ -152,9 +152,10 @@ class Plan:
 @dataclass(frozen=True)
 class Horizon:
     """How long the policy's plan stays valid if nothing arrives or finishes: a number of
-    decode steps, an absolute time, and a KV-usage level whose crossing (from below) changes the
-    plan. The replay engine uses it to advance runs of identical decode steps in one move; a
-    policy that re-plans at token, time or memory boundaries must say so."""
+    decode steps after the step it was asked about, an absolute time, and a KV-usage level whose
+    crossing (from below) changes the plan. The replay engine uses it to advance runs of identical
+    decode steps in one move; a policy that re-plans at token, time or memory boundaries must say
+    so."""
 
     steps: float = math.inf
     until_s: float = math.inf

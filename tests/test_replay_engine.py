@@ -133,6 +133,15 @@ def make_requests(rows):
 @example(
     rows=[(9.0, 1, 1, "x"), (8.625, 1, 34, "x")], policy="fastserve", budget=16, max_running=1, kv_blocks=30
 )
+# Regression: a decode run stepped one step past a JITServe frame (its horizon counted the step
+# just planned), so the fast path admitted in the old frame's order.
+@example(
+    rows=[(0.0, 1, 1, "x"), (0.0, 1, 16, "x"), (0.0, 1, 66, "x")],
+    policy="jitserve-oracle",
+    budget=16,
+    max_running=1,
+    kv_blocks=30,
+)
 @given(
     rows=request_lists,
     policy=st.sampled_from(tuple(POLICIES)),

@@ -236,7 +236,8 @@ class JITServe(Policy):
         return min(self.batch_size or view.max_running, view.max_running)
 
     def horizon(self, view: EngineView) -> Horizon:
-        return Horizon(steps=max(1, self._frame_start + self.frame_steps - view.step_index))
+        # The view is the step just planned: the frame has this many steps left after it.
+        return Horizon(steps=max(0, self._frame_start + self.frame_steps - view.step_index - 1))
 
     def _admission_control(self, now: float) -> list[RequestState]:
         if self.waiting_time_s is None:
