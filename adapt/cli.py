@@ -22,7 +22,7 @@ class UsageError(ValueError):
     """A user-facing error: printed as one line, exit status 2."""
 
 
-OVERLAP_HELP = (
+SLAI_OVERLAP_HELP = (
     "slai: the replay's roofline form -- one per step, or linear and attention added as the SLAI"
     " paper's batch-time model does (experiments/replay/cost.py)"
 )
@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", metavar="OUT")
     stats.set_defaults(func=cmd_trace_stats)
 
-    from experiments.replay.cli import add_replay_arguments
+    from experiments.replay.cli import add_overlap_argument, add_replay_arguments
 
     replay = sub.add_parser("replay", help="replay a trace or workload under several policies")
     add_replay_arguments(replay)
@@ -416,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--rate", type=float, help="slai-offset: arrival rate to tune at (default 2.8)")
     train.add_argument("--num-requests", type=int, help="slai-offset: requests per replay (default 800)")
     train.add_argument("--trials", type=int, default=20, help="slai-offset: Optuna trials")
-    train.add_argument("--overlap", choices=("step", "operator"), default="step", help=OVERLAP_HELP)
+    add_overlap_argument(train, help=SLAI_OVERLAP_HELP)
     train.set_defaults(func=cmd_train)
 
     evaluate = sub.add_parser("evaluate", help="score a registered component on any data file")
@@ -438,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--trials", type=int, default=20)
     tune.add_argument("--rate", type=float)
     tune.add_argument("--num-requests", type=int)
-    tune.add_argument("--overlap", choices=("step", "operator"), default="step", help=OVERLAP_HELP)
+    add_overlap_argument(tune, help=SLAI_OVERLAP_HELP)
     tune.add_argument(
         "--storage", help="Optuna storage URL (e.g. sqlite:///mlruns/optuna.db, postgresql://...)"
     )

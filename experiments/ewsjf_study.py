@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from adapt.online import tune
-from experiments.replay.cli import ReplaySetup, replay_policy
+from experiments.replay.cli import ReplaySetup, add_overlap_argument, replay_policy
 from experiments.workloads import WORKLOADS
 from pipelines.ewsjf import ewsjf_objective, history_lengths
 from predictors.ewsjf_meta import THETA_SPACE, EwsjfMetaPolicy
@@ -43,12 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument(
-        "--overlap",
-        choices=("step", "operator"),
-        default="step",
-        help="roofline form: one per step, or linear and attention added (see cost.py)",
-    )
+    add_overlap_argument(parser)
     parser.add_argument("--out", default="reports/ewsjf")
     parser.add_argument(
         "--decode-attention",

@@ -28,6 +28,7 @@ import numpy as np
 
 from adapt.policy import Policy, RequestState
 from adapt.traces import load_trace
+from experiments.replay.cli import add_overlap_argument
 from experiments.replay.cost import roofline
 from experiments.replay.engine import ReplayEngine
 from experiments.workloads import WORKLOADS, bundled, jitserve_mix
@@ -199,12 +200,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--components", default="fit", help="fit (bundled data), champion, or vN")
     parser.add_argument("--ablations", action="store_true", help="also run jitserve with parts switched off")
-    parser.add_argument(
-        "--overlap",
-        choices=("step", "operator"),
-        default="step",
-        help="roofline form: one per step, or linear and attention added (see cost.py)",
-    )
+    add_overlap_argument(parser)
     parser.add_argument("--out", default="reports/jitserve")
     args = parser.parse_args()
     out = Path(args.out)

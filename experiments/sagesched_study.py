@@ -34,6 +34,7 @@ import numpy as np
 
 from adapt.policy import Policy
 from adapt.traces import load_trace
+from experiments.replay.cli import add_overlap_argument
 from experiments.replay.cost import roofline
 from experiments.replay.engine import EngineConfig, ReplayEngine
 from experiments.workloads import WORKLOADS, bundled, sagesched_mix
@@ -158,12 +159,7 @@ def main() -> None:
         default=EngineConfig.token_budget,
         help="engine tokens per step (vLLM max_num_batched_tokens; 512 is Sarathi-Serve's chunk)",
     )
-    parser.add_argument(
-        "--overlap",
-        choices=("step", "operator"),
-        default="step",
-        help="roofline form: one per step, or linear and attention added (see cost.py)",
-    )
+    add_overlap_argument(parser)
     parser.add_argument("--out", default="reports/sagesched")
     args = parser.parse_args()
     out = Path(args.out)

@@ -18,7 +18,7 @@ from adapt.requests import Request
 from adapt.traces import load_trace
 from adapt.workload import build_requests, poisson_arrivals, scale_to_rate
 from experiments.replay.cluster import ROUTERS, Cluster, make_router
-from experiments.replay.cost import GPUS, MODELS, roofline
+from experiments.replay.cost import GPUS, MODELS, OVERLAPS, roofline
 from experiments.replay.engine import EngineConfig, ReplayEngine
 from experiments.replay.metrics import ReplayResult
 from experiments.workloads import WORKLOADS, get_workload
@@ -53,6 +53,14 @@ class ReplaySetup:
     tp: int
 
 
+def add_overlap_argument(
+    parser: argparse.ArgumentParser,
+    help: str = "roofline form: one per step, or linear and attention rooflines added (see cost.py)",
+) -> None:
+    """`--overlap`, the roofline form (`RooflineCostModel.overlap`), for every command that replays."""
+    parser.add_argument("--overlap", choices=OVERLAPS, default="step", help=help)
+
+
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", metavar="FILE", help="any supported trace file (see adapt trace stats)")
@@ -77,12 +85,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=1, help="engine replicas behind a router")
     parser.add_argument("--router", choices=ROUTERS, default="least-outstanding")
     parser.add_argument("--decode-attention", choices=("sum", "max"), default="sum", help="see cost.py")
-    parser.add_argument(
-        "--overlap",
-        choices=("step", "operator"),
-        default="step",
-        help="one roofline per step, or linear and attention rooflines added (see cost.py)",
-    )
+    add_overlap_argument(parser)
     parser.add_argument(
         "--cost-model",
         default="roofline",

@@ -32,12 +32,13 @@ real engine's step log replaces this model when calibration matters.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 
 DecodeAttention = Literal["sum", "max"]
 Overlap = Literal["step", "operator"]
+OVERLAPS: tuple[str, ...] = get_args(Overlap)
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ class RooflineCostModel:
             raise ValueError(f"tp: must be >= 1, got {self.tp}")
         if self.decode_attention not in ("sum", "max"):
             raise ValueError(f"decode_attention: expected sum or max, got {self.decode_attention!r}")
-        if self.overlap not in ("step", "operator"):
+        if self.overlap not in OVERLAPS:
             raise ValueError(f"overlap: expected step or operator, got {self.overlap!r}")
 
     def with_options(self, **changes: object) -> RooflineCostModel:
