@@ -13,10 +13,12 @@ quickstart: setup
 
 test: setup
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q --maxfail=20 || { code=$$?; [ $$code -eq 5 ] && echo "no tests collected: failing" >&2; exit $$code; }
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/ruff format --check .
 
 bench: setup

@@ -12,7 +12,7 @@ is the directory `save` writes:
 `read_component` refuses a directory with a file of any other kind (a pickle would run code on
 load), a checksum mismatch, a schema version it does not know, or a component whose `validate()`
 fails. The class to instantiate is looked up by name in a fixed table, never imported from a path
-found in the artifact.
+found in the artifact (`component_class`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import hashlib
 import json
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
@@ -101,21 +100,40 @@ class LearnedComponent(ABC):
         return component
 
 
-_COMPONENTS: dict[str, Callable[[], type[LearnedComponent]]] = {}
+ENTRY_POINT_GROUP = "adapt.components"
+_REGISTERED: dict[str, type[LearnedComponent]] = {}
 
 
-def register_component(name: str, loader: Callable[[], type[LearnedComponent]]) -> None:
-    """Make a component class loadable by name. `loader` imports lazily, so reading a
-    policy-config does not import FAISS or torch."""
-    _COMPONENTS[name] = loader
+def register_component(cls: type[LearnedComponent]) -> type[LearnedComponent]:
+    """Make a component class loadable by its `name` in this process (a class decorator), for
+    components that are not installed under the `adapt.components` entry-point group."""
+    _REGISTERED[cls.name] = cls
+    return cls
+
+
+def _entry_points() -> dict[str, Any]:
+    from importlib.metadata import entry_points
+
+    return {point.name: point for point in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def known_components() -> list[str]:
+    return sorted({*_REGISTERED, *_entry_points()})
 
 
 def component_class(name: str) -> type[LearnedComponent]:
-    if name not in _COMPONENTS:
-        import predictors  # noqa: F401  (registers the learned components on import)
-    if name not in _COMPONENTS:
-        raise ComponentError(f"unknown component {name!r}; known: {', '.join(sorted(_COMPONENTS))}")
-    return _COMPONENTS[name]()
+    """The class registered under `name`: a trusted table (installed entry points, then
+    `register_component`), never a path found in the artifact. The module is imported only now,
+    so reading a policy-config does not import FAISS or torch."""
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    point = _entry_points().get(name)
+    if point is None:
+        raise ComponentError(f"unknown component {name!r}; known: {', '.join(known_components())}")
+    cls = point.load()
+    if not (isinstance(cls, type) and issubclass(cls, LearnedComponent)) or cls.name != name:
+        raise ComponentError(f"entry point {name!r} -> {point.value} is not the LearnedComponent {name!r}")
+    return cls
 
 
 def write_component(component: LearnedComponent, directory: Path) -> Path:
@@ -192,50 +210,3 @@ def read_component(directory: Path, expected_manifest_sha256: str | None = None)
     except Exception as exc:  # a canary that crashes is a failed validation, not a crash of the caller
         raise ComponentError(f"{header['name']}: validation raised {type(exc).__name__}: {exc}") from exc
     return component
-
-
-class PolicyConfig(LearnedComponent):
-    """Which policy runs and with which parameters, versioned like any model, so a whole policy
-    can be promoted, rolled back and hot-swapped. Its state is just its parameters."""
-
-    name = "policy-config"
-    primary_metric = "ttlt_mean"
-
-    def __init__(self, policy: str = "fcfs", params: dict[str, Any] | None = None) -> None:
-        super().__init__()
-        self.policy = policy
-        self.params = dict(params or {})
-
-    def get_params(self) -> dict[str, Any]:
-        return {"policy": self.policy, "params": self.params}
-
-    def fit(self, data: Any = None) -> Self:
-        """Nothing to learn: a tuner chooses the parameters (see `adapt tune`)."""
-        return self
-
-    def evaluate(self, data: Any = None) -> dict[str, float]:
-        return {}
-
-    def save_state(self, directory: Path) -> None:
-        """Everything is in the header's params."""
-
-    def load_state(self, directory: Path) -> None:
-        """Everything is in the header's params."""
-
-    def validate(self) -> None:
-        """The policy must exist and accept the parameters (the canary constructs it)."""
-        from serving_hooks.policies import make_policy
-
-        try:
-            make_policy(self.policy, **self.params)
-        except (TypeError, ValueError) as exc:
-            raise ComponentError(f"policy-config: {self.policy!r} with {self.params}: {exc}") from exc
-
-    def build(self):
-        """A fresh policy instance for this configuration."""
-        from serving_hooks.policies import make_policy
-
-        return make_policy(self.policy, **self.params)
-
-
-register_component("policy-config", lambda: PolicyConfig)

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import csv
 import gzip
+import hashlib
 import io
 import json
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -487,3 +488,25 @@ def trace_stats(trace: Trace) -> dict[str, Any]:
             "tokenizer": trace.report.tokenizer,
         }
     return stats
+
+
+def prompt_hash(text: str | None) -> int:
+    """A stable 63-bit fingerprint of a prompt (0 for no text), to recognise repeats cheaply."""
+    if text is None:
+        return 0
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") >> 1 or 1
+
+
+def instruction_split(texts: Sequence[str], test_share: float = 0.3) -> np.ndarray:
+    """True for rows whose text falls in the held-out share, decided by a hash of the text, so that
+    every copy of an instruction lands on the same side and the split never changes between runs."""
+    if not 0.0 < test_share < 1.0:
+        raise ValueError(f"test_share: expected a number in (0, 1), got {test_share!r}")
+    cut = int(test_share * 1000)
+    return np.array([prompt_hash(t) % 1000 < cut for t in texts], dtype=bool)
+
+
+def split_by_instruction(trace: Trace, test_share: float = 0.3) -> tuple[Trace, Trace]:
+    """(train, held-out) rows of a prompt/response trace, split by `instruction_split`."""
+    held_out = instruction_split(trace.prompt_text, test_share)
+    return trace.take(np.flatnonzero(~held_out)), trace.take(np.flatnonzero(held_out))

@@ -24,12 +24,11 @@ import numpy as np
 
 from adapt.policy import EngineView, RequestState
 from adapt.requests import SLO
-from adapt.traces import load_trace
-from experiments.compound_programs import generate_graphs
-from experiments.workloads import bundled
+from adapt.traces import load_trace, split_by_instruction
+from adapt.workloads import bundled
+from adapt.workloads.compound import generate_graphs
 from predictors.pattern_graph import PatternGraph
 from predictors.qrf_length import QrfLength
-from predictors.semantic_history import split_by_instruction
 from serving_hooks.policies.jitserve import JITServe
 
 

@@ -16,11 +16,11 @@ import time
 
 import numpy as np
 
+from adapt.replay.cost import roofline
+from adapt.replay.engine import EngineConfig, ReplayEngine
 from adapt.traces import load_trace
-from adapt.workload import build_requests, poisson_arrivals
-from experiments.replay.cost import roofline
-from experiments.replay.engine import EngineConfig, ReplayEngine
-from experiments.workloads import bundled
+from adapt.workloads import bundled
+from adapt.workloads.builders import build_requests, poisson_arrivals
 from serving_hooks.policies import make_policy
 
 

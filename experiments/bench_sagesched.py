@@ -21,7 +21,7 @@ import numpy as np
 from adapt.policy import RequestState
 from adapt.requests import SLO
 from adapt.traces import load_trace
-from experiments.workloads import bundled
+from adapt.workloads import bundled
 from predictors.embedding import embed
 from predictors.semantic_history import SemanticHistory, embed_prompts
 from serving_hooks.policies.sagesched import SageSched, gittins_index

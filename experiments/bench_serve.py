@@ -124,7 +124,7 @@ def summarise(records: list[ClientRecord]) -> dict[str, Any]:
 def load_requests(args: argparse.Namespace) -> list[Request]:
     if args.trace:
         from adapt.traces import load_trace
-        from adapt.workload import build_requests, poisson_arrivals, scale_to_rate
+        from adapt.workloads.builders import build_requests, poisson_arrivals, scale_to_rate
 
         trace = load_trace(args.trace).head(args.num_requests)
         rng = np.random.default_rng(args.seed)
@@ -134,7 +134,7 @@ def load_requests(args: argparse.Namespace) -> list[Request]:
             else scale_to_rate(trace.arrival_s, args.rate)
         )
         return build_requests(trace, arrivals)
-    from experiments.workloads import get_workload
+    from adapt.workloads import get_workload
 
     return get_workload(args.workload).build(args.rate, args.num_requests, args.seed)
 

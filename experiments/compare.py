@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt import tracking
-from experiments.plots import figure, save
+from adapt.plots import figure, save
 
 METRICS = ("ttft_mean", "ttlt_mean", "tbt_p99", "throughput_tps", "goodput_tokens", "slo_attainment")
 

@@ -19,10 +19,12 @@ import sys
 from pathlib import Path
 
 from adapt.online import tune
-from experiments.replay.cli import ReplaySetup, add_overlap_argument, replay_policy
-from experiments.workloads import WORKLOADS
+from adapt.replay.cost import add_overlap_argument
+from adapt.replay.runner import ReplaySetup, replay_policy
+from adapt.workloads import WORKLOADS
 from pipelines.ewsjf import ewsjf_objective, history_lengths
 from predictors.ewsjf_meta import THETA_SPACE, EwsjfMetaPolicy
+from serving_hooks.policies import make_policy
 from serving_hooks.policies.ewsjf import EWSJF
 
 RATES = (10, 20, 40, 60, 80, 100)
@@ -75,8 +77,8 @@ def main() -> None:
     )
 
     variants = {
-        "fcfs": None,
-        "spf": None,
+        "fcfs": lambda: make_policy("fcfs"),
+        "spf": lambda: make_policy("spf"),
         "ewsjf(default)": lambda: EWSJF(),
         "ewsjf(tuned)": lambda: EWSJF(tuned),
     }
@@ -86,8 +88,8 @@ def main() -> None:
         for name, factory in variants.items():
             metrics = replay_policy(
                 setup,
-                name if factory is None else "fcfs",
-                policy_factory=factory,
+                factory,
+                label=name,
                 decode_attention=args.decode_attention,
                 overlap=args.overlap,
             ).metrics()
@@ -121,8 +123,8 @@ def main() -> None:
         meta.fit(lengths)
         metrics = replay_policy(
             setup,
-            "fcfs",
-            policy_factory=lambda m=meta: EWSJF(m),
+            lambda m=meta: EWSJF(m),
+            label=label,
             decode_attention=args.decode_attention,
             overlap=args.overlap,
         ).metrics()

@@ -40,8 +40,8 @@ SCALE_TO_CONTEXT = 1024
 def workload(requests: int, rate: float, offset: int) -> list[tuple[float, int, int]]:
     """(arrival s, prompt tokens, output tokens) from the Azure trace rows [offset, offset + n)."""
     from adapt.traces import load_trace
-    from adapt.workload import scale_to_rate
-    from experiments.workloads import bundled
+    from adapt.workloads import bundled
+    from adapt.workloads.builders import scale_to_rate
 
     azure = load_trace(bundled("azure_conv_2023.csv.gz"))
     rows = slice(offset, offset + requests)
@@ -151,8 +151,8 @@ def replay_errors(
     real: list[dict[str, Any]], cost: Any, limits: dict[str, Any], policy: str
 ) -> dict[str, float]:
     """Median absolute % error of simulated vs measured TTFT and E2E, over finished requests."""
+    from adapt.replay.engine import EngineConfig, ReplayEngine
     from adapt.requests import Request
-    from experiments.replay.engine import EngineConfig, ReplayEngine
     from serving_hooks.policies import make_policy_from_spec
 
     requests = [

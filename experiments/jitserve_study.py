@@ -27,22 +27,21 @@ from typing import Any
 import numpy as np
 
 from adapt.policy import Policy, RequestState
+from adapt.replay.cost import add_overlap_argument, roofline
+from adapt.replay.engine import ReplayEngine
 from adapt.traces import load_trace
-from experiments.replay.cli import add_overlap_argument
-from experiments.replay.cost import roofline
-from experiments.replay.engine import ReplayEngine
-from experiments.workloads import WORKLOADS, bundled, jitserve_mix
+from adapt.workloads import WORKLOADS, bundled, jitserve_mix
 from serving_hooks.policies import make_policy
 
 NON_ORACLE = ("fcfs", "sarathi", "edf", "edf (512-token budget)", "plas", "ltr+qrf", "jitserve")
 
 
 def fit_components() -> tuple[Any, Any]:
-    from experiments.compound_programs import generate_graphs
+    from adapt.traces import split_by_instruction
+    from adapt.workloads.compound import generate_graphs
     from pipelines.jitserve import GENERATED_TRAIN
     from predictors.pattern_graph import PatternGraph
     from predictors.qrf_length import QrfLength
-    from predictors.semantic_history import split_by_instruction
 
     train, _ = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
     qrf = QrfLength(generated_features=0).fit(train)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from adapt.traces import load_trace
-from experiments.workloads import bundled
+from adapt.workloads import bundled
 
 POINTS = (0, 50, 100, 200)
 
@@ -73,10 +73,10 @@ def latency_ms(model: Any, test: Any) -> tuple[float, float, float]:
 
 
 def replay_goodput(bounds: dict[str, Any], rate: float, requests: int, seeds: list[int]) -> dict[str, float]:
+    from adapt.replay.cost import roofline
+    from adapt.replay.engine import ReplayEngine
+    from adapt.workloads import WORKLOADS, jitserve_mix
     from experiments.jitserve_study import fit_components
-    from experiments.replay.cost import roofline
-    from experiments.replay.engine import ReplayEngine
-    from experiments.workloads import WORKLOADS, jitserve_mix
     from serving_hooks.policies import make_policy
 
     _, patterns = fit_components()
@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--no-replay", action="store_true")
     args = parser.parse_args()
 
-    from predictors.semantic_history import split_by_instruction
+    from adapt.traces import split_by_instruction
 
     train, test = split_by_instruction(load_trace(args.data), 0.3)
     print(f"{args.data}: {len(train):,} training responses, {len(test):,} held out", flush=True)

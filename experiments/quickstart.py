@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from adapt.plots import figure, save
 from adapt.policy import Policy
-from experiments.plots import figure, save
-from experiments.replay.cli import ReplaySetup, log_to_mlflow, replay_policy
-from experiments.replay.cost import roofline
-from experiments.replay.engine import EngineConfig, ReplayEngine
-from experiments.replay.metrics import ReplayResult
-from experiments.workloads import WORKLOADS
-from serving_hooks.policies import POLICIES
+from adapt.replay.cost import roofline
+from adapt.replay.engine import EngineConfig, ReplayEngine
+from adapt.replay.metrics import ReplayResult
+from adapt.replay.runner import ReplaySetup, log_to_mlflow, replay_policy
+from adapt.workloads import WORKLOADS
+from serving_hooks.policies import POLICIES, make_policy_from_spec
 
 
 @dataclass(frozen=True)
@@ -227,9 +227,8 @@ def run_quickstart(
         results: dict[str, ReplayResult] = {}
         metrics: dict[str, dict[str, Any]] = {}
         for policy in policies:
-            results[policy] = replay_policy(
-                setup, policy, progress=True, policy_factory=factories.get(policy)
-            )
+            build = factories.get(policy) or (lambda spec=policy: make_policy_from_spec(spec))
+            results[policy] = replay_policy(setup, build, label=policy, progress=True)
             metrics[policy] = results[policy].metrics()
             if mlflow:
                 log_to_mlflow("quickstart", setup.workload, policy, metrics[policy])

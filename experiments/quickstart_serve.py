@@ -53,9 +53,9 @@ def wait_for_status(
 
 def serve_demo(out: Path, fast: bool) -> dict[str, Any]:
     from adapt.registry import Registry
+    from adapt.workloads import get_workload
+    from adapt.workloads.compound import generate_graphs
     from experiments.bench_serve import run_load, summarise
-    from experiments.compound_programs import generate_graphs
-    from experiments.workloads import get_workload
     from predictors.pattern_graph import PatternGraph
     from serving_hooks.server import server_command
     from serving_hooks.tiny_model import VLLM_CPU_ARGS, make_tiny_model

@@ -33,14 +33,14 @@ from typing import Any
 import numpy as np
 
 from adapt.policy import Policy
-from adapt.traces import load_trace
-from experiments.replay.cli import add_overlap_argument
-from experiments.replay.cost import roofline
-from experiments.replay.engine import EngineConfig, ReplayEngine
-from experiments.workloads import WORKLOADS, bundled, sagesched_mix
-from predictors.semantic_history import SemanticHistory, split_by_instruction
+from adapt.registry import load_reference
+from adapt.replay.cost import add_overlap_argument, roofline
+from adapt.replay.engine import EngineConfig, ReplayEngine
+from adapt.traces import load_trace, split_by_instruction
+from adapt.workloads import WORKLOADS, bundled, sagesched_mix
+from predictors.semantic_history import SemanticHistory
 from serving_hooks.policies import make_policy
-from serving_hooks.policies.sagesched import history_length_predictor, resolve_history
+from serving_hooks.policies.sagesched import history_length_predictor
 
 NON_ORACLE = ("fcfs", "ltr+history", "trail+history", "fastserve", "sagesched")
 
@@ -54,7 +54,7 @@ def train_split_history() -> SemanticHistory:
 def load_history(spec: str) -> SemanticHistory:
     if spec == "fit":
         return train_split_history()
-    return resolve_history(spec)
+    return load_reference("semantic-history", spec)
 
 
 def policies(history: SemanticHistory) -> dict[str, Callable[[], Policy]]:

@@ -25,86 +25,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from adapt.plots import figure, save
 from adapt.policy import Policy
-from experiments.plots import figure, save
-from experiments.replay.cli import ReplaySetup, add_overlap_argument
-from experiments.replay.cost import roofline
-from experiments.replay.engine import ReplayEngine
-from experiments.replay.metrics import ReplayResult
-from experiments.workloads import WORKLOADS, slai_tiers
+from adapt.replay.cost import add_overlap_argument
+from pipelines.slai import SLOS, make_setup, replay_objective, run, summarise
 from predictors.slai_offset import SlaiOffset
 from serving_hooks.policies import make_policy
 from serving_hooks.policies.slai import SLAI
 
-TTFT_TARGET_S = 0.5
-MIN_THROUGHPUT_RATIO = 0.95
 RATES = (0.2, 0.4, 0.8, 1.2, 1.6, 2.0, 2.4, 2.8, 3.2)
-
-
-def make_setup(rate: float, num_requests: int, seed: int = 0, paying_share: float = 0.05) -> ReplaySetup:
-    spec = WORKLOADS["slai-tiers"]
-    requests = slai_tiers(rate, num_requests, seed, paying_share=paying_share)
-    return ReplaySetup(requests, spec.info(rate, num_requests, seed), spec.model, spec.gpu, spec.tp)
-
-
-def run(setup: ReplaySetup, policy: Policy, overlap: str = "step") -> ReplayResult:
-    engine = ReplayEngine(policy, roofline(setup.model, setup.gpu, tp=setup.tp, overlap=overlap))
-    return engine.run(setup.requests)
-
-
-def summarise(result: ReplayResult, slos: dict[str, float]) -> dict[str, Any]:
-    """Median TTFT, P99 TBT per tier, throughput against the offered load, and whether the run
-    meets every target. A policy only *sustains* a rate if it also keeps up with it (completes
-    requests at >= 95% of the arrival rate in steady state, see `keep_up_ratio`): a low median TTFT
-    bought by letting a backlog of long requests pile up is not a sustained load."""
-    metrics = result.metrics()
-    tiers = metrics.get("by_class", {})
-    summary: dict[str, Any] = {"ttft_p50": metrics["ttft_p50"], "completed": metrics["completed"]}
-    excess = 0.0
-    for tier, slo in slos.items():
-        p99 = tiers.get(tier, {}).get("tbt_p99")
-        summary[f"{tier}_tbt_p99"] = p99
-        if p99 is not None:
-            excess = max(excess, p99 / slo - 1.0)
-    summary["tbt_within_slo"] = excess <= 0.0
-    ratio = keep_up_ratio(result)
-    summary["throughput_ratio"] = ratio
-    summary["keeps_up"] = ratio >= MIN_THROUGHPUT_RATIO
-    excess = max(excess, MIN_THROUGHPUT_RATIO - ratio)
-    summary["tbt_excess"] = max(0.0, excess)
-    summary["feasible"] = excess <= 0.0
-    summary["sustained"] = bool(summary["feasible"] and metrics["ttft_p50"] <= TTFT_TARGET_S)
-    summary["preemptions"] = metrics["preemptions"]
-    return summary
-
-
-SLOS = {"paying": 0.1, "free": 0.5}
-
-
-def keep_up_ratio(result: ReplayResult, start: float = 0.2, end: float = 0.8) -> float:
-    """Completions over arrivals inside the middle of the arrival span. A finite trace always
-    ends with a drain, so whole-run throughput understates a server that keeps up; in steady
-    state the two counts match, and a growing backlog shows as a ratio below 1."""
-    arrivals = sorted(r.arrival_s for r in result.records)
-    if len(arrivals) < 10:
-        return 1.0
-    span = arrivals[-1] - arrivals[0]
-    low, high = arrivals[0] + start * span, arrivals[0] + end * span
-    arrived = sum(1 for t in arrivals if low <= t < high)
-    finished = sum(1 for r in result.records if r.finish_s is not None and low <= r.finish_s < high)
-    return finished / arrived if arrived else 1.0
-
-
-def replay_objective(
-    rate: float, num_requests: int, seed: int = 0, overlap: str = "step"
-) -> Callable[[SlaiOffset], dict[str, Any]]:
-    """What `SlaiOffset.fit` optimises: replay SLAI (SPF) with a candidate offset."""
-    setup = make_setup(rate, num_requests, seed)
-
-    def evaluate(offset: SlaiOffset) -> dict[str, Any]:
-        return summarise(run(setup, SLAI(offset=offset), overlap), SLOS)
-
-    return evaluate
 
 
 def policies(tuned: SlaiOffset) -> dict[str, Callable[[], Policy]]:

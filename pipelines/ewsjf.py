@@ -23,15 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from adapt.component import PolicyConfig
+from adapt.plots import figure, save
 from adapt.registry import Registry
-from experiments.plots import figure, save
-from experiments.replay.cost import roofline
-from experiments.replay.engine import ReplayEngine
-from experiments.workloads import WORKLOADS
+from adapt.replay.cost import roofline
+from adapt.replay.engine import ReplayEngine
+from adapt.workloads import WORKLOADS
 from pipelines.outcome import TrainOutcome, beats, latest_data_hash, register_and_gate
 from predictors.ewsjf_meta import REWARD_WEIGHTS, THETA_SPACE, EwsjfMetaPolicy, equation5
 from serving_hooks.policies import make_policy
+from serving_hooks.policies.config import PolicyConfig
 from serving_hooks.policies.ewsjf import EWSJF
 
 

@@ -7,7 +7,7 @@ The bundled AlpacaEval slice has response lengths but not texts, so on it the bo
 the generated-token count alone (`generated_features=0`), which is also all the replay can offer.
 
 `adapt train pattern-graph`: fit on compound programs -- a JSONL file of graphs (`--data`), or
-2,000 generated programs (`experiments.compound_programs`) with 300 others, from another seed, as
+2,000 generated programs (`adapt.workloads.compound`) with 300 others, from another seed, as
 the held-out set -- and gate on the mean stage-share error.
 """
 
@@ -16,13 +16,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from adapt.programs import ProgramGraph, read_graphs
 from adapt.registry import Registry
 from adapt.traces import Trace
 from pipelines.outcome import TrainOutcome
 from pipelines.replay_checks import jitserve_goodput
 from pipelines.runner import PipelineSpec, Split, run_pipeline
 from pipelines.semantic_history import instruction_window, load_prompt_responses
-from predictors.pattern_graph import PatternGraph, ProgramGraph, read_graphs
+from predictors.pattern_graph import PatternGraph
 from predictors.qrf_length import QrfLength
 
 GENERATED_TRAIN = (2000, 1000)  # (programs, seed)
@@ -93,7 +94,7 @@ def _graphs(data: str | Path | None) -> tuple[list[ProgramGraph], list[ProgramGr
             raise ValueError(f"{data}: need at least 10 programs, found {len(graphs)}")
         cut = int(len(graphs) * 0.8)
         return graphs[:cut], graphs[cut:], str(data)
-    from experiments.compound_programs import generate_graphs
+    from adapt.workloads.compound import generate_graphs
 
     train, test = generate_graphs(*GENERATED_TRAIN), generate_graphs(*GENERATED_TEST)
     return train, test, "generated: chatbot-compound, deep-research, agentic-codegen"

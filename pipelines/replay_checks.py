@@ -18,9 +18,9 @@ REPLAY_JOBS = 300
 
 
 def _replay(workload: str, rate: float, policy: Any) -> dict[str, Any]:
-    from experiments.replay.cost import roofline
-    from experiments.replay.engine import ReplayEngine
-    from experiments.workloads import WORKLOADS
+    from adapt.replay.cost import roofline
+    from adapt.replay.engine import ReplayEngine
+    from adapt.workloads import WORKLOADS
 
     spec = WORKLOADS[workload]
     requests = spec.build(rate, REPLAY_JOBS, REPLAY_SEED)

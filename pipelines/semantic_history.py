@@ -14,17 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from adapt.registry import Registry
-from adapt.traces import Trace, load_trace
+from adapt.traces import Trace, load_trace, split_by_instruction
 from pipelines.outcome import TrainOutcome
 from pipelines.replay_checks import sagesched_ttlt
 from pipelines.runner import PipelineSpec, Split, run_pipeline
-from predictors.semantic_history import MODES, SemanticHistory, split_by_instruction
+from predictors.semantic_history import MODES, SemanticHistory
 
 BASELINE_MODES = tuple(m for m in MODES if m != "semantic")
 
 
 def default_data() -> Path:
-    from experiments.workloads import bundled
+    from adapt.workloads import bundled
 
     return bundled("alpaca_eval_lengths.jsonl.gz")
 

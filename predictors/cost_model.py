@@ -20,23 +20,23 @@ from typing import Any, Self
 import numpy as np
 
 from adapt.component import ComponentError, LearnedComponent, data_fingerprint
-from adapt.steplog import STEP_FIELDS
+from adapt.steplog import STEP_FIELDS, StepBatch, attention_work
 
 FEATURES: tuple[str, ...] = ("intercept", "tokens", "sampled", "attn_units", "kv_read", "num_decodes")
 
 
 def _design(columns: dict[str, Any]) -> np.ndarray:
-    """Feature matrix from step-log columns (arrays or scalars of equal length)."""
+    """Feature matrix from step-log columns (arrays or scalars of equal length): the step's
+    features combined exactly as the roofline combines them (`adapt.steplog.attention_work`)."""
     tokens = np.atleast_1d(np.asarray(columns["tokens"], dtype=np.float64))
     n = len(tokens)
 
     def col(name: str) -> np.ndarray:
         return np.broadcast_to(np.asarray(columns.get(name, 0.0), dtype=np.float64), (n,))
 
-    decodes = col("num_decodes")
-    attn = col("prefill_attn_units") + col("decode_ctx_sum") + decodes
-    kv_read = col("prefill_kv_read") + col("decode_ctx_sum")
-    return np.column_stack([np.ones(n), tokens, col("sampled"), attn, kv_read, decodes])
+    batch = StepBatch(tokens, *(col(name) for name in STEP_FIELDS[1:]))
+    attn, kv_read = attention_work(batch)
+    return np.column_stack([np.ones(n), tokens, batch.sampled, attn, kv_read, batch.num_decodes])
 
 
 class FittedCostModel(LearnedComponent):

@@ -125,6 +125,29 @@ def refine_and_prune(
     return _prune(refined, max_queues, len(values))
 
 
+def layout_terms(queues: list[QueueSpec], lengths: np.ndarray, max_queues: int) -> dict[str, float]:
+    """Equation 5's structural terms for a layout and the lengths routed to it: compactness C
+    (1 - mean coefficient of variation inside queues), load balance L (1 / (1 + CV of queue
+    loads)), proliferation S (queues / max_queues)."""
+    lows = [q.low for q in queues]
+    index = np.clip(np.searchsorted(lows, lengths, side="right") - 1, 0, len(queues) - 1)
+    groups = [lengths[index == i] for i in range(len(queues))]
+    return layout_group_terms([g for g in groups if len(g)], len(queues), max_queues)
+
+
+def layout_group_terms(groups: list[np.ndarray], num_queues: int, max_queues: int) -> dict[str, float]:
+    """The same terms from the prompt lengths already grouped by queue (the policy's live queues)."""
+    cvs = [float(g.std() / g.mean()) for g in groups if len(g) > 1 and g.mean() > 0]
+    loads = np.array([len(g) for g in groups], dtype=np.float64)
+    balance = 1.0 / (1.0 + float(loads.std() / loads.mean())) if len(loads) > 1 else 1.0
+    return {
+        "compactness": 1.0 - min(1.0, float(np.mean(cvs))) if cvs else 1.0,
+        "balance": balance,
+        "proliferation": num_queues / max_queues,
+        "queues": float(num_queues),
+    }
+
+
 class EwsjfMetaPolicy(LearnedComponent):
     """Queue layout + scoring meta-parameters. Hyper-parameters are Theta and the partitioning."""
 
@@ -201,8 +224,6 @@ class EwsjfMetaPolicy(LearnedComponent):
     def evaluate(self, data: Any) -> dict[str, float]:
         """Layout quality on a window of prompt lengths: compactness and balance (equation 5's
         C and L terms) and the queue count."""
-        from serving_hooks.policies.ewsjf import layout_terms
-
         return layout_terms(self.queues_, np.asarray(data, dtype=np.float64), self.max_queues)
 
     def save_state(self, directory: Path) -> None:

@@ -41,7 +41,7 @@ def refinement_rows(output_tokens: Sequence[int], points: Sequence[int]) -> tupl
 def calibration_rows(texts: Sequence[str], share: float) -> np.ndarray:
     """True for the rows held out to calibrate the bound, chosen by instruction like
     `instruction_split` but from other bits of the hash, so the two splits are independent."""
-    from predictors.semantic_history import prompt_hash
+    from adapt.traces import prompt_hash
 
     cut = int(share * 1000)
     return np.array([(prompt_hash(t) // 1000) % 1000 < cut for t in texts], dtype=bool)

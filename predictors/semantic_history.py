@@ -22,7 +22,6 @@ Saved as a FAISS index of the window's embeddings plus an npz of its lengths (no
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from collections.abc import Sequence
@@ -32,7 +31,7 @@ from typing import Any, Self
 import numpy as np
 
 from adapt.component import ComponentError, LearnedComponent, data_fingerprint
-from adapt.traces import Trace
+from adapt.traces import prompt_hash
 from predictors.length_distribution import LengthDistribution, bucket_overlap, crps, wasserstein
 
 MODES = ("semantic", "length", "point")
@@ -40,28 +39,6 @@ COLD_PRIOR_MAX_TOKENS = 2048  # an empty window predicts a uniform length up to 
 _SEARCH_MARGIN = 64
 _PARALLEL_QUERIES = 20  # FAISS switches to BLAS at 20 queries; below that one thread is faster
 _CORES = os.cpu_count() or 1  # extra FAISS hits fetched so that excluded same-prompt entries do not starve
-
-
-def prompt_hash(text: str | None) -> int:
-    """A stable 63-bit fingerprint of a prompt (0 for no text), to recognise repeats cheaply."""
-    if text is None:
-        return 0
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") >> 1 or 1
-
-
-def instruction_split(texts: Sequence[str], test_share: float = 0.3) -> np.ndarray:
-    """True for rows whose text falls in the held-out share, decided by a hash of the text, so that
-    every copy of an instruction lands on the same side and the split never changes between runs."""
-    if not 0.0 < test_share < 1.0:
-        raise ValueError(f"test_share: expected a number in (0, 1), got {test_share!r}")
-    cut = int(test_share * 1000)
-    return np.array([prompt_hash(t) % 1000 < cut for t in texts], dtype=bool)
-
-
-def split_by_instruction(trace: Trace, test_share: float = 0.3) -> tuple[Trace, Trace]:
-    """(train, held-out) rows of a prompt/response trace, split by `instruction_split`."""
-    held_out = instruction_split(trace.prompt_text, test_share)
-    return trace.take(np.flatnonzero(~held_out)), trace.take(np.flatnonzero(held_out))
 
 
 class SemanticHistory(LearnedComponent):

@@ -14,7 +14,7 @@ from pathlib import Path
 from adapt.tokenizer import count_tokens
 
 SOURCE = Path("../shared/data/prompts/alpaca_eval_outputs.jsonl.gz")
-TARGET = Path("experiments/data/alpaca_eval_lengths.jsonl.gz")
+TARGET = Path("adapt/workloads/data/alpaca_eval_lengths.jsonl.gz")
 
 
 def main() -> None:

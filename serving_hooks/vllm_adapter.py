@@ -35,7 +35,7 @@ from vllm.v1.request import RequestStatus
 
 from adapt.policy import EngineView, Plan, RequestState
 from adapt.requests import SLO, CompletedRequest, ValidationError
-from adapt.steplog import STEP_FIELDS
+from adapt.steplog import step_batch
 from serving_hooks.live import LiveComponents
 from serving_hooks.monitor import Monitor
 from serving_hooks.policies import make_policy_from_spec
@@ -275,21 +275,15 @@ class PolicyScheduler(AsyncScheduler):
             if self._last_step is not None:
                 start, features = self._last_step
                 self.monitor.step(start, now - start, features)
-            features = dict.fromkeys(STEP_FIELDS, 0.0)
+            work = []
             for request_id, n in output.num_scheduled_tokens.items():
                 request = self.requests.get(request_id)
                 if request is None:
                     continue
                 cached = request.num_computed_tokens - n  # vLLM advanced it inside schedule()
-                features["tokens"] += n
-                features["sampled"] += cached + n >= request.num_tokens
-                if n == 1 and cached >= request.num_prompt_tokens:
-                    features["num_decodes"] += 1
-                    features["decode_ctx_sum"] += cached
-                    features["decode_ctx_max"] = max(features["decode_ctx_max"], cached)
-                else:
-                    features["prefill_attn_units"] += n * cached + n * (n + 1) / 2
-                    features["prefill_kv_read"] += cached
+                is_decode = n == 1 and cached >= request.num_prompt_tokens
+                work.append((n, cached, is_decode, cached + n >= request.num_tokens))
+            features = step_batch(work).as_row()
             self._last_step = (now, features) if features["tokens"] else None
         except Exception:
             log.exception("step log: could not record a step")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.replay.engine import ReplayEngine
+from adapt.replay.engine import ReplayEngine
 
 
 class ConstantCost:

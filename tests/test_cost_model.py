@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from experiments.replay.cost import MODELS, GPUSpec, ModelSpec, RooflineCostModel, StepBatch, roofline
+from adapt.replay.cost import MODELS, GPUSpec, ModelSpec, RooflineCostModel, roofline
+from adapt.steplog import StepBatch
 
 TINY = ModelSpec("tiny", layers=1, hidden=10, heads=1, kv_heads=1, head_dim=10, intermediate=10, vocab=10)
 # 1e6 FLOP/s and 1e6 B/s at 100% efficiency: every number below is worked out by hand.

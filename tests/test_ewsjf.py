@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapt.policy import RequestState
+from adapt.replay.engine import EngineConfig
 from adapt.requests import Request
-from experiments.replay.engine import EngineConfig
 from predictors.ewsjf_meta import (
     EwsjfMetaPolicy,
     QueueSpec,
@@ -168,9 +168,9 @@ def test_component_round_trip(tmp_path):
 
 
 def test_online_tuner_runs_trials_inside_the_engine_from_the_champion():
-    from experiments.replay.cost import roofline
-    from experiments.replay.engine import ReplayEngine
-    from experiments.workloads import WORKLOADS
+    from adapt.replay.cost import roofline
+    from adapt.replay.engine import ReplayEngine
+    from adapt.workloads import WORKLOADS
     from serving_hooks.policies.ewsjf import OnlineEWSJF
 
     champion = EwsjfMetaPolicy(b_u=2.0, w_base=0.5).fit(

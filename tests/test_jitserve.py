@@ -9,11 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from adapt.policy import EngineView, RequestState
+from adapt.programs import ProgramGraph, StageNode
+from adapt.replay.engine import EngineConfig
+from adapt.replay.metrics import RequestRecord, _aggregate
 from adapt.requests import SLO, ProgramRef, Request
-from experiments.compound_programs import generate_graphs, generate_programs, program_requests
-from experiments.replay.engine import EngineConfig
-from experiments.replay.metrics import RequestRecord, _aggregate
-from predictors.pattern_graph import PatternGraph, ProgramGraph, StageNode
+from adapt.workloads.compound import generate_graphs, generate_programs, program_requests
+from predictors.pattern_graph import PatternGraph
 from serving_hooks.policies.gmax import bandwidth, select_batch
 from serving_hooks.policies.jitserve import JITServe
 from tests.replay_helpers import CheckedEngine, ConstantCost
@@ -319,7 +320,7 @@ def test_no_request_lost_with_programs(seed, waiting, running):
 
 
 def test_jitserve_mix_workload_shape():
-    from experiments.workloads import jitserve_mix
+    from adapt.workloads import jitserve_mix
 
     requests = jitserve_mix(2.0, 300, seed=1)
     assert requests == jitserve_mix(2.0, 300, seed=1)

@@ -13,9 +13,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_scheduler_follows_the_policy_config_champion(tmp_path, monkeypatch):
-    from adapt.component import PolicyConfig
     from adapt.registry import Registry
     from experiments.bench_scheduler import make_requests, make_scheduler, step
+    from serving_hooks.policies.config import PolicyConfig
     from serving_hooks.tiny_model import make_tiny_model
     from serving_hooks.vllm_adapter import PolicyScheduler
 

@@ -66,7 +66,7 @@ def test_bad_quantiles_are_refused(kwargs):
 
 
 def _slice(tmp_path, instructions: int):
-    from experiments.workloads import bundled
+    from adapt.workloads import bundled
 
     with gzip.open(bundled("alpaca_eval_lengths.jsonl.gz"), "rt") as handle:
         rows = [json.loads(line) for line in handle]
@@ -78,8 +78,7 @@ def _slice(tmp_path, instructions: int):
 
 @pytest.mark.slow
 def test_fit_round_trip_and_tampering(tmp_path):
-    from adapt.traces import load_trace
-    from predictors.semantic_history import split_by_instruction
+    from adapt.traces import load_trace, split_by_instruction
 
     train, test = split_by_instruction(load_trace(_slice(tmp_path, 120)), 0.3)
     model = NeuralLength(epochs=3).fit(train)

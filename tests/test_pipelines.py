@@ -5,9 +5,9 @@ import pandas as pd
 import pytest
 
 from adapt.cli import main
-from adapt.component import PolicyConfig
 from adapt.registry import Registry
 from pipelines.slai import better
+from serving_hooks.policies.config import PolicyConfig
 
 pytestmark = pytest.mark.slow
 
@@ -128,7 +128,7 @@ def test_semantic_history_train_register_evaluate(tmp_path, capsys):
     import gzip
     import json
 
-    from experiments.workloads import bundled
+    from adapt.workloads import bundled
 
     with gzip.open(bundled("alpaca_eval_lengths.jsonl.gz"), "rt") as handle:
         rows = [json.loads(line) for line in handle]
@@ -171,7 +171,7 @@ def test_qrf_length_pipeline_on_a_length_only_slice(tmp_path, capsys):
     import gzip
     import json
 
-    from experiments.workloads import bundled
+    from adapt.workloads import bundled
     from pipelines.jitserve import train_qrf_length
 
     with gzip.open(bundled("alpaca_eval_lengths.jsonl.gz"), "rt") as handle:

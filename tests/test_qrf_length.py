@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 from adapt.component import ComponentError, read_component
-from adapt.traces import load_trace
+from adapt.traces import load_trace, split_by_instruction
 from predictors.qrf_length import QrfLength, response_prefixes
-from predictors.semantic_history import split_by_instruction
 
 pytestmark = pytest.mark.slow
 

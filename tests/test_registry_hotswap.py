@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapt.component import ComponentError, PolicyConfig, read_component
+from adapt.component import ComponentError, read_component
 from adapt.hotswap import Slot
 from adapt.registry import Registry, RegistryError
 from predictors.cost_model import FittedCostModel
+from serving_hooks.policies.config import PolicyConfig
 
 pytestmark = pytest.mark.slow
 
@@ -234,7 +235,7 @@ def test_two_processes_initialising_the_store_together(tmp_path):
 
     uri = f"sqlite:///{tmp_path / 'race.db'}"
     code = (
-        "from adapt.registry import Registry; from adapt.component import PolicyConfig;"
+        "from adapt.registry import Registry; from serving_hooks.policies.config import PolicyConfig;"
         f"r = Registry({uri!r}, cache_dir={str(tmp_path / 'c')!r}); print(r.log(PolicyConfig('fcfs')))"
     )
     procs = [
@@ -272,9 +273,9 @@ def test_replay_with_a_registered_fitted_cost_model(tmp_path, monkeypatch):
     import json
 
     from adapt.cli import main
+    from adapt.replay.cost import roofline
+    from adapt.replay.engine import EngineConfig, ReplayEngine
     from adapt.requests import Request
-    from experiments.replay.cost import roofline
-    from experiments.replay.engine import EngineConfig, ReplayEngine
     from serving_hooks.policies import make_policy
 
     uri = f"sqlite:///{tmp_path / 'cm.db'}"

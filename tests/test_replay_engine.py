@@ -4,8 +4,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from adapt.replay.engine import EngineConfig, ReplayEngine
 from adapt.requests import SLO, Request
-from experiments.replay.engine import EngineConfig, ReplayEngine
 from serving_hooks.policies import POLICIES, make_policy
 from tests.replay_helpers import CheckedEngine, ConstantCost
 
@@ -150,7 +150,7 @@ def make_requests(rows):
     kv_blocks=st.integers(30, 80),
 )
 def test_engine_invariants_and_fast_path_agree(rows, policy, budget, max_running, kv_blocks):
-    from experiments.replay.cost import roofline
+    from adapt.replay.cost import roofline
 
     requests = make_requests(rows)
     cost = roofline("llama-2-7b", "a100-80g")
@@ -189,7 +189,7 @@ def test_engine_invariants_and_fast_path_agree(rows, policy, budget, max_running
 @settings(max_examples=15, deadline=None)
 @given(rows=request_lists, policy=st.sampled_from(tuple(POLICIES)))
 def test_same_seed_same_result(rows, policy):
-    from experiments.replay.cost import roofline
+    from adapt.replay.cost import roofline
 
     requests = make_requests(rows)
     first = ReplayEngine(make_policy(policy), roofline("mistral-7b", "a40")).run(requests).metrics()

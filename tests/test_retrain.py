@@ -8,9 +8,9 @@ import pytest
 
 from adapt.cli import main
 from adapt.registry import Registry
-from experiments.replay.cost import roofline
-from experiments.replay.engine import EngineConfig, ReplayEngine
-from experiments.workloads import WORKLOADS
+from adapt.replay.cost import roofline
+from adapt.replay.engine import EngineConfig, ReplayEngine
+from adapt.workloads import WORKLOADS
 from serving_hooks.policies import make_policy
 
 pytestmark = pytest.mark.slow
@@ -56,9 +56,9 @@ def test_retrain_picks_up_prompt_and_program_files(tmp_path, capsys):
     import gzip
     import json
 
-    from experiments.compound_programs import generate_graphs
-    from experiments.workloads import bundled
-    from predictors.pattern_graph import write_graphs
+    from adapt.programs import write_graphs
+    from adapt.workloads import bundled
+    from adapt.workloads.compound import generate_graphs
 
     data = tmp_path / "data"
     data.mkdir()

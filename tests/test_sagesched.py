@@ -10,10 +10,11 @@ from hypothesis import strategies as st
 
 from adapt.component import read_component
 from adapt.policy import EngineView, RequestState
+from adapt.replay.engine import EngineConfig, ReplayEngine
 from adapt.requests import Request
-from experiments.replay.engine import EngineConfig, ReplayEngine
+from adapt.traces import instruction_split, prompt_hash
 from predictors.length_distribution import LengthDistribution, bucket_overlap, crps, wasserstein
-from predictors.semantic_history import SemanticHistory, instruction_split, prompt_hash
+from predictors.semantic_history import SemanticHistory
 from serving_hooks.policies import make_policy
 from serving_hooks.policies.sagesched import SageSched, gittins_index, mean_remaining, service_cost
 from tests.replay_helpers import CheckedEngine, ConstantCost
@@ -312,7 +313,7 @@ def test_no_request_lost_and_fast_path_agrees(rows, params, max_running, kv_bloc
 def test_sagesched_mix_replay_with_real_embeddings():
     """The workload draws held-out AlpacaEval prompts; the policy embeds them with MiniLM, orders
     them, and every request completes with exactly its tokens."""
-    from experiments.workloads import sagesched_mix
+    from adapt.workloads import sagesched_mix
 
     requests = sagesched_mix(3.0, 150, seed=1)
     assert {r.label for r in requests} == {"alpaca", "chat", "summarize"}

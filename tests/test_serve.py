@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from adapt.registry import Registry
-from experiments.compound_programs import generate_graphs
+from adapt.workloads.compound import generate_graphs
 from experiments.quickstart_serve import adapt_status, free_port, wait_for_status
 from predictors.pattern_graph import PatternGraph
 from serving_hooks.server import server_command

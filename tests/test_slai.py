@@ -3,8 +3,8 @@
 import pytest
 
 from adapt.policy import EngineView, RequestState
+from adapt.replay.engine import EngineConfig
 from adapt.requests import SLO, Request
-from experiments.replay.engine import EngineConfig
 from predictors.slai_offset import SlaiOffset
 from serving_hooks.policies import make_policy
 from serving_hooks.policies.slai import SLAI, last_schedulable_time

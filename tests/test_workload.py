@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from adapt.requests import SLO
 from adapt.traces import Trace
-from adapt.workload import (
+from adapt.workloads.builders import (
     SLOClass,
     build_requests,
     gamma_arrivals,

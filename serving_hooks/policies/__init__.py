@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from adapt.policy import Policy
+from adapt.registry import load_reference
 from serving_hooks.policies.baselines import (
     EDF,
     FCFS,
@@ -48,10 +49,18 @@ BASELINES: tuple[str, ...] = tuple(BASELINE_POLICIES)
 
 
 def make_policy(name: str, **params: Any) -> Policy:
-    """A fresh policy instance (policies keep per-replay state, so never share one)."""
+    """A fresh policy instance (policies keep per-replay state, so never share one).
+
+    A learned component given by registry reference -- an alias such as `champion` or a version
+    `vN`, as a user types it (`jitserve:qrf=v2`) -- is loaded here, so policies only ever receive
+    component instances (or their parameters) and never look anything up themselves."""
     if name not in POLICIES:
         raise ValueError(f"policy: unknown {name!r}; expected one of {', '.join(POLICIES)}")
-    return POLICIES[name](**params)
+    policy_class = POLICIES[name]
+    for attribute, component in getattr(policy_class, "components", {}).items():
+        if isinstance(params.get(attribute), str):
+            params[attribute] = load_reference(component, params[attribute])
+    return policy_class(**params)
 
 
 def servable_policies() -> list[str]:

@@ -24,7 +24,14 @@ from typing import Any
 import numpy as np
 
 from adapt.policy import FOREVER, EngineView, Horizon, Plan, Policy, RequestState
-from predictors.ewsjf_meta import REWARD_WEIGHTS, SCORING_SPACE, EwsjfMetaPolicy, QueueSpec, equation5
+from predictors.ewsjf_meta import (
+    REWARD_WEIGHTS,
+    SCORING_SPACE,
+    EwsjfMetaPolicy,
+    QueueSpec,
+    equation5,
+    layout_group_terms,
+)
 
 
 class LengthQueue:
@@ -37,28 +44,6 @@ class LengthQueue:
         self.items: OrderedDict[str, RequestState] = OrderedDict()
         self.empty_since: int | None = None  # engine step at which the queue went empty
         self.assigned: list[int] = []
-
-
-def layout_terms(queues: list[QueueSpec], lengths: np.ndarray, max_queues: int) -> dict[str, float]:
-    """Equation 5's structural terms for a layout and the lengths routed to it: compactness C
-    (1 - mean coefficient of variation inside queues), load balance L (1 / (1 + CV of queue
-    loads)), proliferation S (queues / max_queues)."""
-    lows = [q.low for q in queues]
-    index = np.clip(np.searchsorted(lows, lengths, side="right") - 1, 0, len(queues) - 1)
-    groups = [lengths[index == i] for i in range(len(queues))]
-    return _terms([g for g in groups if len(g)], len(queues), max_queues)
-
-
-def _terms(groups: list[np.ndarray], num_queues: int, max_queues: int) -> dict[str, float]:
-    cvs = [float(g.std() / g.mean()) for g in groups if len(g) > 1 and g.mean() > 0]
-    loads = np.array([len(g) for g in groups], dtype=np.float64)
-    balance = 1.0 / (1.0 + float(loads.std() / loads.mean())) if len(loads) > 1 else 1.0
-    return {
-        "compactness": 1.0 - min(1.0, float(np.mean(cvs))) if cvs else 1.0,
-        "balance": balance,
-        "proliferation": num_queues / max_queues,
-        "queues": float(num_queues),
-    }
 
 
 class EWSJF(Policy):
@@ -200,7 +185,7 @@ class EWSJF(Policy):
     def layout_report(self) -> dict[str, float]:
         """Equation 5's structural terms over the requests routed so far."""
         groups = [np.asarray(q.assigned, dtype=np.float64) for q in self.queues if q.assigned]
-        terms = _terms(groups, len(self.queues), self.meta.max_queues)
+        terms = layout_group_terms(groups, len(self.queues), self.meta.max_queues)
         terms["bubbles_created"] = float(self.bubbles_created)
         return terms
 
@@ -273,7 +258,7 @@ class OnlineEWSJF(EWSJF):
             by_queue.setdefault(queue_id, []).append(length)
         self._routed = []
         groups = [np.asarray(v, dtype=np.float64) for v in by_queue.values()]
-        terms = _terms(groups, len(self.queues), self.meta.max_queues)
+        terms = layout_group_terms(groups, len(self.queues), self.meta.max_queues)
         terms["latency"] = ttft / self._reference_ttft
         return equation5(terms, self.weights), {"ttft_mean": ttft, **terms}
 

@@ -81,7 +81,7 @@ def on_time_tokens(c: dict[str, np.ndarray], start: np.ndarray, rem: np.ndarray,
     """How many of the next `rem` tokens meet their latency target if the first comes at
     start + step_s and then one per step. Token i is due by arrival + TTFT + i * TBT; with only a
     TBT, by first token + i * TBT (any time, for the first); with only a TTFT, the first by
-    arrival + TTFT and the rest any time (the replay's accounting, `experiments.replay.metrics`)."""
+    arrival + TTFT and the rest any time (the replay's accounting, `adapt.replay.metrics`)."""
     g, tbt = c["generated"], np.nan_to_num(c["tbt"], nan=0.0)
     has_ttft, has_tbt = ~np.isnan(c["ttft"]), ~np.isnan(c["tbt"])
     origin = np.where(has_ttft, c["arrival"] + np.nan_to_num(c["ttft"]), c["first_token"])

@@ -61,8 +61,9 @@ _WAITING = ("waiting", "preempted")
 
 
 class JITServe(Policy):
-    """GMAX (see module docstring). `qrf` and `patterns` take a component instance, a registry
-    alias, `vN`, or None (then an online empirical quantile of completed lengths stands in)."""
+    """GMAX (see module docstring). `qrf` and `patterns` take a component instance or None (then an
+    online empirical quantile of completed lengths stands in); `make_policy` loads a registry alias
+    or `vN` given by name."""
 
     name = "jitserve"
     components = {"qrf": "qrf-length", "patterns": "pattern-graph"}  # noqa: RUF012
@@ -92,8 +93,8 @@ class JITServe(Policy):
             raise ValueError("cutoff(s): must be in (0, 1]")
         if not 0 <= fairness <= 1:
             raise ValueError(f"fairness: must be in [0, 1], got {fairness}")
-        self.qrf = _resolve("qrf-length", qrf)
-        self.patterns = _resolve("pattern-graph", patterns)
+        self.qrf = qrf
+        self.patterns = patterns
         self.quantile = quantile
         self.frame_steps = int(frame_steps)
         self.batch_size = batch_size
@@ -370,7 +371,7 @@ class JITServe(Policy):
     def _partial_graph(self, request: RequestState):
         """The program's completed stages as the server saw them (tool stages are the gaps in
         the stage numbers, lasting from the last parent's finish to this call's arrival)."""
-        from predictors.pattern_graph import StageNode
+        from adapt.programs import StageNode
 
         program = request.program
         stages = self._programs.get(program.program_id, {})
@@ -501,15 +502,6 @@ class JITServeOracle(JITServe):
     def _stage_share(self, request: RequestState) -> float:
         share = request.program.deadline_share  # type: ignore[union-attr]
         return 1.0 if share is None else share
-
-
-def _resolve(component: str, value: Any):
-    """A component instance from what the policy was given (instance, alias, vN or None)."""
-    if not isinstance(value, str):
-        return value
-    from adapt.registry import load_reference
-
-    return load_reference(component, value)
 
 
 def _version(component: Any) -> Any:

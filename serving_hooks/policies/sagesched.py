@@ -95,8 +95,9 @@ def mean_remaining(costs: np.ndarray, probs: np.ndarray, attained: np.ndarray) -
 
 class SageSched(PriorityPolicy):
     """See the module docstring. `history` is a fitted `SemanticHistory` (the policy works on its own
-    copy), a dict of its parameters (an empty window that learns online), a registry reference
-    (`champion`, `v3`), or None (an empty default window); `history_mode` overrides its mode."""
+    copy), a dict of its parameters (an empty window that learns online), or None (an empty default
+    window; `make_policy` loads a registry reference such as `champion` or `v3` given by name);
+    `history_mode` overrides its mode."""
 
     name = "sagesched"
     needs_prompt_text = True
@@ -188,7 +189,8 @@ class SageSched(PriorityPolicy):
 
     # ----------------------------------------------------------- prediction
     def _predict_pending(self) -> None:
-        from predictors.semantic_history import embed_prompts, prompt_hash
+        from adapt.traces import prompt_hash
+        from predictors.semantic_history import embed_prompts
 
         batch = list(self._pending.values())
         self._pending.clear()
@@ -284,12 +286,8 @@ def resolve_history(history: Any):
         return history.clone()
     if isinstance(history, dict):
         return SemanticHistory(**history)
-    if isinstance(history, str):
-        from adapt.registry import load_reference
-
-        return load_reference("semantic-history", history)
     raise ValueError(
-        f"history: expected a SemanticHistory, a dict, an alias or vN, got {type(history).__name__}"
+        f"history: expected a SemanticHistory or a dict of its parameters, got {type(history).__name__}"
     )
 
 

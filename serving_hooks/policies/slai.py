@@ -42,7 +42,7 @@ class SLAI(PriorityPolicy):
 
     def __init__(
         self,
-        offset: float | str | dict[str, list[float]] | Callable[[float], float] | None = None,
+        offset: float | dict[str, list[float]] | Callable[[float], float] | None = None,
         prefill_order: str = "spf",
         paying_first: bool = False,
         token_budget: int = 512,
@@ -56,10 +56,6 @@ class SLAI(PriorityPolicy):
             from predictors.slai_offset import SlaiOffset
 
             offset = SlaiOffset(**(offset or {}))  # a dict is a policy-config's serialised offset
-        elif isinstance(offset, str):  # "champion", an alias or "vN" of the registered slai-offset
-            from adapt.registry import load_reference
-
-            offset = load_reference("slai-offset", offset)
         self.offset = offset
         self.prefill_order = prefill_order
         self.paying_first = paying_first

@@ -31,10 +31,13 @@ real engine's step log replaces this model when calibration matters.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 import numpy as np
+
+from adapt.steplog import StepBatch, attention_work
 
 DecodeAttention = Literal["sum", "max"]
 Overlap = Literal["step", "operator"]
@@ -122,24 +125,6 @@ GPUS: dict[str, GPUSpec] = {
 
 
 @dataclass(frozen=True)
-class StepBatch:
-    """The features of one step that its cost depends on (arrays for many steps at once).
-
-    Prefill chunks: `prefill_attn_units` = sum of c * p + c * (c + 1) / 2 for a chunk of c tokens
-    after p cached ones, `prefill_kv_read` = sum of p. Decodes: their number and the sum and max of
-    their cached contexts (a decode attends over its context plus itself).
-    """
-
-    tokens: np.ndarray | float
-    sampled: np.ndarray | float
-    prefill_attn_units: np.ndarray | float = 0.0
-    prefill_kv_read: np.ndarray | float = 0.0
-    num_decodes: np.ndarray | float = 0.0
-    decode_ctx_sum: np.ndarray | float = 0.0
-    decode_ctx_max: np.ndarray | float = 0.0
-
-
-@dataclass(frozen=True)
 class RooflineCostModel:
     """Step time from specs. Defaults: 60% of peak FLOPs and 80% of peak bandwidth are what
     well-tuned kernels reach (vLLM/Sarathi-Serve report MFU 0.4-0.6 for prefill and MBU 0.7-0.85
@@ -170,12 +155,7 @@ class RooflineCostModel:
     def time(self, batch: StepBatch) -> np.ndarray | float:
         """Seconds for one step (or each of many steps when the fields are arrays)."""
         m = self.model
-        if self.decode_attention == "max":
-            decode_read = batch.num_decodes * batch.decode_ctx_max
-        else:
-            decode_read = batch.decode_ctx_sum
-        attn_units = batch.prefill_attn_units + decode_read + batch.num_decodes
-        kv_read = batch.prefill_kv_read + decode_read
+        attn_units, kv_read = attention_work(batch, self.decode_attention)
         peak = self.tp * self.gpu.peak_tflops * 1e12 * self.flops_efficiency
         bandwidth = self.tp * self.gpu.hbm_gbps * 1e9 * self.bw_efficiency
         linear_flops = 2.0 * m.linear_params * batch.tokens + 2.0 * m.hidden * m.vocab * batch.sampled
@@ -231,3 +211,11 @@ def roofline(model: str, gpu: str, tp: int = 1, **options: object) -> RooflineCo
     if gpu not in GPUS:
         raise ValueError(f"gpu: unknown preset {gpu!r}; expected one of {', '.join(GPUS)}")
     return RooflineCostModel(MODELS[model], GPUS[gpu], tp=tp, **options)  # type: ignore[arg-type]
+
+
+def add_overlap_argument(
+    parser: argparse.ArgumentParser,
+    help: str = "roofline form: one per step, or linear and attention rooflines added (see cost.py)",
+) -> None:
+    """`--overlap`, the roofline form (`RooflineCostModel.overlap`), for every command that replays."""
+    parser.add_argument("--overlap", choices=OVERLAPS, default="step", help=help)

@@ -28,8 +28,7 @@ import numpy as np
 
 from adapt.policy import RequestState
 from adapt.requests import CompletedRequest
-from adapt.steplog import STEP_FIELDS
-from experiments.replay.cost import StepBatch
+from adapt.steplog import STEP_FIELDS, StepBatch
 
 
 def _on_time_limit(state: RequestState, index: int) -> float:

@@ -2,7 +2,7 @@
 
 Each workload is a pure function of (rate, number of requests, seed), so every policy in one
 `adapt replay` call sees the identical request sequence. Length data comes from the files bundled
-under `experiments/data/` (slices of ../shared/data, sources in experiments/data/README.md).
+under `adapt/workloads/data/` (slices of ../shared/data, sources in adapt/workloads/data/README.md).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from adapt.requests import SLO, Request
 from adapt.traces import Trace, load_trace
-from adapt.workload import SLOClass, build_requests, poisson_arrivals, scale_to_rate
+from adapt.workloads.builders import SLOClass, build_requests, poisson_arrivals, scale_to_rate
 
 DATA_DIR = Path(__file__).parent / "data"
 
@@ -128,7 +128,7 @@ def sagesched_mix(
     `semantic-history` trained by `adapt train semantic-history` has never seen them and learns them
     online, as a deployment would. ShareGPT/arXiv rows carry no text; predictors see their length only.
     Alpaca prompts are counted with the MiniLM tokenizer, the others with Llama-2's."""
-    from predictors.semantic_history import split_by_instruction
+    from adapt.traces import split_by_instruction
 
     rng = np.random.default_rng(seed)
     _, alpaca = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
@@ -172,14 +172,14 @@ def jitserve_mix(
       AlpacaEval prompts with the real length of one of 24 models' responses, held-out
       instructions only (`instruction_split`), so a `qrf-length` trained on the rest never saw them;
     - `compound`: a generated chatbot-compound, deep-research or agentic-codegen program
-      (`experiments.compound_programs`, shapes and lengths after the paper's Table 2), deadline
+      (`adapt.workloads.compound`, shapes and lengths after the paper's Table 2), deadline
       20 s per LLM stage; its later calls arrive as their parents finish.
 
     `num_requests` counts jobs (a compound job expands into its calls). Job arrivals follow the
     real Azure conversation trace's timestamps time-scaled to `rate` (`arrivals="azure"`), or a
     Poisson process (`arrivals="poisson"`)."""
-    from experiments.compound_programs import generate_programs, program_requests
-    from predictors.semantic_history import split_by_instruction
+    from adapt.traces import split_by_instruction
+    from adapt.workloads.compound import generate_programs, program_requests
 
     rng = np.random.default_rng(seed)
     if arrivals == "azure":

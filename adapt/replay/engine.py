@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from adapt.policy import EngineView, Plan, Policy, RequestState
+from adapt.replay.kv import BlockPool
+from adapt.replay.metrics import Recorder, ReplayResult
 from adapt.requests import Request
-from experiments.replay.cost import RooflineCostModel, StepBatch
-from experiments.replay.kv import BlockPool
-from experiments.replay.metrics import Recorder, ReplayResult
+from adapt.steplog import CostModel, step_batch
 
 MAX_RUN_STEPS = 4096
 
@@ -66,7 +66,7 @@ class ReplayEngine:
     """One engine replica. Feed requests with `add` (in arrival order) and call `step` while
     `has_work`; `run` does both for a whole request list."""
 
-    def __init__(self, policy: Policy, cost: RooflineCostModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, policy: Policy, cost: CostModel, config: EngineConfig | None = None) -> None:
         self.policy = policy
         self.cost = cost
         self.config = config or EngineConfig()
@@ -371,22 +371,15 @@ class ReplayEngine:
 
     def _execute(self, scheduled: list[tuple[RequestState, int]]) -> None:
         """Time the step with the cost model and apply its effects at the step's end."""
-        tokens = sampled = decodes = 0
-        attn = kv_read = ctx_sum = 0.0
-        ctx_max = 0
-        for state, n in scheduled:
-            tokens += n
-            p = state.tokens_computed
-            if n == 1 and state.phase == "decode":
-                decodes += 1
-                ctx_sum += p
-                ctx_max = max(ctx_max, p)
-            else:
-                attn += n * p + n * (n + 1) / 2
-                kv_read += p
-            if p + n == state.prompt_tokens + state.tokens_generated:
-                sampled += 1
-        batch = StepBatch(tokens, sampled, attn, kv_read, decodes, ctx_sum, ctx_max)
+        batch = step_batch(
+            (
+                n,
+                state.tokens_computed,
+                n == 1 and state.phase == "decode",
+                state.tokens_computed + n == state.prompt_tokens + state.tokens_generated,
+            )
+            for state, n in scheduled
+        )
         duration = float(self.cost.time(batch))
         start = self.now
         self.now = start + duration

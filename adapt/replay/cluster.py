@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from adapt.replay.engine import ReplayEngine
+from adapt.replay.metrics import ReplayResult
 from adapt.requests import Request
-from experiments.replay.engine import ReplayEngine
-from experiments.replay.metrics import ReplayResult
 
 Router = Callable[[Sequence[ReplayEngine], Request], int]
 ROUTERS: tuple[str, ...] = ("round-robin", "random", "least-outstanding")

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from adapt.programs import ProgramGraph, StageNode
 from adapt.requests import SLO, ProgramRef, Request
-from predictors.pattern_graph import ProgramGraph, StageNode
 
 NOMINAL_TOKEN_S = 0.025
 NOMINAL_PREFILL_S = 1e-4

@@ -14,17 +14,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from adapt.cli.usage import UsageError
 from adapt.requests import ValidationError
 from adapt.traces import FORMATS, TraceError, load_trace, trace_stats
 
-
-class UsageError(ValueError):
-    """A user-facing error: printed as one line, exit status 2."""
-
-
 SLAI_OVERLAP_HELP = (
     "slai: the replay's roofline form -- one per step, or linear and attention added as the SLAI"
-    " paper's batch-time model does (experiments/replay/cost.py)"
+    " paper's batch-time model does (adapt/replay/cost.py)"
 )
 
 
@@ -61,7 +57,7 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from experiments.replay.cli import run_replay_command
+    from adapt.cli.replay import run_replay_command
 
     return run_replay_command(args)
 
@@ -355,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", metavar="OUT")
     stats.set_defaults(func=cmd_trace_stats)
 
-    from experiments.replay.cli import add_overlap_argument, add_replay_arguments
+    from adapt.cli.replay import add_replay_arguments
+    from adapt.replay.cost import add_overlap_argument
 
     replay = sub.add_parser("replay", help="replay a trace or workload under several policies")
     add_replay_arguments(replay)

@@ -6,22 +6,19 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from adapt.policy import Policy
-from adapt.requests import Request
+from adapt.cli.usage import UsageError
+from adapt.replay.cluster import ROUTERS
+from adapt.replay.cost import GPUS, MODELS, add_overlap_argument
+from adapt.replay.engine import EngineConfig
+from adapt.replay.runner import ReplaySetup, log_to_mlflow, replay_policy
 from adapt.traces import load_trace
-from adapt.workload import build_requests, poisson_arrivals, scale_to_rate
-from experiments.replay.cluster import ROUTERS, Cluster, make_router
-from experiments.replay.cost import GPUS, MODELS, OVERLAPS, roofline
-from experiments.replay.engine import EngineConfig, ReplayEngine
-from experiments.replay.metrics import ReplayResult
-from experiments.workloads import WORKLOADS, get_workload
+from adapt.workloads import WORKLOADS, get_workload
+from adapt.workloads.builders import build_requests, poisson_arrivals, scale_to_rate
 from serving_hooks.policies import POLICIES, make_policy_from_spec, parse_policy_spec
 
 TABLE_COLUMNS = (
@@ -36,29 +33,6 @@ TABLE_COLUMNS = (
     ("preemptions", "preempt"),
     ("sim_wall_s", "wall_s"),
 )
-
-
-class ReplayUsageError(ValueError):
-    """Bad replay arguments (one line for the CLI)."""
-
-
-@dataclass
-class ReplaySetup:
-    """What to replay and on what: the requests plus the engine preset."""
-
-    requests: list[Request]
-    workload: dict[str, Any]
-    model: str
-    gpu: str
-    tp: int
-
-
-def add_overlap_argument(
-    parser: argparse.ArgumentParser,
-    help: str = "roofline form: one per step, or linear and attention rooflines added (see cost.py)",
-) -> None:
-    """`--overlap`, the roofline form (`RooflineCostModel.overlap`), for every command that replays."""
-    parser.add_argument("--overlap", choices=OVERLAPS, default="step", help=help)
 
 
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,9 +79,7 @@ def _trace_setup(args: argparse.Namespace) -> ReplaySetup:
     rng = np.random.default_rng(args.seed)
     if trace.arrival_s is None:
         if not args.rate:
-            raise ReplayUsageError(
-                f"{args.trace}: this trace has no timestamps; pass --rate for Poisson arrivals"
-            )
+            raise UsageError(f"{args.trace}: this trace has no timestamps; pass --rate for Poisson arrivals")
         arrivals = poisson_arrivals(len(trace), args.rate, rng)
     else:
         arrivals = scale_to_rate(trace.arrival_s, args.rate) if args.rate else trace.arrival_s
@@ -129,61 +101,16 @@ def build_setup(args: argparse.Namespace) -> ReplaySetup:
     for name in ("rate", "duration"):
         value = getattr(args, name)
         if value is not None and not value > 0:
-            raise ReplayUsageError(f"--{name.replace('_', '-')}: must be > 0, got {value}")
+            raise UsageError(f"--{name.replace('_', '-')}: must be > 0, got {value}")
     if args.num_requests is not None and args.num_requests <= 0:
-        raise ReplayUsageError(f"--num-requests: must be > 0, got {args.num_requests}")
+        raise UsageError(f"--num-requests: must be > 0, got {args.num_requests}")
     setup = _trace_setup(args) if args.trace else _workload_setup(args)
     if args.duration:
         setup.requests = [r for r in setup.requests if r.arrival_s < args.duration]
     if not setup.requests:
-        raise ReplayUsageError("no requests to replay (check --duration / --num-requests)")
+        raise UsageError("no requests to replay (check --duration / --num-requests)")
     setup.workload.update(model=setup.model, gpu=setup.gpu, tp=setup.tp, num_requests=len(setup.requests))
     return setup
-
-
-def replay_policy(
-    setup: ReplaySetup,
-    policy_name: str,
-    *,
-    replicas: int = 1,
-    router: str = "least-outstanding",
-    decode_attention: str = "sum",
-    overlap: str = "step",
-    seed: int = 0,
-    progress: bool = False,
-    config: EngineConfig | None = None,
-    cost=None,
-    policy_factory: Callable[[], Policy] | None = None,
-) -> ReplayResult:
-    """Replay the setup's requests under one policy (fresh policy and engine per replica).
-    `cost` overrides the preset roofline (e.g. a fitted `cost-model`); `policy_factory` builds the
-    policy instead of the spec (e.g. SLAI with a registered offset component)."""
-    cost = cost or roofline(
-        setup.model, setup.gpu, tp=setup.tp, decode_attention=decode_attention, overlap=overlap
-    )
-    build = policy_factory or (lambda: make_policy_from_spec(policy_name))
-    engines = [ReplayEngine(build(), cost, config) for _ in range(replicas)]
-    bar = None
-    if progress and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(
-            total=len(setup.requests), desc=f"{policy_name:>12}", unit="req", file=sys.stderr, leave=False
-        )
-    update = bar.update if bar is not None else None
-    try:
-        if replicas == 1:
-            result = engines[0].run(setup.requests, progress=update)
-        else:
-            result = Cluster(engines, make_router(router, seed)).run(setup.requests, progress=update)
-    finally:
-        if bar is not None:
-            bar.close()
-    if progress:
-        print(
-            f"  {policy_name}: {len(setup.requests):,} requests in {result.sim_wall_s:.1f} s", file=sys.stderr
-        )
-    return result
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
@@ -204,42 +131,7 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def log_to_mlflow(experiment: str, workload: dict[str, Any], policy: str, metrics: dict[str, Any]) -> str:
-    """One MLflow run per (workload, policy): params, flat numeric metrics, the metrics JSON."""
-    from adapt import tracking
-
-    client = tracking.client()
-    experiment_id = tracking.ensure_experiment(client, experiment, tracking.tracking_uri())
-    run = client.create_run(
-        experiment_id, run_name=f"{workload.get('name')}:{policy}", tags={"kind": "replay"}
-    )
-    run_id = run.info.run_id
-    params = {f"workload.{k}": str(v) for k, v in workload.items() if v is not None}
-    params["policy"] = policy
-    from mlflow.entities import Metric, Param
-
-    flat = {k: v for k, v in metrics.items() if isinstance(v, int | float) and v is not None}
-    for label, sub in (metrics.get("by_class") or {}).items():
-        flat.update(
-            {f"{label}.{k}": v for k, v in sub.items() if isinstance(v, int | float) and v is not None}
-        )
-    client.log_batch(
-        run_id,
-        metrics=[Metric(k, float(v), 0, 0) for k, v in flat.items()],
-        params=[Param(k, v[:500]) for k, v in params.items()],
-    )
-    client.log_text(
-        run_id,
-        json.dumps({"workload": workload, "policy": policy, "metrics": metrics}, indent=2),
-        "replay.json",
-    )
-    client.set_terminated(run_id)
-    return run_id
-
-
 def run_replay_command(args: argparse.Namespace) -> int:
-    from adapt.cli import UsageError
-
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise UsageError("--policies: none given")
@@ -253,7 +145,7 @@ def run_replay_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--replicas: must be >= 1, got {args.replicas}")
     try:
         setup = build_setup(args)
-    except (ReplayUsageError, ValueError) as exc:
+    except ValueError as exc:
         raise UsageError(str(exc)) from exc
     print(
         f"replaying {len(setup.requests):,} requests ({setup.workload.get('name')}) on {setup.model} /"
@@ -279,7 +171,8 @@ def run_replay_command(args: argparse.Namespace) -> int:
     for policy in policies:
         result = replay_policy(
             setup,
-            policy,
+            lambda spec=policy: make_policy_from_spec(spec),
+            label=policy,
             config=config,
             cost=cost,
             replicas=args.replicas,
