@@ -23,14 +23,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from adapt.plots import figure, save
 from adapt.policy import Policy
+from adapt.registry import Registry
 from adapt.replay.cost import roofline
 from adapt.replay.engine import EngineConfig, ReplayEngine
 from adapt.replay.metrics import ReplayResult
 from adapt.replay.runner import ReplaySetup, log_to_mlflow, replay_policy
 from adapt.workloads import WORKLOADS
+from pipelines.cost_model import train_cost_model
+from pipelines.ewsjf import tune_ewsjf
+from pipelines.jitserve import train_pattern_graph, train_qrf_length
+from pipelines.neural_length import train_neural_length
+from pipelines.semantic_history import train_semantic_history
+from pipelines.slai import train_slai_offset
 from serving_hooks.policies import POLICIES, make_policy_from_spec
+from serving_hooks.policies.ewsjf import EWSJF
+from serving_hooks.policies.jitserve import JITServe
+from serving_hooks.policies.sagesched import SageSched
+from serving_hooks.policies.slai import SLAI
 
 
 @dataclass(frozen=True)
@@ -87,28 +100,8 @@ def _cdf_plot(results: dict[str, ReplayResult], workload: str, out: Path) -> Pat
     return save(fig, out / f"{workload}_cdf.png", f"{workload}: latency CDFs")
 
 
-def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
-    """Step 1: train, register and promote each component; returns policy factories that use the
-    registered champions."""
-    import pandas as pd
-
-    from adapt.registry import Registry
-    from pipelines.cost_model import train_cost_model
-    from pipelines.ewsjf import tune_ewsjf
-    from pipelines.jitserve import train_pattern_graph, train_qrf_length
-    from pipelines.neural_length import train_neural_length
-    from pipelines.semantic_history import train_semantic_history
-    from pipelines.slai import train_slai_offset
-    from serving_hooks.policies.ewsjf import EWSJF
-    from serving_hooks.policies.jitserve import JITServe
-    from serving_hooks.policies.sagesched import SageSched
-    from serving_hooks.policies.slai import SLAI
-
-    registry = Registry()
+def _train_cost_model(registry: Registry, out: Path, fast: bool) -> None:
     spec = WORKLOADS["azure-conv"]
-    print(
-        "[train 1/7] cost-model: step log of a replayed Azure trace slice -> fit -> register", file=sys.stderr
-    )
     engine = ReplayEngine(
         POLICIES["fcfs"](), roofline(spec.model, spec.gpu, tp=spec.tp), EngineConfig(record_steps=True)
     )
@@ -123,7 +116,9 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
         f" (promoted: {'yes' if outcome.promoted else 'no'})",
         file=sys.stderr,
     )
-    print("[train 2/7] slai-offset: Optuna on replay of slai-tiers -> register -> gate", file=sys.stderr)
+
+
+def _train_slai_offset(registry: Registry, out: Path, fast: bool) -> None:
     outcome = train_slai_offset(
         registry,
         rate=2.4,  # the highest load Sarathi sustains in our replay (see the SLAI study)
@@ -136,18 +131,18 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
         f" feasible {bool(outcome.metrics['feasible'])} (promoted: {'yes' if outcome.promoted else 'no'})",
         file=sys.stderr,
     )
-    print(
-        "[train 3/7] ewsjf-meta-policy: Refine-and-Prune + Bayesian meta-optimiser on replay", file=sys.stderr
-    )
+
+
+def _train_ewsjf_meta(registry: Registry, out: Path, fast: bool) -> None:
     outcome = tune_ewsjf(registry, rate=40.0, num_requests=400 if fast else 1000, trials=3 if fast else 8)
     print(
-        f"  ewsjf-meta-policy v{outcome.version}: reward {outcome.metrics['reward']:.3f} (promoted)",
+        f"  ewsjf-meta-policy v{outcome.version}: reward {outcome.metrics['reward']:.3f}"
+        f" (promoted: {'yes' if outcome.promoted else 'no'})",
         file=sys.stderr,
     )
-    print(
-        "[train 4/7] semantic-history: embed AlpacaEval prompts -> FAISS window -> held-out score",
-        file=sys.stderr,
-    )
+
+
+def _train_semantic_history(registry: Registry, out: Path, fast: bool) -> None:
     outcome = train_semantic_history(registry, promote_if_better=True)
     print(
         f"  semantic-history v{outcome.version}: held-out Wasserstein {outcome.metrics['wasserstein']:.1f}"
@@ -156,17 +151,18 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
         f" promoted: {'yes' if outcome.promoted else 'no'})",
         file=sys.stderr,
     )
-    print(
-        "[train 5/7] qrf-length: quantile forest on the AlpacaEval train split -> coverage", file=sys.stderr
-    )
+
+
+def _train_qrf_length(registry: Registry, out: Path, fast: bool) -> None:
     outcome = train_qrf_length(registry, promote_if_better=True, **({"n_estimators": 20} if fast else {}))
     _print_bound("qrf-length", outcome)
-    print(
-        "[train 6/7] neural-length: Lightning quantile MLP over MiniLM embeddings, the same split",
-        file=sys.stderr,
-    )
+
+
+def _train_neural_length(registry: Registry, out: Path, fast: bool) -> None:
     _print_bound("neural-length", train_neural_length(registry, promote_if_better=True))
-    print("[train 7/7] pattern-graph: k-medoids over generated compound programs", file=sys.stderr)
+
+
+def _train_pattern_graph(registry: Registry, out: Path, fast: bool) -> None:
     outcome = train_pattern_graph(registry, promote_if_better=True)
     print(
         f"  pattern-graph v{outcome.version}: held-out stage-share error {outcome.metrics['share_error']:.3f}"
@@ -174,6 +170,45 @@ def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
         f" {outcome.metrics['share_error_after_1']:.3f}; promoted: {'yes' if outcome.promoted else 'no'})",
         file=sys.stderr,
     )
+
+
+@dataclass(frozen=True)
+class TrainingStep:
+    """How the quickstart trains one catalogue component: settings sized for a demo run."""
+
+    describe: str
+    run: Callable[[Registry, Path, bool], None]
+
+
+# One step per component of `pipelines.catalogue.CATALOGUE` (a test keeps the two in step).
+TRAINING: dict[str, TrainingStep] = {
+    "cost-model": TrainingStep(
+        "step log of a replayed Azure trace slice -> fit -> register", _train_cost_model
+    ),
+    "slai-offset": TrainingStep("Optuna on replay of slai-tiers -> register -> gate", _train_slai_offset),
+    "ewsjf-meta-policy": TrainingStep(
+        "Refine-and-Prune + Bayesian meta-optimiser on replay", _train_ewsjf_meta
+    ),
+    "semantic-history": TrainingStep(
+        "embed AlpacaEval prompts -> FAISS window -> held-out score", _train_semantic_history
+    ),
+    "qrf-length": TrainingStep(
+        "quantile forest on the AlpacaEval train split -> coverage", _train_qrf_length
+    ),
+    "neural-length": TrainingStep(
+        "Lightning quantile MLP over MiniLM embeddings, the same split", _train_neural_length
+    ),
+    "pattern-graph": TrainingStep("k-medoids over generated compound programs", _train_pattern_graph),
+}
+
+
+def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
+    """Step 1: train, register and promote each component; returns policy factories that use the
+    registered champions."""
+    registry = Registry()
+    for index, (name, step) in enumerate(TRAINING.items(), start=1):
+        print(f"[train {index}/{len(TRAINING)}] {name}: {step.describe}", file=sys.stderr)
+        step.run(registry, out, fast)
     factories: dict[str, Callable[[], Policy]] = {}
     qrf, patterns = registry.load("qrf-length"), registry.load("pattern-graph")
     factories["jitserve"] = lambda: JITServe(qrf=qrf, patterns=patterns)

@@ -28,7 +28,7 @@ from adapt.registry import Registry
 from adapt.replay.cost import roofline
 from adapt.replay.engine import ReplayEngine
 from adapt.workloads import WORKLOADS
-from pipelines.outcome import TrainOutcome, beats, latest_data_hash, register_and_gate
+from pipelines.outcome import Gate, TrainOutcome, latest_data_hash, register_and_gate
 from predictors.ewsjf_meta import REWARD_WEIGHTS, THETA_SPACE, EwsjfMetaPolicy, equation5
 from serving_hooks.policies import make_policy
 from serving_hooks.policies.config import PolicyConfig
@@ -114,10 +114,8 @@ def train_ewsjf_meta(
         candidate,
         metrics,
         champion_metrics,
-        "layout_score",
-        lower_is_better=False,
+        Gate("layout_score", lower_is_better=False, margin=margin),
         promote_if_better=promote_if_better,
-        margin=margin,
     )
 
 
@@ -130,7 +128,11 @@ def tune_ewsjf(
     seed: int = 0,
     storage: str | None = None,
     experiment: str = "tune-ewsjf",
+    margin: float = 0.0,
 ) -> TrainOutcome:
+    """Bayesian optimisation of Theta on replay of ewsjf-mixed, warm-started from the champion's
+    Theta and the defaults. The best trial is registered and promoted if its reward beats the
+    champion's Theta scored on the same replay and layout window by `margin`."""
     from adapt.online import tune
 
     lengths = history_lengths()
@@ -164,12 +166,23 @@ def tune_ewsjf(
         "reward": max(rewards),
         **{k: v for k, v in result.history[int(np.argmax(rewards))][2].items() if v is not None},
     }
-    version = registry.log(best, metrics=metrics, params={"trials": trials, "tune_rate": rate})
-    _log_reward_curve(registry, version, rewards)
-    registry.promote("ewsjf-meta-policy", version)
+    champion_metrics = None
+    if champion is not None:  # the champion's Theta scored on the same replay and layout window
+        scored = objective({k: v for k, v in champion.get_params().items() if k in THETA_SPACE})[1]
+        champion_metrics = {k: v for k, v in scored.items() if v is not None}
+    outcome = register_and_gate(
+        registry,
+        best,
+        metrics,
+        champion_metrics,
+        Gate("reward", lower_is_better=False, margin=margin),
+        promote_if_better=True,
+        params={"trials": trials, "tune_rate": rate},
+    )
+    _log_reward_curve(registry, outcome.version, rewards)
     config = PolicyConfig("ewsjf", {"meta": best.get_params(), "queues": [q.__dict__ for q in best.queues_]})
-    config_version = registry.log(config, metrics=metrics, run_name="policy-config:ewsjf")
-    return TrainOutcome(version, True, metrics, None, policy_config_version=config_version)
+    outcome.policy_config_version = registry.log(config, metrics=metrics, run_name="policy-config:ewsjf")
+    return outcome
 
 
 def _log_reward_curve(registry: Registry, version: int, rewards: list[float]) -> None:
@@ -213,8 +226,14 @@ def online_tune_ewsjf(
     candidate.metadata["data_window"] = {"online_windows": len(history), "window": window, "rate": rate}
     baseline = history[0][1]
     metrics = {"reward": best_reward, "champion_window_reward": baseline, "windows": float(len(history))}
-    version = registry.log(candidate, metrics=metrics, params={"mode": "online", "window": window})
-    promoted = best_index != 0 and beats(best_reward, baseline, lower_is_better=False, margin=margin)
-    if promoted:
-        registry.promote("ewsjf-meta-policy", version)
-    return TrainOutcome(version, promoted, {**metrics, **best_metrics}, None)
+    outcome = register_and_gate(
+        registry,
+        candidate,
+        metrics,
+        {"reward": baseline},
+        Gate("reward", lower_is_better=False, margin=margin),
+        promote_if_better=best_index != 0,
+        params={"mode": "online", "window": window},
+    )
+    outcome.metrics = {**metrics, **best_metrics}
+    return outcome

@@ -1,4 +1,10 @@
-"""What every training pipeline returns, and the champion/challenger comparisons they share."""
+"""What every training pipeline returns, and the one champion/challenger gate they all pass.
+
+Every way a version reaches the registry -- `run_pipeline`, the SLAI and EWSJF tuners, the online
+EWSJF tuner, `adapt retrain` -- ends in `register_and_gate` with a `Gate`: the candidate is
+registered, then promoted only if asked to and the gate says it beats the champion scored on the
+same data.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +34,37 @@ def beats(candidate: float, champion: float | None, *, lower_is_better: bool, ma
     return candidate > champion + margin * abs(champion)
 
 
+@dataclass(frozen=True)
+class Gate:
+    """The champion/challenger rule: `metric` must beat the champion's by `margin` (relative).
+
+    `feasible`, when set, names a metric that says whether a version meets its hard constraints
+    (SLAI: every tier's TBT SLO and keeping up with the load): an infeasible candidate never wins,
+    and a feasible one beats an infeasible champion whatever their `metric`."""
+
+    metric: str
+    lower_is_better: bool
+    margin: float = 0.0
+    feasible: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.margin >= 0.0:
+            raise ValueError(f"margin: must be >= 0, got {self.margin}")
+
+    def passes(self, candidate: dict[str, float], champion: dict[str, float] | None) -> bool:
+        if self.feasible is not None:
+            if not candidate.get(self.feasible):
+                return False
+            if champion is not None and not champion.get(self.feasible):
+                return True
+        return beats(
+            candidate[self.metric],
+            None if champion is None else champion[self.metric],
+            lower_is_better=self.lower_is_better,
+            margin=self.margin,
+        )
+
+
 def latest_data_hash(registry: Registry, name: str) -> str | None:
     """Training-data hash of the newest registered version (None if none): retraining on the same
     data must register nothing new."""
@@ -43,23 +80,17 @@ def register_and_gate(
     candidate,
     metrics: dict[str, float],
     champion_metrics: dict[str, float] | None,
-    metric: str,
+    gate: Gate,
     *,
-    lower_is_better: bool,
     promote_if_better: bool,
-    margin: float = 0.0,
     run_id: str | None = None,
+    params: dict[str, object] | None = None,
 ) -> TrainOutcome:
     """Register the candidate (in run `run_id` when training already opened one), then promote it
-    when asked and its `metric` beats the champion's (scored on the same held-out data) by
-    `margin`; the champion stays otherwise."""
-    version = registry.log(candidate, metrics=metrics, run_id=run_id)
-    promoted = promote_if_better and beats(
-        metrics[metric],
-        None if champion_metrics is None else champion_metrics[metric],
-        lower_is_better=lower_is_better,
-        margin=margin,
-    )
+    when asked and `gate` passes against the champion's metrics (scored on the same data); the
+    champion stays otherwise."""
+    version = registry.log(candidate, metrics=metrics, run_id=run_id, params=params)
+    promoted = promote_if_better and gate.passes(metrics, champion_metrics)
     if promoted:
         registry.promote(candidate.name, version)
     return TrainOutcome(version, promoted, metrics, champion_metrics)

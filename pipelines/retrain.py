@@ -32,10 +32,8 @@ from adapt.registry import Registry
 from adapt.traces import Trace, load_trace
 from pipelines.cost_model import load_step_log, train_cost_model
 from pipelines.ewsjf import train_ewsjf_meta
-from pipelines.jitserve import train_pattern_graph, train_qrf_length
-from pipelines.neural_length import train_neural_length
+from pipelines.jitserve import train_pattern_graph
 from pipelines.outcome import TrainOutcome
-from pipelines.semantic_history import train_semantic_history
 
 EXIT_OK, EXIT_FAILED, EXIT_LOCKED = 0, 1, 75  # 75 = EX_TEMPFAIL: try again later
 
@@ -51,6 +49,10 @@ class RetrainResult:
     version: int | None = None
     promoted: bool = False
     detail: str = ""
+
+
+Retrainer = Callable[[Registry, Path, float], RetrainResult]
+"""Refits one component from a log directory (with its `margin`) and says what happened."""
 
 
 def _files(data_dir: Path, patterns: tuple[str, ...]) -> list[Path]:
@@ -106,7 +108,9 @@ def _prompt_responses(data_dir: Path) -> Trace | None:
     )
 
 
-def _prompt_retrainer(name: str, train: Callable[..., TrainOutcome], metric: str):
+def prompt_retrainer(name: str, train: Callable[..., TrainOutcome], metric: str) -> Retrainer:
+    """Refit a component trained on prompt/response files from `prompts*.jsonl[.gz]`."""
+
     def retrain(registry: Registry, data_dir: Path, margin: float) -> RetrainResult:
         trace = _prompt_responses(data_dir)
         if trace is None:
@@ -135,20 +139,16 @@ def retrain_pattern_graph(registry: Registry, data_dir: Path, margin: float) -> 
     )
 
 
-RETRAINERS: dict[str, Callable[[Registry, Path, float], RetrainResult]] = {
-    "cost-model": retrain_cost_model,
-    "ewsjf-meta-policy": retrain_ewsjf_layout,
-    "semantic-history": _prompt_retrainer("semantic-history", train_semantic_history, "wasserstein"),
-    "qrf-length": _prompt_retrainer("qrf-length", train_qrf_length, "coverage_error"),
-    "neural-length": _prompt_retrainer("neural-length", train_neural_length, "coverage_error"),
-    "pattern-graph": retrain_pattern_graph,
-}
-
-
 def retrain_once(
-    registry: Registry, data_dir: str | Path, *, margin: float = 0.0, lock_path: Path | None = None
+    registry: Registry,
+    data_dir: str | Path,
+    retrainers: dict[str, Retrainer],
+    *,
+    margin: float = 0.0,
+    lock_path: Path | None = None,
 ) -> list[RetrainResult]:
-    """One pass over every retrainable component, under an exclusive lock."""
+    """One pass over `retrainers` (the catalogue's: `pipelines.catalogue.retrainers()`), under an
+    exclusive lock."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise FileNotFoundError(f"{data_dir}: no such data directory")
@@ -159,7 +159,7 @@ def retrain_once(
         except BlockingIOError:
             raise RetrainLocked(f"{lock_path}: another retrain is running") from None
         results = []
-        for name, retrain in RETRAINERS.items():
+        for name, retrain in retrainers.items():
             print(f"retrain: {name} ...", file=sys.stderr)
             try:
                 results.append(retrain(registry, data_dir, margin))
@@ -169,7 +169,13 @@ def retrain_once(
 
 
 def retrain_on_schedule(
-    registry: Registry, data_dir: str | Path, cron: str, *, margin: float = 0.0, max_runs: int | None = None
+    registry: Registry,
+    data_dir: str | Path,
+    cron: str,
+    retrainers: dict[str, Retrainer],
+    *,
+    margin: float = 0.0,
+    max_runs: int | None = None,
 ) -> None:
     """Run `retrain_once` at every fire time of a 5-field cron expression, in this process."""
     from datetime import datetime
@@ -184,7 +190,7 @@ def retrain_on_schedule(
         fire = schedule.get_next(float)
         time.sleep(max(0.0, fire - time.time()))
         try:
-            for result in retrain_once(registry, data_dir, margin=margin):
+            for result in retrain_once(registry, data_dir, retrainers, margin=margin):
                 print(format_result(result))
         except RetrainLocked as exc:
             print(f"retrain: skipped: {exc}", file=sys.stderr)

@@ -24,7 +24,7 @@ from typing import Any
 
 from adapt.component import LearnedComponent
 from adapt.registry import Registry
-from pipelines.outcome import TrainOutcome, beats, latest_data_hash, register_and_gate
+from pipelines.outcome import Gate, TrainOutcome, beats, latest_data_hash, register_and_gate
 
 
 @dataclass
@@ -138,9 +138,7 @@ def run_pipeline(
         candidate,
         metrics,
         champion_metrics,
-        spec.metric,
-        lower_is_better=spec.lower_is_better,
+        Gate(spec.metric, spec.lower_is_better, margin),
         promote_if_better=promote_if_better and replay_holds,
-        margin=margin,
         run_id=run_id,
     )

@@ -17,7 +17,7 @@ from adapt.replay.engine import ReplayEngine
 from adapt.replay.metrics import ReplayResult
 from adapt.replay.runner import ReplaySetup
 from adapt.workloads import WORKLOADS, slai_tiers
-from pipelines.outcome import TrainOutcome, beats
+from pipelines.outcome import Gate, TrainOutcome, register_and_gate
 from predictors.slai_offset import SlaiOffset
 from serving_hooks.policies.config import PolicyConfig
 from serving_hooks.policies.slai import SLAI
@@ -92,13 +92,9 @@ def replay_objective(
     return evaluate
 
 
-def better(candidate: dict[str, Any], champion: dict[str, Any] | None, margin: float) -> bool:
+def slai_gate(margin: float = 0.0) -> Gate:
     """A feasible candidate beats an infeasible champion; otherwise lower median TTFT by `margin`."""
-    if not candidate.get("feasible"):
-        return False
-    if champion is None or not champion.get("feasible"):
-        return True
-    return beats(candidate["ttft_p50"], champion["ttft_p50"], lower_is_better=True, margin=margin)
+    return Gate("ttft_p50", lower_is_better=True, margin=margin, feasible="feasible")
 
 
 def train_slai_offset(
@@ -127,17 +123,20 @@ def train_slai_offset(
         "overlap": overlap,
     }
     metrics = candidate.evaluate(objective)
-    version = registry.log(candidate, metrics=metrics, params={"tune_rate": rate, "trials": trials})
     champion = registry.champion("slai-offset")
     champion_metrics = champion.evaluate(objective) if champion is not None else None
-    promoted = False
-    if promote_if_better and better(metrics, champion_metrics, margin):
-        registry.promote("slai-offset", version)
-        promoted = True
-    outcome = TrainOutcome(version, promoted, metrics, champion_metrics)
+    outcome = register_and_gate(
+        registry,
+        candidate,
+        metrics,
+        champion_metrics,
+        slai_gate(margin),
+        promote_if_better=promote_if_better,
+        params={"tune_rate": rate, "trials": trials},
+    )
     if with_policy_config:
         config = PolicyConfig("slai", {"offset": candidate.get_params(), "prefill_order": "spf"})
         outcome.policy_config_version = registry.log(config, metrics=metrics, run_name="policy-config:slai")
-        if promoted:
+        if outcome.promoted:
             registry.promote("policy-config", outcome.policy_config_version)
     return outcome

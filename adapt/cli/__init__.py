@@ -135,94 +135,44 @@ def _print_outcome(name: str, outcome) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    registry = _registry(args)
-    if args.component == "semantic-history":
-        from pipelines.semantic_history import train_semantic_history
+    from pipelines.catalogue import TrainOptions, entry
 
-        outcome = train_semantic_history(
-            registry,
-            args.data,
-            test_share=args.test_share,
-            promote_if_better=args.promote_if_better,
-            margin=args.margin,
-            replay=args.replay,
-        )
-    elif args.component in ("qrf-length", "neural-length"):
-        from pipelines.jitserve import train_qrf_length
-        from pipelines.neural_length import train_neural_length
-
-        train = train_qrf_length if args.component == "qrf-length" else train_neural_length
-        outcome = train(
-            registry,
-            args.data,
-            test_share=args.test_share,
-            promote_if_better=args.promote_if_better,
-            margin=args.margin,
-            replay=args.replay,
-        )
-    elif args.component == "pattern-graph":
-        from pipelines.jitserve import train_pattern_graph
-
-        outcome = train_pattern_graph(
-            registry,
-            args.data,
-            promote_if_better=args.promote_if_better,
-            margin=args.margin,
-            replay=args.replay,
-        )
-    elif args.component == "ewsjf-meta-policy":
-        from pipelines.ewsjf import train_ewsjf_meta
-
-        outcome = train_ewsjf_meta(registry, promote_if_better=args.promote_if_better)
-    elif args.component == "slai-offset":
-        from pipelines.slai import train_slai_offset
-
-        outcome = train_slai_offset(
-            registry,
-            rate=args.rate or 2.8,
-            num_requests=args.num_requests or 800,
-            trials=args.trials,
-            overlap=args.overlap,
-            promote_if_better=args.promote_if_better,
-            margin=args.margin,
-        )
-    else:
-        if not args.data:
-            raise UsageError("cost-model: --data STEPLOG (CSV/JSONL/parquet step log) is required")
-        from pipelines.cost_model import train_cost_model
-
-        outcome = train_cost_model(
-            registry, args.data, promote_if_better=args.promote_if_better, margin=args.margin
-        )
-    _print_outcome(args.component, outcome)
+    component = entry(args.component)
+    if component.needs_data and not args.data:
+        raise UsageError(f"{args.component}: --data is required ({component.data_help})")
+    options = TrainOptions(
+        data=args.data,
+        test_share=args.test_share,
+        promote_if_better=args.promote_if_better,
+        margin=args.margin,
+        replay=args.replay,
+        rate=args.rate,
+        num_requests=args.num_requests,
+        trials=args.trials,
+        overlap=args.overlap,
+    )
+    _print_outcome(args.component, component.train(_registry(args), options))
     return 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    if args.component in ("qrf-length", "neural-length", "pattern-graph"):
-        from pipelines.jitserve import evaluate_pattern_graph, evaluate_qrf_length
-        from pipelines.neural_length import evaluate_neural_length
+    from pipelines.catalogue import entry
 
-        evaluate = {
-            "qrf-length": evaluate_qrf_length,
-            "neural-length": evaluate_neural_length,
-            "pattern-graph": evaluate_pattern_graph,
-        }[args.component]
-        metrics = evaluate(_registry(args), args.data, version=args.version)
+    evaluate = entry(args.component).evaluate
+    assert evaluate is not None  # argparse's choices are the evaluable components
+    metrics = evaluate(_registry(args), args.data, version=args.version)
+    if args.component == "semantic-history":  # scored next to its two baselines: one row each
+        print(f"{args.component} on {args.data} (leave-one-prompt-out, {int(metrics['prompts'])} prompts)")
+        print(f"{'predictor':<12}{'wasserstein':>14}{'crps':>10}{'bucket_overlap':>16}{'mean_abs_error':>16}")
+        for mode, prefix in (("semantic", ""), ("length", "length_"), ("point", "point_")):
+            row = [
+                metrics[f"{prefix}{k}"] for k in ("wasserstein", "crps", "bucket_overlap", "mean_abs_error")
+            ]
+            print(f"{mode:<12}{row[0]:>14.1f}{row[1]:>10.1f}{row[2]:>16.3f}{row[3]:>16.1f}")
+    else:
         print(f"{args.component} on {args.data}")
         for key, value in metrics.items():
             print(f"  {key}: {value:.4g}")
-        if args.json_out:
-            Path(args.json_out).write_text(json.dumps(metrics, indent=2))
-        return 0
-    from pipelines.semantic_history import evaluate_semantic_history
-
-    metrics = evaluate_semantic_history(_registry(args), args.data, version=args.version)
-    print(f"{args.component} on {args.data} (leave-one-prompt-out, {int(metrics['prompts'])} prompts)")
-    print(f"{'predictor':<12}{'wasserstein':>14}{'crps':>10}{'bucket_overlap':>16}{'mean_abs_error':>16}")
-    for mode, prefix in (("semantic", ""), ("length", "length_"), ("point", "point_")):
-        row = [metrics[f"{prefix}{k}"] for k in ("wasserstein", "crps", "bucket_overlap", "mean_abs_error")]
-        print(f"{mode:<12}{row[0]:>14.1f}{row[1]:>10.1f}{row[2]:>16.3f}{row[3]:>16.1f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(metrics, indent=2))
     return 0
@@ -266,6 +216,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_retrain(args: argparse.Namespace) -> int:
+    from pipelines.catalogue import retrainers
     from pipelines.retrain import (
         EXIT_FAILED,
         EXIT_LOCKED,
@@ -279,12 +230,12 @@ def cmd_retrain(args: argparse.Namespace) -> int:
     registry = _registry(args)
     if args.schedule:
         try:
-            retrain_on_schedule(registry, args.data_dir, args.schedule, margin=args.margin)
+            retrain_on_schedule(registry, args.data_dir, args.schedule, retrainers(), margin=args.margin)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
         return EXIT_OK
     try:
-        results = retrain_once(registry, args.data_dir, margin=args.margin)
+        results = retrain_once(registry, args.data_dir, retrainers(), margin=args.margin)
     except RetrainLocked as exc:
         print(f"adapt: {exc}", file=sys.stderr)
         return EXIT_LOCKED
@@ -376,23 +327,15 @@ def build_parser() -> argparse.ArgumentParser:
     rollback.set_defaults(func=cmd_models_rollback)
 
     train = sub.add_parser("train", help="fit a component, log and register it (optionally promote)")
-    train.add_argument(
-        "component",
-        choices=[
-            "slai-offset",
-            "cost-model",
-            "ewsjf-meta-policy",
-            "semantic-history",
-            "qrf-length",
-            "neural-length",
-            "pattern-graph",
-        ],
-    )
+    from pipelines.catalogue import CATALOGUE, evaluable
+
+    train.add_argument("component", choices=list(CATALOGUE))
     train.add_argument(
         "--data",
-        help="training data (cost-model: a step log; semantic-history, qrf-length, neural-length: a"
-        " prompt/response file, default the bundled AlpacaEval slice; pattern-graph: a JSONL of"
-        " program graphs, default generated programs)",
+        help="training data: "
+        + "; ".join(
+            f"{name}: {e.data_help}" for name, e in CATALOGUE.items() if not e.data_help.startswith("none")
+        ),
     )
     train.add_argument(
         "--test-share",
@@ -417,9 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     evaluate = sub.add_parser("evaluate", help="score a registered component on any data file")
-    evaluate.add_argument(
-        "component", choices=["semantic-history", "qrf-length", "neural-length", "pattern-graph"]
-    )
+    evaluate.add_argument("component", choices=evaluable())
     evaluate.add_argument(
         "--data", required=True, help="prompt/response file (alpaca format); pattern-graph: JSONL graphs"
     )
@@ -522,7 +463,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("adapt: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

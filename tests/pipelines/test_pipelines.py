@@ -6,7 +6,7 @@ import pytest
 
 from adapt.cli import main
 from adapt.registry import Registry
-from pipelines.slai import better
+from pipelines.slai import slai_gate
 from serving_hooks.policies.config import PolicyConfig
 
 pytestmark = pytest.mark.slow
@@ -14,11 +14,11 @@ pytestmark = pytest.mark.slow
 
 def test_gate_rule():
     feasible = {"feasible": True, "ttft_p50": 0.3}
-    assert better(feasible, None, 0.0)
-    assert better(feasible, {"feasible": False, "ttft_p50": 0.1}, 0.0)
-    assert not better(feasible, {"feasible": True, "ttft_p50": 0.31}, 0.05)
-    assert better(feasible, {"feasible": True, "ttft_p50": 0.4}, 0.05)
-    assert not better({"feasible": False, "ttft_p50": 0.01}, None, 0.0)
+    assert slai_gate(0.0).passes(feasible, None)
+    assert slai_gate(0.0).passes(feasible, {"feasible": False, "ttft_p50": 0.1})
+    assert not slai_gate(0.05).passes(feasible, {"feasible": True, "ttft_p50": 0.31})
+    assert slai_gate(0.05).passes(feasible, {"feasible": True, "ttft_p50": 0.4})
+    assert not slai_gate(0.0).passes({"feasible": False, "ttft_p50": 0.01}, None)
 
 
 def test_tune_slai_registers_component_and_policy_config(tmp_path, capsys):
