@@ -180,7 +180,8 @@ class TrainingStep:
     run: Callable[[Registry, Path, bool], None]
 
 
-# One step per component of `pipelines.catalogue.CATALOGUE` (a test keeps the two in step).
+# Steps for components of `pipelines.catalogue.CATALOGUE`, in its order (a test keeps them so); a new
+# component joins the quickstart by adding its step here.
 TRAINING: dict[str, TrainingStep] = {
     "cost-model": TrainingStep(
         "step log of a replayed Azure trace slice -> fit -> register", _train_cost_model

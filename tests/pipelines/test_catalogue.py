@@ -14,8 +14,8 @@ def test_every_catalogue_component_is_loadable_by_name():
         assert component_class(name).name == name
 
 
-def test_the_quickstart_trains_every_catalogue_component():
-    assert list(TRAINING) == list(CATALOGUE)
+def test_the_quickstart_trains_catalogue_components_in_catalogue_order():
+    assert list(TRAINING) == [name for name in CATALOGUE if name in TRAINING]
 
 
 def test_cli_choices_come_from_the_catalogue():
