@@ -1,7 +1,7 @@
 """The policy contract: what a scheduling policy sees (EngineView) and what it decides (Plan).
 
 A policy is written once against this module and runs unchanged in the replay simulator
-(`experiments.replay`) and inside vLLM (`serving_hooks`). The engine owns the mechanics -- token
+(`adapt.replay`) and inside vLLM (`serving_hooks`). The engine owns the mechanics -- token
 budget, KV blocks, chunked prefill, preemption by recompute -- and the policy only orders, defers,
 preempts and drops. Policies are incremental: they keep their own index (a sorted list, a heap, a
 set of queues) up to date through the lifecycle hooks, so one `on_step` costs O(changed + log n)
