@@ -1,8 +1,9 @@
 """The LearnedComponent contract and its safe on-disk format.
 
-A component is a scikit-learn-style estimator (hyper-parameters in `__init__`, `fit` returns self)
-that can also `evaluate`, `save`, `load` and `validate` itself. What makes it a *versioned model*
-is the directory `save` writes:
+A component is a scikit-learn estimator (`sklearn.base.BaseEstimator`: hyper-parameters are the
+`__init__` arguments, stored unchanged; `fit` validates them and returns self; fitted state ends in
+`_`; `sklearn.base.clone` gives a fresh unfitted copy) that can also `evaluate`, `save`, `load` and
+`validate` itself. What makes it a *versioned model* is the directory `save` writes:
 
     component.json   name, schema version, hyper-parameters, metadata (data window, data hash)
     MANIFEST.json    SHA-256 of every other file, written by `write_component`
@@ -23,6 +24,8 @@ import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar, Self
+
+from sklearn.base import BaseEstimator
 
 SAFE_SUFFIXES: frozenset[str] = frozenset({".json", ".npz", ".parquet", ".faiss", ".safetensors", ".skops"})
 MANIFEST = "MANIFEST.json"
@@ -52,12 +55,14 @@ def data_fingerprint(*arrays_or_texts: Any) -> str:
     return digest.hexdigest()[:16]
 
 
-class LearnedComponent(ABC):
+class LearnedComponent(BaseEstimator, ABC):
     """Base class of every learned part of a scheduler.
 
     Subclasses set `name` (the registered-model name), `schema_version`, `primary_metric` and
     `lower_is_better` (what the champion/challenger gate compares), and implement the five
-    methods. `metadata` carries the training-data window and hash.
+    methods. `get_params`/`set_params` come from scikit-learn, so `__init__` must only store its
+    arguments under their own names: the header `save` writes, `read_component` and
+    `sklearn.base.clone` all rebuild a component from `get_params()`.
     """
 
     name: ClassVar[str]
@@ -65,8 +70,20 @@ class LearnedComponent(ABC):
     primary_metric: ClassVar[str] = ""
     lower_is_better: ClassVar[bool] = True
 
-    def __init__(self) -> None:
-        self.metadata: dict[str, Any] = {}
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The training-data window and hash, the registry version: facts about one fitted
+        artifact, so neither a hyper-parameter nor something `clone` may carry over. Created on
+        first use because scikit-learn's `__init__` convention leaves no room to set it there."""
+        try:
+            return self._metadata
+        except AttributeError:
+            self._metadata: dict[str, Any] = {}
+            return self._metadata
+
+    @metadata.setter
+    def metadata(self, value: dict[str, Any]) -> None:
+        self._metadata = value
 
     @abstractmethod
     def fit(self, data: Any) -> Self: ...
@@ -82,12 +99,8 @@ class LearnedComponent(ABC):
     def load_state(self, directory: Path) -> None:
         """Read the fitted state written by `save_state`."""
 
-    def validate(self) -> None:  # noqa: B027  (optional hook: most components add canaries)
+    def validate(self) -> None:  # an optional hook, not abstract: most components add canaries
         """Canary checks before a swap; raise ComponentError when the component must not serve."""
-
-    def get_params(self) -> dict[str, Any]:
-        """Hyper-parameters, as scikit-learn's `get_params`: what `__init__` was given."""
-        return {}
 
     def save(self, directory: str | Path) -> Path:
         return write_component(self, Path(directory))
@@ -143,7 +156,7 @@ def write_component(component: LearnedComponent, directory: Path) -> Path:
     header = {
         "name": component.name,
         "schema_version": component.schema_version,
-        "params": component.get_params(),
+        "params": component.get_params(deep=False),
         "metadata": {"saved_at": time.time(), **component.metadata},
     }
     (directory / HEADER).write_text(json.dumps(header, indent=2, sort_keys=True, default=str))

@@ -54,7 +54,7 @@ def kv_plot(rate: float, num_requests: int, tuned: SlaiOffset, out: Path, overla
         ("fixed offset 5", SLAI(offset=5.0)),
         ("fixed offset 10", SLAI(offset=10.0)),
         (
-            f"tuned {[round(t, 2) for t in tuned.thresholds]}/{[round(v, 1) for v in tuned.levels]}",
+            f"tuned {[round(t, 2) for t in tuned.thresholds_]}/{[round(v, 1) for v in tuned.levels_]}",
             SLAI(offset=tuned),
         ),
     ):
@@ -143,7 +143,7 @@ def main() -> None:
     print(f"tuning slai-offset at {args.tune_rate} req/s ({args.trials} trials)", file=sys.stderr)
     objective = replay_objective(args.tune_rate, args.requests, overlap=args.overlap)
     tuned = SlaiOffset().fit(objective, n_trials=args.trials)
-    print(f"tuned offset: thresholds {tuned.thresholds}, levels {tuned.levels}", file=sys.stderr)
+    print(f"tuned offset: thresholds {tuned.thresholds_}, levels {tuned.levels_}", file=sys.stderr)
 
     rates = [float(r) for r in args.rates.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -174,7 +174,7 @@ def main() -> None:
         json.dumps(
             {
                 "overlap": args.overlap,
-                "tuned": tuned.get_params(),
+                "tuned": tuned.rule(),
                 "rates": rates,
                 "headlines": headlines,
                 "tables": {

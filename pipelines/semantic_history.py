@@ -43,7 +43,7 @@ def evaluate_with_baselines(
     """The history's metrics, plus `<mode>_<metric>` for each baseline mode on the same window."""
     metrics = history.evaluate(test, exclude_same_prompt=exclude_same_prompt)
     for mode in BASELINE_MODES:
-        baseline = history.clone()
+        baseline = history.copy()
         baseline.mode = mode
         scores = baseline.evaluate(test, exclude_same_prompt=exclude_same_prompt)
         metrics.update({f"{mode}_{k}": v for k, v in scores.items() if k != "prompts"})

@@ -132,10 +132,10 @@ def train_slai_offset(
         champion_metrics,
         slai_gate(margin),
         promote_if_better=promote_if_better,
-        params={"tune_rate": rate, "trials": trials},
+        params={"tune_rate": rate, "trials": trials, **candidate.rule()},  # get_params() is the untuned rule
     )
     if with_policy_config:
-        config = PolicyConfig("slai", {"offset": candidate.get_params(), "prefill_order": "spf"})
+        config = PolicyConfig("slai", {"offset": candidate.rule(), "prefill_order": "spf"})
         outcome.policy_config_version = registry.log(config, metrics=metrics, run_name="policy-config:slai")
         if outcome.promoted:
             registry.promote("policy-config", outcome.policy_config_version)

@@ -47,12 +47,7 @@ class FittedCostModel(LearnedComponent):
     lower_is_better = True
 
     def __init__(self, kv_capacity: int = 50_000) -> None:
-        super().__init__()
         self.kv_capacity = kv_capacity
-        self.coef_: np.ndarray | None = None
-
-    def get_params(self) -> dict[str, Any]:
-        return {"kv_capacity": self.kv_capacity}
 
     def fit(self, data: dict[str, Any]) -> Self:
         """`data`: step-log columns (`adapt.steplog.STEP_LOG_COLUMNS`), e.g. a DataFrame or dict."""
@@ -72,7 +67,7 @@ class FittedCostModel(LearnedComponent):
         return self
 
     def predict(self, data: dict[str, Any]) -> np.ndarray:
-        if self.coef_ is None:
+        if not hasattr(self, "coef_"):
             raise ComponentError("cost-model: not fitted")
         return _design(data) @ self.coef_
 
@@ -113,7 +108,7 @@ class FittedCostModel(LearnedComponent):
 
     # ------------------------------------------------------------ persistence
     def save_state(self, directory: Path) -> None:
-        if self.coef_ is None:
+        if not hasattr(self, "coef_"):
             raise ComponentError("cost-model: not fitted")
         (directory / "coefficients.json").write_text(
             json.dumps({"features": list(FEATURES), "coef": self.coef_.tolist()}, indent=2)
@@ -127,7 +122,7 @@ class FittedCostModel(LearnedComponent):
 
     def validate(self) -> None:
         """Canaries: finite, positive, and more work never takes less time."""
-        if self.coef_ is None or not np.all(np.isfinite(self.coef_)) or np.any(self.coef_ < 0):
+        if not hasattr(self, "coef_") or not np.all(np.isfinite(self.coef_)) or np.any(self.coef_ < 0):
             raise ComponentError("cost-model: coefficients must be finite and non-negative")
         small = self.predict({"tokens": 1, "sampled": 1, "num_decodes": 1, "decode_ctx_sum": 100})
         big = self.predict({"tokens": 2048, "sampled": 1, "prefill_attn_units": 2048 * 1024.5})

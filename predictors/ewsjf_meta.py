@@ -171,41 +171,27 @@ class EwsjfMetaPolicy(LearnedComponent):
         k: int = 5,
         seed: int = 0,
     ) -> None:
-        super().__init__()
         self.a_u, self.b_u, self.a_f, self.b_f, self.w_base = a_u, b_u, a_f, b_f, w_base
         self.alpha, self.min_width, self.max_queues = alpha, min_width, max_queues
         self.bubble_width, self.empty_threshold = bubble_width, empty_threshold
         self.partition, self.k, self.seed = partition, k, seed
-        self.queues_: list[QueueSpec] = []
 
-    def get_params(self) -> dict[str, Any]:
-        return {
-            "a_u": self.a_u,
-            "b_u": self.b_u,
-            "a_f": self.a_f,
-            "b_f": self.b_f,
-            "w_base": self.w_base,
-            "alpha": self.alpha,
-            "min_width": self.min_width,
-            "max_queues": self.max_queues,
-            "bubble_width": self.bubble_width,
-            "empty_threshold": self.empty_threshold,
-            "partition": self.partition,
-            "k": self.k,
-            "seed": self.seed,
-        }
+    def _validate_params(self) -> None:
+        """Checked by `fit`, not `__init__`: scikit-learn's `set_params` and `clone` store values
+        unchecked, so a bad value is reported where it is used."""
+        if self.partition not in ("refine-and-prune", "kmeans"):
+            raise ValueError(f"partition: expected refine-and-prune or kmeans, got {self.partition!r}")
 
     def fit(self, data: Any) -> Self:
         """`data`: a window of prompt lengths (array-like)."""
+        self._validate_params()
         lengths = np.asarray(data, dtype=np.float64)
         if len(lengths) < 3:
             raise ValueError(f"ewsjf-meta-policy: need at least 3 prompt lengths, got {len(lengths)}")
         if self.partition == "kmeans":
             clusters = kmeans_1d(np.sort(lengths), self.k, self.seed)
-        elif self.partition == "refine-and-prune":
-            clusters = refine_and_prune(lengths, self.alpha, self.min_width, self.max_queues, self.seed)
         else:
-            raise ValueError(f"partition: expected refine-and-prune or kmeans, got {self.partition!r}")
+            clusters = refine_and_prune(lengths, self.alpha, self.min_width, self.max_queues, self.seed)
         total = len(lengths)
         self.queues_ = [
             QueueSpec(float(c[0]), float(c[-1]), float(c.mean()), len(c) / total) for c in clusters
@@ -233,7 +219,7 @@ class EwsjfMetaPolicy(LearnedComponent):
         self.queues_ = [QueueSpec(**q) for q in json.loads((directory / "queues.json").read_text())]
 
     def validate(self) -> None:
-        if not self.queues_:
+        if not getattr(self, "queues_", None):
             raise ComponentError("ewsjf-meta-policy: no queues (not fitted)")
         lows = [q.low for q in self.queues_]
         if lows != sorted(lows) or any(q.low > q.high for q in self.queues_):

@@ -60,43 +60,33 @@ class NeuralLength(LearnedComponent):
         calibration_share: float = 0.2,
         random_state: int = 0,
     ) -> None:
-        super().__init__()
-        self.quantiles = tuple(float(q) for q in quantiles)
-        if not self.quantiles or list(self.quantiles) != sorted(set(self.quantiles)):
-            raise ValueError(f"quantiles: expected distinct values in ascending order, got {quantiles!r}")
-        if not all(0.0 < q < 1.0 for q in self.quantiles):
-            raise ValueError(f"quantiles: expected values in (0, 1), got {quantiles!r}")
-        if float(quantile) not in self.quantiles:
-            raise ValueError(f"quantile: {quantile!r} must be one of quantiles {self.quantiles}")
-        self.quantile = float(quantile)
-        self.hidden = int(hidden)
-        self.dropout = float(dropout)
-        self.epochs = int(epochs)
-        self.batch_size = int(batch_size)
-        self.learning_rate = float(learning_rate)
-        self.weight_decay = float(weight_decay)
-        if not 0 <= calibration_share < 1:
-            raise ValueError(f"calibration_share: expected a number in [0, 1), got {calibration_share!r}")
-        self.calibration_share = float(calibration_share)
-        self.random_state = int(random_state)
-        self.net_: Any = None
-        self.mean_ = np.zeros(NUMERIC_FEATURES)
-        self.std_ = np.ones(NUMERIC_FEATURES)
-        self.scales_: dict[str, float] = {}
+        self.quantiles = quantiles
+        self.quantile = quantile
+        self.hidden = hidden
+        self.dropout = dropout
+        self.epochs = epochs
+        self.batch_size = batch_size
+        self.learning_rate = learning_rate
+        self.weight_decay = weight_decay
+        self.calibration_share = calibration_share
+        self.random_state = random_state
 
-    def get_params(self) -> dict[str, Any]:
-        return {
-            "quantiles": list(self.quantiles),
-            "quantile": self.quantile,
-            "hidden": self.hidden,
-            "dropout": self.dropout,
-            "epochs": self.epochs,
-            "batch_size": self.batch_size,
-            "learning_rate": self.learning_rate,
-            "weight_decay": self.weight_decay,
-            "calibration_share": self.calibration_share,
-            "random_state": self.random_state,
-        }
+    def _validate_params(self) -> None:
+        """Checked by `fit` and `load_state`, not `__init__`: scikit-learn's `set_params` and
+        `clone` store values unchecked."""
+        quantiles = [float(q) for q in self.quantiles]
+        if not quantiles or quantiles != sorted(set(quantiles)):
+            raise ValueError(
+                f"quantiles: expected distinct values in ascending order, got {self.quantiles!r}"
+            )
+        if not all(0.0 < q < 1.0 for q in quantiles):
+            raise ValueError(f"quantiles: expected values in (0, 1), got {self.quantiles!r}")
+        if float(self.quantile) not in quantiles:
+            raise ValueError(f"quantile: {self.quantile!r} must be one of quantiles {tuple(quantiles)}")
+        if not 0 <= self.calibration_share < 1:
+            raise ValueError(
+                f"calibration_share: expected a number in [0, 1), got {self.calibration_share!r}"
+            )
 
     # --------------------------------------------------------------- features
     def features(self, prompt_tokens: Sequence[int], prompt_texts: Sequence[str], generated: Sequence[int]):
@@ -134,7 +124,7 @@ class NeuralLength(LearnedComponent):
         """Upper bound on the tokens still to come, one per request (>= 1); the same call as
         `QrfLength.predict_bound` so JITServe takes either. `generated_texts` is accepted and
         unused (the network sees the count, not the text); `quantile` must be a trained one."""
-        if self.net_ is None:
+        if not hasattr(self, "net_"):
             raise ComponentError("neural-length: not fitted")
         wanted = self.quantile if quantile is None else float(quantile)
         if wanted not in self.quantiles:
@@ -154,6 +144,7 @@ class NeuralLength(LearnedComponent):
 
         from predictors.quantile_mlp import train_quantile_net
 
+        self._validate_params()
         data_hash = training_hash(data)
         calibration = None
         if self.calibration_share > 0:
@@ -227,7 +218,7 @@ class NeuralLength(LearnedComponent):
     def save_state(self, directory: Path) -> None:
         from safetensors.torch import save_file
 
-        if self.net_ is None:
+        if not hasattr(self, "net_"):
             raise ComponentError("neural-length: nothing to save before fit")
         save_file({k: v.contiguous() for k, v in self.net_.state_dict().items()}, directory / WEIGHTS_FILE)
         scaling = {"mean": self.mean_.tolist(), "std": self.std_.tolist(), "scales": self.scales_}
@@ -236,6 +227,7 @@ class NeuralLength(LearnedComponent):
     def load_state(self, directory: Path) -> None:
         from safetensors.torch import load_file
 
+        self._validate_params()
         net = self._new_net()
         try:
             net.load_state_dict(load_file(directory / WEIGHTS_FILE))

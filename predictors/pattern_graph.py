@@ -24,7 +24,8 @@ History is compact: at most `max_graphs` stored graphs. `fit` clusters a larger 
 k-medoids (FasterPAM from the `kmedoids` package) over the same kernel distance and keeps the
 medoids, weighted by cluster size; `observe` adds a finished program online -- reinforcing a stored
 graph it nearly equals, else replacing the least-used one -- and weights decay by `decay` (0.9 in
-the paper) per hour, so patterns nobody reuses fade out. Saved as npz + JSON (no pickle).
+the paper) per hour, so patterns nobody reuses fade out (an unfitted graph starts from an empty
+history and learns online). Saved as npz + JSON (no pickle).
 """
 
 from __future__ import annotations
@@ -62,35 +63,25 @@ class PatternGraph(LearnedComponent):
         neighbors: int = 10,
         random_state: int = 0,
     ) -> None:
-        super().__init__()
-        if max_graphs < 1 or max_stages < 1:
-            raise ValueError("max_graphs and max_stages: must be >= 1")
-        if not bandwidth > 0 or not 0 < decay <= 1 or neighbors < 1:
-            raise ValueError("bandwidth: must be > 0; decay: in (0, 1]; neighbors: >= 1")
-        self.max_graphs = int(max_graphs)
-        self.max_stages = int(max_stages)
-        self.bandwidth = float(bandwidth)
-        self.decay = float(decay)
-        self.merge_distance = float(merge_distance)
-        self.neighbors = int(neighbors)
-        self.random_state = int(random_state)
-        self.vocabulary: dict[str, int] = {}
-        self._arrays = self._empty(0)
-        self._clock_s = 0.0
+        self.max_graphs = max_graphs
+        self.max_stages = max_stages
+        self.bandwidth = bandwidth
+        self.decay = decay
+        self.merge_distance = merge_distance
+        self.neighbors = neighbors
+        self.random_state = random_state
 
-    def get_params(self) -> dict[str, Any]:
-        return {
-            "max_graphs": self.max_graphs,
-            "max_stages": self.max_stages,
-            "bandwidth": self.bandwidth,
-            "decay": self.decay,
-            "merge_distance": self.merge_distance,
-            "neighbors": self.neighbors,
-            "random_state": self.random_state,
-        }
+    def _validate_params(self) -> None:
+        """Checked when a history is built (`fit`, `load_state`, the first `observe`), not in
+        `__init__`: scikit-learn's `set_params` and `clone` store values unchecked."""
+        if self.max_graphs < 1 or self.max_stages < 1:
+            raise ValueError("max_graphs and max_stages: must be >= 1")
+        if not self.bandwidth > 0 or not 0 < self.decay <= 1 or self.neighbors < 1:
+            raise ValueError("bandwidth: must be > 0; decay: in (0, 1]; neighbors: >= 1")
 
     def __len__(self) -> int:
-        return len(self._arrays["length"])
+        """Stored graphs (0 before any history is built)."""
+        return len(self.graphs_["length"]) if hasattr(self, "graphs_") else 0
 
     # ------------------------------------------------------------- encoding
     def _empty(self, n: int) -> dict[str, np.ndarray]:
@@ -107,11 +98,11 @@ class PatternGraph(LearnedComponent):
         }
 
     def _code(self, key: str, grow: bool) -> int:
-        if key not in self.vocabulary:
+        if key not in self.vocabulary_:
             if not grow:
                 return -2  # matches nothing stored
-            self.vocabulary[key] = len(self.vocabulary)
-        return self.vocabulary[key]
+            self.vocabulary_[key] = len(self.vocabulary_)
+        return self.vocabulary_[key]
 
     def _encode(self, graphs: Sequence[ProgramGraph], grow: bool = True) -> dict[str, np.ndarray]:
         arrays = self._empty(len(graphs))
@@ -136,8 +127,8 @@ class PatternGraph(LearnedComponent):
         return np.exp(-np.where(self._is_tool(b["codes"]), d_tool, d_llm) / two_sigma2)
 
     def _is_tool(self, codes: np.ndarray) -> np.ndarray:
-        lookup = np.zeros(len(self.vocabulary) + 2, dtype=bool)  # codes -1 and -2 index the tail
-        for key, code in self.vocabulary.items():
+        lookup = np.zeros(len(self.vocabulary_) + 2, dtype=bool)  # codes -1 and -2 index the tail
+        for key, code in self.vocabulary_.items():
             lookup[code] = key.startswith("tool:")
         return lookup[codes]
 
@@ -156,10 +147,11 @@ class PatternGraph(LearnedComponent):
     # --------------------------------------------------------------- fitting
     def fit(self, data: Sequence[ProgramGraph]) -> Self:
         """Store the history, clustered with k-medoids when it exceeds `max_graphs`."""
+        self._validate_params()
         graphs = [g for g in data if g.stages]
         if not graphs:
             raise ValueError("pattern-graph: no programs with stages to fit on")
-        self.vocabulary = {}
+        self.vocabulary_ = {}
         encoded = self._encode(graphs)
         if len(graphs) > self.max_graphs:
             import kmedoids
@@ -170,7 +162,8 @@ class PatternGraph(LearnedComponent):
             counts = np.bincount(np.asarray(result.labels), minlength=len(medoids))
             encoded = {k: v[medoids] for k, v in encoded.items()}
             encoded["weight"] = counts[np.arange(len(medoids))].astype(np.float64)
-        self._arrays = encoded
+        self.graphs_ = encoded
+        self.clock_s_ = getattr(self, "clock_s_", 0.0)  # a refit keeps the clock of `observe`'s decay
         self.metadata.update(
             programs=len(graphs),
             stored=len(self),
@@ -189,7 +182,7 @@ class PatternGraph(LearnedComponent):
         if len(self) == 0 or k >= self.max_stages:
             return none
         query = self._encode([ProgramGraph("partial", (*seen, current))], grow=False)
-        arrays = self._arrays
+        arrays = self.graphs_
         alive = arrays["length"] > k
         alive &= (arrays["codes"][:, : k + 1] == query["codes"][0, : k + 1]).all(axis=1)
         candidates = np.flatnonzero(alive)
@@ -210,7 +203,7 @@ class PatternGraph(LearnedComponent):
         index, weights = self.match(seen, current)
         if len(index) == 0:
             return None
-        return float(np.average(self._arrays[column][index, len(seen)], weights=weights))
+        return float(np.average(self.graphs_[column][index, len(seen)], weights=weights))
 
     def stage_share(self, seen: Sequence[StageNode], current: StageNode) -> float | None:
         """phi(s) of the stage about to run (s = len(seen)), or None without a match."""
@@ -228,21 +221,24 @@ class PatternGraph(LearnedComponent):
         then reinforce the stored graph it nearly equals or store it (evicting the least used)."""
         if not graph.stages:
             return
-        hours = max(0.0, now_s - self._clock_s) / 3600.0
-        self._clock_s = max(self._clock_s, now_s)
-        self._arrays["weight"] *= self.decay**hours
+        if not hasattr(self, "graphs_"):  # learning online from nothing: an empty history
+            self._validate_params()
+            self.vocabulary_, self.graphs_, self.clock_s_ = {}, self._empty(0), 0.0
+        hours = max(0.0, now_s - self.clock_s_) / 3600.0
+        self.clock_s_ = max(self.clock_s_, now_s)
+        self.graphs_["weight"] *= self.decay**hours
         encoded = self._encode([graph])
         if len(self):
-            dist = self.distances(encoded, self._arrays)[0]
+            dist = self.distances(encoded, self.graphs_)[0]
             nearest = int(np.argmin(dist))
             if dist[nearest] <= self.merge_distance:
-                self._arrays["weight"][nearest] += 1.0
+                self.graphs_["weight"][nearest] += 1.0
                 return
         if len(self) < self.max_graphs:
-            self._arrays = {k: np.concatenate([v, encoded[k]]) for k, v in self._arrays.items()}
+            self.graphs_ = {k: np.concatenate([v, encoded[k]]) for k, v in self.graphs_.items()}
             return
-        victim = int(np.argmin(self._arrays["weight"]))
-        for key, values in self._arrays.items():
+        victim = int(np.argmin(self.graphs_["weight"]))
+        for key, values in self.graphs_.items():
             values[victim] = encoded[key][0]
 
     # ------------------------------------------------------------- evaluation
@@ -273,23 +269,24 @@ class PatternGraph(LearnedComponent):
     def save_state(self, directory: Path) -> None:
         if not len(self):
             raise ComponentError("pattern-graph: nothing to save before fit")
-        np.savez(directory / STATE_FILE, **self._arrays)
+        np.savez(directory / STATE_FILE, **self.graphs_)
         (directory / VOCAB_FILE).write_text(
-            json.dumps({"vocabulary": self.vocabulary, "clock_s": self._clock_s})
+            json.dumps({"vocabulary": self.vocabulary_, "clock_s": self.clock_s_})
         )
 
     def load_state(self, directory: Path) -> None:
+        self._validate_params()
         with np.load(directory / STATE_FILE, allow_pickle=False) as state:
-            self._arrays = {name: state[name] for name in _ARRAYS}
+            self.graphs_ = {name: state[name] for name in _ARRAYS}
         extra = json.loads((directory / VOCAB_FILE).read_text())
-        self.vocabulary = {str(k): int(v) for k, v in extra["vocabulary"].items()}
-        self._clock_s = float(extra["clock_s"])
+        self.vocabulary_ = {str(k): int(v) for k, v in extra["vocabulary"].items()}
+        self.clock_s_ = float(extra["clock_s"])
 
     def validate(self) -> None:
         if not len(self):
             raise ComponentError("pattern-graph: empty history")
-        shares = self._arrays["share"]
+        shares = self.graphs_["share"]
         if not (np.isfinite(shares).all() and (shares > 0).all() and (shares <= 1 + 1e-9).all()):
             raise ComponentError("pattern-graph: stored stage shares outside (0, 1]")
-        if self._arrays["codes"].max() >= len(self.vocabulary) or math.isnan(self._arrays["weight"].sum()):
+        if self.graphs_["codes"].max() >= len(self.vocabulary_) or math.isnan(self.graphs_["weight"].sum()):
             raise ComponentError("pattern-graph: codes outside the vocabulary or NaN weights")

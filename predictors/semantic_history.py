@@ -13,10 +13,11 @@ as the empirical distribution of its neighbours' output lengths (paper section 3
 - `mode="point"`: the ablation baseline -- the semantic prediction collapsed to its mean.
 
 A request without prompt text (length-only traces) is predicted by prompt length in every mode.
-`observe` adds completions online, so a deployment learns from its own traffic; old entries leave
-the FAISS index in batches of `window // 64`, keeping eviction cheap per completion. Small query
-batches run on one OpenMP thread: on a 2-core machine a single query over 10,000 entries takes
-0.40 ms that way and 0.80 ms on two threads; batches of 20 or more use every core.
+`observe` adds completions online, so a deployment learns from its own traffic (the window is built
+empty on first use: a history may start from nothing); old entries leave the FAISS index in batches
+of `window // 64`, keeping eviction cheap per completion. Small query batches run on one OpenMP
+thread: on a 2-core machine a single query over 10,000 entries takes 0.40 ms that way and 0.80 ms
+on two threads; batches of 20 or more use every core.
 Saved as a FAISS index of the window's embeddings plus an npz of its lengths (no pickle).
 """
 
@@ -58,62 +59,64 @@ class SemanticHistory(LearnedComponent):
         max_support: int = 32,
         mode: str = "semantic",
     ) -> None:
-        super().__init__()
-        if mode not in MODES:
-            raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
-        if window < 1 or min_neighbors < 1 or fallback_neighbors < 1 or max_neighbors < min_neighbors:
+        self.window = window
+        self.threshold = threshold
+        self.min_neighbors = min_neighbors
+        self.fallback_neighbors = fallback_neighbors
+        self.max_neighbors = max_neighbors
+        self.max_support = max_support
+        self.mode = mode
+
+    def _validate_params(self) -> None:
+        """Checked when a window is built (`fit`, `load_state`, the first `observe`), not in
+        `__init__`: scikit-learn's `set_params` and `clone` store values unchecked."""
+        if self.mode not in MODES:
+            raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {self.mode!r}")
+        if (
+            self.window < 1
+            or self.min_neighbors < 1
+            or self.fallback_neighbors < 1
+            or self.max_neighbors < self.min_neighbors
+        ):
             raise ValueError(
                 "window, min_neighbors, fallback_neighbors must be >= 1 and max_neighbors >= min_neighbors"
             )
-        if not -1.0 <= threshold <= 1.0:
-            raise ValueError(f"threshold: a cosine similarity in [-1, 1], got {threshold!r}")
-        self.window = int(window)
-        self.threshold = float(threshold)
-        self.min_neighbors = int(min_neighbors)
-        self.fallback_neighbors = int(fallback_neighbors)
-        self.max_neighbors = int(max_neighbors)
-        self.max_support = int(max_support)
-        self.mode = mode
-        self._reset()
-
-    def get_params(self) -> dict[str, Any]:
-        return {
-            "window": self.window,
-            "threshold": self.threshold,
-            "min_neighbors": self.min_neighbors,
-            "fallback_neighbors": self.fallback_neighbors,
-            "max_neighbors": self.max_neighbors,
-            "max_support": self.max_support,
-            "mode": self.mode,
-        }
+        if not -1.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold: a cosine similarity in [-1, 1], got {self.threshold!r}")
 
     # ----------------------------------------------------------------- window
     def _reset(self) -> None:
+        """An empty window: fitted state, sized by `window` (plus the eviction slack)."""
         import faiss
 
         from predictors.embedding import DIMENSION
 
-        self._slack = max(1, self.window // 64)
+        self._validate_params()
         capacity = self.window + self._slack
-        self._prompt_tokens = np.zeros(capacity, dtype=np.int64)
-        self._output_tokens = np.zeros(capacity, dtype=np.int64)
-        self._prompt_hash = np.zeros(capacity, dtype=np.int64)
-        self._has_text = np.zeros(capacity, dtype=bool)
-        self._next_id = 0  # sequence number of the next entry; entry i lives in slot i % capacity
-        self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(DIMENSION))
-        self._index_floor = 0  # ids below this have been removed from the FAISS index
+        self.prompt_tokens_ = np.zeros(capacity, dtype=np.int64)
+        self.output_tokens_ = np.zeros(capacity, dtype=np.int64)
+        self.prompt_hash_ = np.zeros(capacity, dtype=np.int64)
+        self.has_text_ = np.zeros(capacity, dtype=bool)
+        self.next_id_ = 0  # sequence number of the next entry; entry i lives in slot i % capacity
+        self.index_ = faiss.IndexIDMap2(faiss.IndexFlatIP(DIMENSION))
+        self.index_floor_ = 0  # ids below this have been removed from the FAISS index
+
+    @property
+    def _slack(self) -> int:
+        """Evicted entries leave the FAISS index in batches of this many."""
+        return max(1, self.window // 64)
 
     @property
     def size(self) -> int:
-        """Entries currently in the window."""
-        return min(self._next_id, self.window)
+        """Entries currently in the window (0 before the window is built)."""
+        return min(getattr(self, "next_id_", 0), self.window)
 
     @property
     def _oldest(self) -> int:
-        return max(0, self._next_id - self.window)
+        return max(0, self.next_id_ - self.window)
 
     def _live_ids(self) -> np.ndarray:
-        return np.arange(self._oldest, self._next_id)
+        return np.arange(self._oldest, self.next_id_)
 
     def observe(
         self,
@@ -127,48 +130,52 @@ class SemanticHistory(LearnedComponent):
         count = len(prompt_tokens)
         if count == 0:
             return
+        if not hasattr(self, "index_"):
+            self._reset()
         has_text = np.asarray(has_text, dtype=bool)
-        ids = np.arange(self._next_id, self._next_id + count)
-        slots = ids % len(self._prompt_tokens)
-        self._prompt_tokens[slots] = prompt_tokens
-        self._output_tokens[slots] = output_tokens
-        self._prompt_hash[slots] = 0 if prompt_hashes is None else prompt_hashes
-        self._has_text[slots] = has_text
+        ids = np.arange(self.next_id_, self.next_id_ + count)
+        slots = ids % len(self.prompt_tokens_)
+        self.prompt_tokens_[slots] = prompt_tokens
+        self.output_tokens_[slots] = output_tokens
+        self.prompt_hash_[slots] = 0 if prompt_hashes is None else prompt_hashes
+        self.has_text_[slots] = has_text
         if has_text.any():
-            self._index.add_with_ids(
+            self.index_.add_with_ids(
                 np.ascontiguousarray(embeddings[has_text], dtype=np.float32), ids[has_text]
             )
-        self._next_id += count
-        if self._oldest - self._index_floor >= self._slack:
+        self.next_id_ += count
+        if self._oldest - self.index_floor_ >= self._slack:
             import faiss
 
-            self._index.remove_ids(faiss.IDSelectorRange(self._index_floor, self._oldest))
-            self._index_floor = self._oldest
+            self.index_.remove_ids(faiss.IDSelectorRange(self.index_floor_, self._oldest))
+            self.index_floor_ = self._oldest
 
-    def clone(self) -> SemanticHistory:
-        """An independent copy (window and index): each policy instance learns online on its own."""
-        import faiss
+    def copy(self) -> SemanticHistory:
+        """An independent copy of the window and its index, so that each policy instance learns
+        online on its own. Not `sklearn.base.clone`, which keeps the parameters and drops the window."""
+        twin = type(self)(**self.get_params(deep=False))
+        if hasattr(self, "index_"):
+            import faiss
 
-        twin = SemanticHistory(**self.get_params())
-        for name in ("_prompt_tokens", "_output_tokens", "_prompt_hash", "_has_text"):
-            setattr(twin, name, getattr(self, name).copy())
-        twin._next_id, twin._index_floor = self._next_id, self._index_floor
-        twin._index = faiss.clone_index(self._index)
+            for name in ("prompt_tokens_", "output_tokens_", "prompt_hash_", "has_text_"):
+                setattr(twin, name, getattr(self, name).copy())
+            twin.next_id_, twin.index_floor_ = self.next_id_, self.index_floor_
+            twin.index_ = faiss.clone_index(self.index_)
         twin.metadata = dict(self.metadata)
         return twin
 
     # ----------------------------------------------------------- prediction
     def _distribution(self, ids: np.ndarray) -> LengthDistribution:
-        samples = self._output_tokens[ids % len(self._output_tokens)]
+        samples = self.output_tokens_[ids % len(self.output_tokens_)]
         return LengthDistribution.from_samples(samples, self.max_support)
 
     def _by_length(self, prompt_tokens: int, exclude_hash: int = 0) -> np.ndarray:
         ids = self._live_ids()
         if exclude_hash:
-            ids = ids[self._prompt_hash[ids % len(self._prompt_hash)] != exclude_hash]
+            ids = ids[self.prompt_hash_[ids % len(self.prompt_hash_)] != exclude_hash]
         if len(ids) <= self.fallback_neighbors:
             return ids
-        gap = np.abs(np.log(self._prompt_tokens[ids % len(self._prompt_tokens)]) - np.log(prompt_tokens))
+        gap = np.abs(np.log(self.prompt_tokens_[ids % len(self.prompt_tokens_)]) - np.log(prompt_tokens))
         return ids[np.argpartition(gap, self.fallback_neighbors - 1)[: self.fallback_neighbors]]
 
     def predict_embedded(
@@ -187,7 +194,7 @@ class SemanticHistory(LearnedComponent):
         exclude = [0] * count if exclude_hashes is None else list(exclude_hashes)
         has_text = np.asarray(has_text, dtype=bool)
         results: list[LengthDistribution | None] = [None] * count
-        semantic = has_text & (self.mode != "length") & (self._index.ntotal > 0)
+        semantic = has_text & (self.mode != "length") & (self.index_.ntotal > 0)
         if semantic.any():
             import faiss
 
@@ -196,19 +203,19 @@ class SemanticHistory(LearnedComponent):
             # Enough hits for the prior; rows whose last hit still clears the threshold may have
             # more close neighbours than that and get a range search (rare: a popular prompt).
             k = min(
-                self._index.ntotal,
-                self.fallback_neighbors + self._oldest - self._index_floor + _SEARCH_MARGIN,
+                self.index_.ntotal,
+                self.fallback_neighbors + self._oldest - self.index_floor_ + _SEARCH_MARGIN,
             )
             faiss.omp_set_num_threads(1 if len(rows) < _PARALLEL_QUERIES else _CORES)
-            sims, hits = self._index.search(queries, k)
+            sims, hits = self.index_.search(queries, k)
             for row, query, sim, hit in zip(rows, queries, sims, hits, strict=True):
-                if k < self._index.ntotal and sim[-1] >= self.threshold:
-                    _, range_sims, range_hits = self._index.range_search(query[None], self.threshold)
+                if k < self.index_.ntotal and sim[-1] >= self.threshold:
+                    _, range_sims, range_hits = self.index_.range_search(query[None], self.threshold)
                     order = np.argsort(-range_sims, kind="stable")
                     sim, hit = range_sims[order], range_hits[order]
                 keep = hit >= self._oldest  # -1 (no hit) and evicted ids fall out here
                 if exclude[row]:
-                    keep &= self._prompt_hash[hit % len(self._prompt_hash)] != exclude[row]
+                    keep &= self.prompt_hash_[hit % len(self.prompt_hash_)] != exclude[row]
                 sim, hit = sim[keep], hit[keep]
                 if hit.size == 0:
                     continue
@@ -236,6 +243,7 @@ class SemanticHistory(LearnedComponent):
     def fit(self, data: Any) -> Self:
         """Seed the window with the last `window` rows of a trace that has prompt text and real
         output lengths (e.g. AlpacaEval); the prior the paper draws from public datasets."""
+        self._validate_params()
         texts, prompts, outputs = _columns(data)
         texts, prompts, outputs = texts[-self.window :], prompts[-self.window :], outputs[-self.window :]
         print(f"semantic-history: embedding {len(set(texts)):,} distinct prompts", file=sys.stderr)
@@ -282,19 +290,21 @@ class SemanticHistory(LearnedComponent):
     def save_state(self, directory: Path) -> None:
         import faiss
 
+        if not hasattr(self, "index_"):  # nothing observed yet: saved as the empty window
+            self._reset()
         ids = self._live_ids()
-        slots = ids % len(self._prompt_tokens)
-        text_ids = ids[self._has_text[slots]]
-        flat = faiss.IndexFlatIP(self._index.d)
+        slots = ids % len(self.prompt_tokens_)
+        text_ids = ids[self.has_text_[slots]]
+        flat = faiss.IndexFlatIP(self.index_.d)
         if text_ids.size:
-            flat.add(np.vstack([self._index.reconstruct(int(i)) for i in text_ids]))
+            flat.add(np.vstack([self.index_.reconstruct(int(i)) for i in text_ids]))
         faiss.write_index(flat, str(directory / "embeddings.faiss"))
         np.savez(
             directory / "window.npz",
-            prompt_tokens=self._prompt_tokens[slots],
-            output_tokens=self._output_tokens[slots],
-            prompt_hash=self._prompt_hash[slots],
-            has_text=self._has_text[slots],
+            prompt_tokens=self.prompt_tokens_[slots],
+            output_tokens=self.output_tokens_[slots],
+            prompt_hash=self.prompt_hash_[slots],
+            has_text=self.has_text_[slots],
         )
 
     def load_state(self, directory: Path) -> None:
@@ -317,9 +327,11 @@ class SemanticHistory(LearnedComponent):
         )
 
     def validate(self) -> None:
-        if self.size and self._index.ntotal > self.window + self._slack:
+        from predictors.embedding import DIMENSION
+
+        if self.size and self.index_.ntotal > self.window + self._slack:
             raise ComponentError("semantic-history: FAISS index larger than its window")
-        probe = self.predict_embedded([16], np.zeros((1, self._index.d), dtype=np.float32), [False])[0]
+        probe = self.predict_embedded([16], np.zeros((1, DIMENSION), dtype=np.float32), [False])[0]
         if not (np.all(probe.support > 0) and abs(probe.probs.sum() - 1.0) < 1e-6):
             raise ComponentError("semantic-history: canary prediction is not a length distribution")
 

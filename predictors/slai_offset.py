@@ -6,14 +6,15 @@ longer; a large one protects TBT and frees memory sooner. The paper's rule is tw
 96% KV usage, 10 above. This component generalises it to a step function over KV usage --
 `thresholds` (ascending) and `levels` (one more than thresholds) -- whose values are tuned with
 Optuna on replay (`fit`) to minimise median TTFT subject to every tier's P99 TBT meeting its SLO.
-Saved as JSON.
+The rule given to `__init__` serves until then (a policy-config rebuilds a tuned offset that way,
+from `rule()`); the tuned one is fitted state (`thresholds_`, `levels_`), saved as JSON.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -21,6 +22,7 @@ from adapt.component import ComponentError, LearnedComponent
 
 PAPER_THRESHOLDS: tuple[float, ...] = (0.96,)
 PAPER_LEVELS: tuple[float, ...] = (5.0, 10.0)
+RULE_FILE = "rule.json"
 
 
 class SlaiOffset(LearnedComponent):
@@ -32,18 +34,28 @@ class SlaiOffset(LearnedComponent):
 
     def __init__(
         self,
-        thresholds: list[float] | tuple[float, ...] = PAPER_THRESHOLDS,
-        levels: list[float] | tuple[float, ...] = PAPER_LEVELS,
+        thresholds: Sequence[float] = PAPER_THRESHOLDS,
+        levels: Sequence[float] = PAPER_LEVELS,
     ) -> None:
-        super().__init__()
-        self.thresholds = [float(t) for t in thresholds]
-        self.levels = [float(v) for v in levels]
+        self.thresholds = thresholds
+        self.levels = levels
 
-    def get_params(self) -> dict[str, Any]:
-        return {"thresholds": self.thresholds, "levels": self.levels}
+    def _rule(self) -> tuple[Sequence[float], Sequence[float]]:
+        """The tuned rule once fitted, else the one given: an offset serves unfitted too (the
+        paper's rule by default, or a rule a policy-config recorded)."""
+        if hasattr(self, "thresholds_"):
+            return self.thresholds_, self.levels_
+        return self.thresholds, self.levels
+
+    def rule(self) -> dict[str, list[float]]:
+        """The rule in effect as `__init__` arguments: what a policy-config records, so that the
+        policy rebuilds this offset without its artifact."""
+        thresholds, levels = self._rule()
+        return {"thresholds": [float(t) for t in thresholds], "levels": [float(v) for v in levels]}
 
     def __call__(self, kv_usage: float) -> float:
-        return self.levels[bisect.bisect_right(self.thresholds, kv_usage)]
+        thresholds, levels = self._rule()
+        return float(levels[bisect.bisect_right(thresholds, kv_usage)])
 
     def fit(self, data: Callable[[SlaiOffset], dict[str, Any]], n_trials: int = 20, seed: int = 0) -> Self:
         """Tune a two-level rule with Optuna. `data` evaluates a candidate offset (a replay of the
@@ -61,8 +73,8 @@ class SlaiOffset(LearnedComponent):
         space = {"threshold": (0.5, 0.99), "low": (0.0, 15.0), "extra": (0.0, 20.0)}
         paper = {"threshold": 0.96, "low": 5.0, "extra": 5.0}
         best = tune(objective, space, n_trials=n_trials, seed=seed, warm_start=[paper], name="slai-offset")
-        self.thresholds = [best.params["threshold"]]
-        self.levels = [best.params["low"], best.params["low"] + best.params["extra"]]
+        self.thresholds_ = [best.params["threshold"]]
+        self.levels_ = [best.params["low"], best.params["low"] + best.params["extra"]]
         self.metadata.update(tuning={"trials": n_trials, "best_value": best.value, "seed": seed})
         return self
 
@@ -71,20 +83,26 @@ class SlaiOffset(LearnedComponent):
         return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float | bool)}
 
     def save_state(self, directory: Path) -> None:
-        """Everything is in the header's params."""
+        """The tuned rule, if any; the one given to `__init__` is in the header's params."""
+        if hasattr(self, "thresholds_"):
+            (directory / RULE_FILE).write_text(json.dumps(self.rule()))
 
     def load_state(self, directory: Path) -> None:
-        """Everything is in the header's params."""
+        """An artifact without `rule.json` serves its params' rule: it was never fitted, or it was
+        written when the tuned rule was still stored as the params."""
+        path = directory / RULE_FILE
+        if path.is_file():
+            rule = json.loads(path.read_text())
+            self.thresholds_, self.levels_ = rule["thresholds"], rule["levels"]
 
     def validate(self) -> None:
-        if len(self.levels) != len(self.thresholds) + 1:
+        thresholds, levels = (list(values) for values in self._rule())
+        if len(levels) != len(thresholds) + 1:
             raise ComponentError("slai-offset: need exactly one more level than thresholds")
-        if self.thresholds != sorted(self.thresholds) or not all(0 <= t <= 1 for t in self.thresholds):
-            raise ComponentError(
-                f"slai-offset: thresholds must be ascending in [0, 1], got {self.thresholds}"
-            )
-        if not all(0 <= v <= 100 for v in self.levels):
-            raise ComponentError(f"slai-offset: levels must be in [0, 100] batch times, got {self.levels}")
+        if thresholds != sorted(thresholds) or not all(0 <= t <= 1 for t in thresholds):
+            raise ComponentError(f"slai-offset: thresholds must be ascending in [0, 1], got {thresholds}")
+        if not all(0 <= v <= 100 for v in levels):
+            raise ComponentError(f"slai-offset: levels must be in [0, 100] batch times, got {levels}")
 
     def describe(self) -> str:
-        return json.dumps({"thresholds": self.thresholds, "levels": self.levels})
+        return json.dumps(self.rule())

@@ -21,12 +21,8 @@ class PolicyConfig(LearnedComponent):
     primary_metric = "ttlt_mean"
 
     def __init__(self, policy: str = "fcfs", params: dict[str, Any] | None = None) -> None:
-        super().__init__()
         self.policy = policy
-        self.params = dict(params or {})
-
-    def get_params(self) -> dict[str, Any]:
-        return {"policy": self.policy, "params": self.params}
+        self.params = params  # None: the policy's defaults
 
     def fit(self, data: Any = None) -> Self:
         """Nothing to learn: a tuner chooses the parameters (see `adapt tune`)."""
@@ -44,10 +40,10 @@ class PolicyConfig(LearnedComponent):
     def validate(self) -> None:
         """The policy must exist and accept the parameters (the canary constructs it)."""
         try:
-            make_policy(self.policy, **self.params)
+            make_policy(self.policy, **(self.params or {}))
         except (TypeError, ValueError) as exc:
             raise ComponentError(f"policy-config: {self.policy!r} with {self.params}: {exc}") from exc
 
     def build(self):
         """A fresh policy instance for this configuration."""
-        return make_policy(self.policy, **self.params)
+        return make_policy(self.policy, **(self.params or {}))

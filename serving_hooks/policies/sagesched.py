@@ -283,9 +283,11 @@ def resolve_history(history: Any):
     if history is None:
         return SemanticHistory()
     if isinstance(history, SemanticHistory):
-        return history.clone()
+        return history.copy()
     if isinstance(history, dict):
-        return SemanticHistory(**history)
+        empty = SemanticHistory(**history)
+        empty._validate_params()  # not at its first completion: a policy-config's canary only builds it
+        return empty
     raise ValueError(
         f"history: expected a SemanticHistory or a dict of its parameters, got {type(history).__name__}"
     )

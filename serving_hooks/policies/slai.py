@@ -110,7 +110,7 @@ class SLAI(PriorityPolicy):
         return Horizon(steps=1, until_s=min(times, default=math.inf))
 
     def describe(self) -> dict[str, Any]:
-        offset = self.offset.get_params() if hasattr(self.offset, "get_params") else self.offset
+        offset = self.offset.rule() if hasattr(self.offset, "rule") else self.offset
         return {
             "policy": self.name,
             "offset": offset,

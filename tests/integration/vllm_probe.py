@@ -72,7 +72,7 @@ def main(model: str, spec: str, max_num_seqs: int = 1) -> None:
     history = getattr(scheduler.policy, "history", None)
     if history is not None:  # sagesched: what it learned online from the prompts it was given
         report["history_size"] = history.size
-        report["history_texts"] = int(history._index.ntotal)
+        report["history_texts"] = int(history.index_.ntotal)
     print(json.dumps(report), flush=True)
 
 

@@ -47,7 +47,7 @@ def test_tune_slai_registers_component_and_policy_config(tmp_path, capsys):
     assert offset.metadata["data_window"]["overlap"] == "operator"
     config = reg.load("policy-config")
     assert isinstance(config, PolicyConfig) and config.policy == "slai"
-    assert config.params["offset"] == offset.get_params()
+    assert config.params["offset"] == offset.rule()
     policy = config.build()
     assert policy.current_offset(0.0) == offset(0.0)
 

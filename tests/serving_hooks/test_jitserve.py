@@ -210,10 +210,10 @@ def test_pattern_graph_prunes_diverging_prefixes_and_gives_the_sub_deadline():
 def test_pattern_graph_clusters_with_k_medoids_and_decays(tmp_path):
     graphs = generate_graphs(120, seed=3)
     patterns = PatternGraph(max_graphs=20).fit(graphs)
-    assert len(patterns) == 20 and patterns._arrays["weight"].sum() == 120  # cluster sizes
-    before = patterns._arrays["weight"].copy()
+    assert len(patterns) == 20 and patterns.graphs_["weight"].sum() == 120  # cluster sizes
+    before = patterns.graphs_["weight"].copy()
     patterns.observe(generate_graphs(1, seed=4)[0], now_s=2 * 3600.0)
-    assert np.allclose(np.sort(patterns._arrays["weight"])[-5:], np.sort(before * 0.81)[-5:], atol=1.0)
+    assert np.allclose(np.sort(patterns.graphs_["weight"])[-5:], np.sort(before * 0.81)[-5:], atol=1.0)
     reloaded = PatternGraph.load(patterns.save(tmp_path / "pg"))
     assert reloaded.evaluate(graphs[:30]) == patterns.evaluate(graphs[:30])
 

@@ -141,7 +141,7 @@ def test_fifo_window_evicts_oldest_and_index_stays_bounded():
     for i in range(40):
         history.observe([10], [i + 1], basis(0)[None], [True])
     assert history.size == 8
-    assert history._index.ntotal <= 8 + history._slack
+    assert history.index_.ntotal <= 8 + history._slack
     prediction = history.predict_embedded([10], basis(0)[None], [True])[0]
     assert sorted(prediction.support.tolist()) == list(range(33, 41))  # only the newest 8
 
@@ -165,7 +165,7 @@ def test_cold_window_predicts_a_uniform_prior():
     assert prediction.support.min() >= 1 and prediction.probs.sum() == pytest.approx(1.0)
 
 
-def test_save_load_round_trip_and_clone_independence(tmp_path):
+def test_save_load_round_trip_and_copy_independence(tmp_path):
     rng = np.random.default_rng(0)
     history = SemanticHistory(window=50, min_neighbors=1)
     vectors = rng.normal(size=(70, 384)).astype(np.float32)
@@ -184,9 +184,9 @@ def test_save_load_round_trip_and_clone_independence(tmp_path):
         assert a.support.tolist() == pytest.approx(b.support.tolist()) and a.probs.tolist() == pytest.approx(
             b.probs.tolist()
         )
-    twin = loaded.clone()
+    twin = loaded.copy()
     twin.observe([1], [1], basis(3)[None], [True])
-    assert twin.size == loaded.size == 50 and twin._next_id == loaded._next_id + 1
+    assert twin.size == loaded.size == 50 and twin.next_id_ == loaded.next_id_ + 1
 
 
 def test_instruction_split_is_stable_and_keeps_copies_together():
