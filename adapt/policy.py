@@ -168,9 +168,11 @@ FOREVER = Horizon()
 class Policy:
     """Base class. It admits nothing by default, so every subclass states its own order.
 
-    Class attributes tell the engine about mechanics the policy relies on:
+    Class attributes tell the engine about mechanics the policy relies on (`adapt.mechanics` names
+    them all and says what each engine does with each):
     `prefill_first` -- vLLM V0 style: a step with admissible prefills runs only prefills;
     `token_budget` -- overrides the engine's per-step token budget (Sarathi-Serve's small chunks);
+    `uses_late` -- its plans put running requests in `Plan.late`;
     `needs_oracle` -- fill `RequestState.oracle_output_tokens` (oracle baselines only);
     `needs_prompt_text` -- fill `RequestState.prompt_text` where the engine only has token ids
     (vLLM's engine core detokenises the prompt for such policies; replay passes the trace's text);
@@ -181,6 +183,7 @@ class Policy:
     name: str = "policy"
     prefill_first: bool = False
     token_budget: int | None = None
+    uses_late: bool = False
     needs_oracle: bool = False
     needs_prompt_text: bool = False
     components: dict[str, str] = {}  # noqa: RUF012  (attribute -> registered component it holds)

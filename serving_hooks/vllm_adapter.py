@@ -13,7 +13,10 @@ and applies it with vLLM's own mechanics before vLLM schedules:
 - deferral: deferred running requests are taken out of `self.running` for this step only;
 - `running_order` / `late`: reorder `self.running` (vLLM schedules every running request before
   any waiting one, so `late` requests run last among the running, not after admissions);
-- preemption: vLLM's own `_preempt_request` (recompute); drops: `finish_requests(..., ABORTED)`.
+- preemption: vLLM's own `_preempt_request` (recompute); drops: `finish_requests(..., ABORTED)`;
+- the policy's token budget (`Policy.token_budget`, e.g. Sarathi's 512) is the step's budget.
+Mechanics vLLM cannot honour refuse the policy at start; those it honours differently are logged
+(`adapt.mechanics.ENGINES["vllm"]`).
 A policy that raises is logged and counted, and that step runs as plain vLLM FCFS: the engine never
 dies because of a policy. Under `adapt serve` (`ADAPT_WATCH_INTERVAL` set) the policy's learned
 components follow the registry's champions live (`serving_hooks.live`).
@@ -33,6 +36,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.request import RequestStatus
 
+from adapt.mechanics import check_policy
 from adapt.policy import EngineView, Plan, RequestState
 from adapt.requests import SLO, CompletedRequest, ValidationError
 from adapt.steplog import step_batch
@@ -59,12 +63,9 @@ class PolicyScheduler(AsyncScheduler):
         super().__init__(*args, **kwargs)
         if not isinstance(self.waiting, FCFSRequestQueue):
             raise ValueError("PolicyScheduler needs vLLM's FCFS waiting queue (scheduling_policy='fcfs')")
+        self.engine_token_budget = int(self.max_num_scheduled_tokens)  # what vLLM was started with
         self.policy = make_policy_from_spec(os.environ.get("ADAPT_POLICY", "fcfs"))
-        if self.policy.needs_oracle:
-            raise ValueError(
-                f"policy {self.policy.name!r} needs true output lengths (an oracle or a noisy oracle),"
-                " which only the replay simulator knows; in vLLM give it a predictor or pick another policy"
-            )
+        self._check(self.policy)
         self.policy_errors = 0
         self._states: dict[str, RequestState] = {}
         self._running_ids: set[str] = set()
@@ -196,12 +197,18 @@ class PolicyScheduler(AsyncScheduler):
             self.policy_errors += 1
             log.exception("applying a new policy or component version failed; the old one serves")
 
+    def _check(self, policy: Any) -> None:
+        """Refuse a policy that relies on a mechanic this engine refuses (`adapt.mechanics`), and
+        say which mechanics mean something else here than in replay."""
+        for difference in check_policy(policy, "vllm", engine_token_budget=self.engine_token_budget):
+            log.warning("policy %s in vLLM differs from replay: %s", policy.name, difference)
+
     def _switch_policy(self, policy: Any) -> None:
         """Hand every request in flight to `policy`, oldest first (waiting ones as arrivals,
-        running ones as arrivals then admissions), then let it schedule. If it raises on the
-        way, the old policy keeps serving."""
-        if policy.needs_oracle:
-            raise ValueError(f"policy {policy.name!r} needs true output lengths; not servable")
+        running ones as arrivals then admissions), then let it schedule. If it is refused or
+        raises on the way, the old policy keeps serving. Its mechanics apply from the next step
+        (`_apply_mechanics`)."""
+        self._check(policy)
         now = time.monotonic()
         running = {r.request_id for r in self.running}
         for state in sorted(self._states.values(), key=lambda s: s.arrival_s):
@@ -222,6 +229,7 @@ class PolicyScheduler(AsyncScheduler):
             self._mean_batch_s = gap if self._mean_batch_s == 0 else 0.9 * self._mean_batch_s + 0.1 * gap
         self._last_schedule = now
         self._follow_live()
+        self._apply_mechanics()
         self._sync(now)
         original = list(self.running)
         deferred: list[Any] = []
@@ -244,6 +252,11 @@ class PolicyScheduler(AsyncScheduler):
         if self.monitor is not None:
             self._log_step(now, output)
         return output
+
+    def _apply_mechanics(self) -> None:
+        """The serving policy's token budget is this step's (vLLM reads it in `schedule`), so a
+        policy swapped in live brings its budget along; `_check` made sure it is within vLLM's."""
+        self.max_num_scheduled_tokens = int(self.policy.token_budget or self.engine_token_budget)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
         """vLLM's update, plus a finished (abort) output for each request the policy dropped:

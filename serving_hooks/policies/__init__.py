@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from adapt.mechanics import UnsupportedPolicy, check_policy
 from adapt.policy import Policy
 from adapt.registry import load_reference
 from serving_hooks.policies.baselines import (
@@ -64,9 +65,17 @@ def make_policy(name: str, **params: Any) -> Policy:
 
 
 def servable_policies() -> list[str]:
-    """Policies whose default configuration can run inside vLLM: all but those that read true
-    output lengths (the oracles, and ltr/trail whose default ranker is a noisy oracle)."""
-    return [name for name in POLICIES if not make_policy(name).needs_oracle]
+    """Policies whose default configuration vLLM does not refuse (`adapt.mechanics`): all but those
+    that read true output lengths (the oracles, and ltr/trail whose default ranker is a noisy
+    oracle) and vLLM V0's prefill-first emulation."""
+    servable = []
+    for name in POLICIES:
+        try:
+            check_policy(make_policy(name), "vllm")
+        except UnsupportedPolicy:
+            continue
+        servable.append(name)
+    return servable
 
 
 def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:

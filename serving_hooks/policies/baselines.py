@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,8 +29,7 @@ class FCFS(PriorityPolicy):
     def key(self, request: RequestState, now: float) -> tuple[Any, ...]:
         return (request.arrival_s,)
 
-    def preemption_victim(self, candidates: Sequence[RequestState]) -> RequestState:
-        return Policy.preemption_victim(self, candidates)
+    preemption_victim = Policy.preemption_victim  # vLLM's rule (the last admitted), not the key's
 
 
 class VllmV0(FCFS):

@@ -38,6 +38,7 @@ class SLAI(PriorityPolicy):
     """SLAI with a fixed or KV-dependent offset (see module docstring)."""
 
     name = "slai"
+    uses_late = True  # non-critical decodes run after admissions (`Plan.late`)
     components = {"offset": "slai-offset"}  # noqa: RUF012  (the offset is read fresh every step)
 
     def __init__(

@@ -17,11 +17,79 @@ def tiny_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-def test_servable_policies_are_all_but_the_oracle_ones():
+def test_servable_policies_are_all_but_the_oracle_ones_and_prefill_first():
     from serving_hooks.policies import POLICIES, servable_policies
 
     refused = set(POLICIES) - set(servable_policies())
-    assert refused == {"sjf-oracle", "jitserve-oracle", "ltr", "trail"}
+    assert refused == {"sjf-oracle", "jitserve-oracle", "ltr", "trail", "vllm-v0"}
+
+
+def _step_sizes(scheduler, steps: int | None = None) -> list[int]:
+    """Run the harness until every request is done (or `steps` steps); tokens scheduled per step."""
+    from experiments.bench_scheduler import step
+
+    sizes: list[int] = []
+    schedule = scheduler.schedule
+
+    def recording(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        sizes.append(output.total_num_scheduled_tokens)
+        return output
+
+    scheduler.schedule = recording
+    for _ in range(steps or 10_000):
+        if not scheduler.requests:
+            break
+        step(scheduler)
+    return sizes
+
+
+def test_the_policys_token_budget_is_vllms_step_budget(tiny_model, monkeypatch):
+    """sarathi (512-token chunks) live is sarathi, not FCFS with vLLM's budget: 40 prompts of 64
+    tokens fit one 8,192-token step under fcfs, never more than 512 tokens a step under sarathi."""
+    from experiments.bench_scheduler import make_requests, make_scheduler
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    largest = {}
+    for policy in ("fcfs", "sarathi", "sarathi:token_budget=256"):
+        monkeypatch.setenv("ADAPT_POLICY", policy)
+        scheduler = make_scheduler(tiny_model, PolicyScheduler, 64, 4000)
+        for request in make_requests(40, 0, seed=3, max_tokens=4):
+            scheduler.add_request(request)
+        largest[policy] = max(_step_sizes(scheduler))
+        assert not scheduler.requests and not scheduler.policy_errors
+    assert largest == {"fcfs": 40 * 64, "sarathi": 512, "sarathi:token_budget=256": 256}
+
+
+def test_a_policy_swapped_in_live_brings_its_budget_and_a_refused_one_changes_nothing(
+    tiny_model, monkeypatch
+):
+    from adapt.mechanics import UnsupportedPolicy
+    from experiments.bench_scheduler import make_requests, make_scheduler
+    from serving_hooks.policies import make_policy
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    monkeypatch.setenv("ADAPT_POLICY", "fcfs")
+    scheduler = make_scheduler(tiny_model, PolicyScheduler, 64, 4000)
+    for request in make_requests(40, 0, seed=4, max_tokens=4):
+        scheduler.add_request(request)
+    with pytest.raises(UnsupportedPolicy, match="vLLM V1 always mixes prefills and decodes"):
+        scheduler._switch_policy(make_policy("vllm-v0"))
+    with pytest.raises(UnsupportedPolicy, match=r"token budget of 9000 per step .* started with 8192"):
+        scheduler._switch_policy(make_policy("sarathi", token_budget=9000))
+    assert scheduler.policy.name == "fcfs"
+    scheduler._switch_policy(make_policy("sarathi"))
+    assert max(_step_sizes(scheduler)) == 512 and not scheduler.requests
+
+
+def test_a_refused_policy_does_not_start(tiny_model, monkeypatch):
+    from adapt.mechanics import UnsupportedPolicy
+    from experiments.bench_scheduler import make_scheduler
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    monkeypatch.setenv("ADAPT_POLICY", "vllm-v0")
+    with pytest.raises(UnsupportedPolicy, match="policy 'vllm-v0' cannot run in vllm"):
+        make_scheduler(tiny_model, PolicyScheduler, 64, 4000)
 
 
 def test_every_servable_policy_serves_every_request(tiny_model, monkeypatch):

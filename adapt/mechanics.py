@@ -1,0 +1,124 @@
+"""The engine contract: every mechanic a policy may rely on, named once, and what each engine does.
+
+A policy decides (`adapt.policy.Plan`) and the engine carries the decision out with its own
+mechanics. "Evaluate by replay, deploy the same policy live" holds only if every mechanic a policy
+relies on means the same in the replay engine and in vLLM. This table is where that is stated: for
+each engine, a mechanic is *honoured* (same meaning as in `MECHANICS`), *refused* (the engine will
+not start the policy, with the reason), or *differs* (it runs, but not with the same meaning: a
+known gap, named here and logged at start, so that nobody mistakes it for conformance).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from adapt.policy import Policy
+
+Support = Literal["honoured", "refused", "differs"]
+
+
+@dataclass(frozen=True)
+class Mechanic:
+    """One thing an engine does for a policy, and how to tell whether a policy relies on it."""
+
+    name: str
+    meaning: str
+    relied_on: Callable[[Policy], bool]
+
+
+def _overrides(policy: Policy, method: str) -> bool:
+    return getattr(type(policy), method) is not getattr(Policy, method)
+
+
+MECHANICS: dict[str, Mechanic] = {
+    m.name: m
+    for m in (
+        Mechanic(
+            "token_budget",
+            "`Policy.token_budget` replaces the engine's per-step token budget (Sarathi-Serve's chunks)",
+            lambda p: p.token_budget is not None,
+        ),
+        Mechanic(
+            "prefill_first",
+            "`Policy.prefill_first`: a step with admissible prefills runs only whole prefills (vLLM V0)",
+            lambda p: p.prefill_first,
+        ),
+        Mechanic(
+            "preemption_victim",
+            "`Policy.preemption_victim` picks which running request KV pressure evicts",
+            lambda p: _overrides(p, "preemption_victim"),
+        ),
+        Mechanic(
+            "late",
+            "`Plan.late`: running requests scheduled after this step's admissions (SLAI's decodes)",
+            lambda p: p.uses_late,
+        ),
+        Mechanic(
+            "oracle",
+            "`RequestState.oracle_output_tokens`: the true output length (oracle baselines)",
+            lambda p: p.needs_oracle,
+        ),
+    )
+}
+
+# What each engine does with each mechanic (absent: honoured). Reasons say what an operator sees.
+ENGINES: dict[str, dict[str, tuple[Support, str]]] = {
+    "replay": {},
+    "vllm": {
+        "prefill_first": (
+            "refused",
+            "vLLM V1 always mixes prefills and decodes in one step; pick vLLM's default (fcfs) or"
+            " sarathi instead of the V0 emulation",
+        ),
+        "oracle": (
+            "refused",
+            "it needs true output lengths, which only the replay simulator knows; give it a"
+            " predictor or pick another policy",
+        ),
+        "preemption_victim": (
+            "differs",
+            "vLLM evicts the last request of its running list, not the policy's victim",
+        ),
+        "late": (
+            "differs",
+            "late requests run last among the running, before admissions, not after them",
+        ),
+    },
+}
+
+
+class UnsupportedPolicy(ValueError):
+    """A policy relies on a mechanic the engine refuses: raised before the engine serves it."""
+
+
+def support(engine: str, mechanic: str) -> tuple[Support, str]:
+    return ENGINES[engine].get(mechanic, ("honoured", ""))
+
+
+def relied_on(policy: Policy) -> list[str]:
+    """The mechanics `policy` relies on beyond the plan's order, deferrals, preemptions and drops."""
+    return [name for name, mechanic in MECHANICS.items() if mechanic.relied_on(policy)]
+
+
+def check_policy(policy: Policy, engine: str, *, engine_token_budget: float = math.inf) -> list[str]:
+    """Raise `UnsupportedPolicy` if `engine` refuses a mechanic `policy` relies on, or the policy's
+    token budget exceeds what the engine was started with (a budget can only be lowered per step);
+    return the mechanics that differ there, for the engine to log."""
+    budget = policy.token_budget
+    if budget is not None and budget > engine_token_budget:
+        raise UnsupportedPolicy(
+            f"policy {policy.name!r} needs a token budget of {budget} per step but the {engine} engine"
+            f" was started with {int(engine_token_budget)}; start it with a budget >= {budget}"
+            " (vLLM: --max-num-batched-tokens)"
+        )
+    differs = []
+    for name in relied_on(policy):
+        status, reason = support(engine, name)
+        if status == "refused":
+            raise UnsupportedPolicy(f"policy {policy.name!r} cannot run in {engine}: {reason}")
+        if status == "differs":
+            differs.append(f"{name}: {reason}")
+    return differs
