@@ -1,9 +1,10 @@
 """The LearnedComponent contract and its safe on-disk format.
 
-A component is a scikit-learn estimator (`sklearn.base.BaseEstimator`: hyper-parameters are the
-`__init__` arguments, stored unchanged; `fit` validates them and returns self; fitted state ends in
-`_`; `sklearn.base.clone` gives a fresh unfitted copy) that can also `evaluate`, `save`, `load` and
-`validate` itself. What makes it a *versioned model* is the directory `save` writes:
+A component follows scikit-learn's estimator contract (hyper-parameters are the `__init__`
+arguments, stored unchanged; `get_params`/`set_params`; `fit` validates them and returns self;
+fitted state ends in `_`; `sklearn.base.clone` gives a fresh unfitted copy) and can also
+`evaluate`, `save`, `load` and `validate` itself. What makes it a *versioned model* is the
+directory `save` writes:
 
     component.json   name, schema version, hyper-parameters, metadata (data window, data hash)
     MANIFEST.json    SHA-256 of every other file, written by `write_component`
@@ -19,13 +20,12 @@ found in the artifact (`component_class`).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar, Self
-
-from sklearn.base import BaseEstimator
 
 SAFE_SUFFIXES: frozenset[str] = frozenset({".json", ".npz", ".parquet", ".faiss", ".safetensors", ".skops"})
 MANIFEST = "MANIFEST.json"
@@ -55,20 +55,69 @@ def data_fingerprint(*arrays_or_texts: Any) -> str:
     return digest.hexdigest()[:16]
 
 
-class LearnedComponent(BaseEstimator, ABC):
+class LearnedComponent(ABC):
     """Base class of every learned part of a scheduler.
 
     Subclasses set `name` (the registered-model name), `schema_version`, `primary_metric` and
     `lower_is_better` (what the champion/challenger gate compares), and implement the five
-    methods. `get_params`/`set_params` come from scikit-learn, so `__init__` must only store its
-    arguments under their own names: the header `save` writes, `read_component` and
-    `sklearn.base.clone` all rebuild a component from `get_params()`.
+    methods. `get_params`/`set_params` read the `__init__` signature, so `__init__` must only
+    store its arguments under their own names: the header `save` writes, `read_component` and
+    `sklearn.base.clone` all rebuild a component from `get_params()`. They are written here rather
+    than inherited from `sklearn.base.BaseEstimator`, whose import (~1.3 s) every command, test
+    and vLLM engine that touches a component or a policy would otherwise pay; scikit-learn's own
+    parameter checks hold for them (`tests/predictors/test_estimator_conformance.py`).
     """
 
     name: ClassVar[str]
     schema_version: ClassVar[int] = 1
     primary_metric: ClassVar[str] = ""
     lower_is_better: ClassVar[bool] = True
+
+    @classmethod
+    def _param_names(cls) -> list[str]:
+        signature = inspect.signature(cls.__init__)
+        return sorted(
+            p.name
+            for p in signature.parameters.values()
+            if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        )
+
+    def get_params(self, deep: bool = True) -> dict[str, Any]:
+        """The `__init__` arguments by name; with `deep`, also `name__param` of those that are
+        estimators themselves (scikit-learn's rule)."""
+        params: dict[str, Any] = {}
+        for name in self._param_names():
+            value = getattr(self, name)
+            if deep and hasattr(value, "get_params") and not isinstance(value, type):
+                params.update({f"{name}__{key}": v for key, v in value.get_params().items()})
+            params[name] = value
+        return params
+
+    def set_params(self, **params: Any) -> Self:
+        """Set `__init__` arguments (`name__param` reaches into a nested estimator); unchecked until
+        `fit`, as in scikit-learn."""
+        valid = set(self._param_names())
+        nested: dict[str, dict[str, Any]] = {}
+        for key, value in params.items():
+            name, nested_key, sub = key.partition("__")
+            if name not in valid:
+                raise ValueError(
+                    f"invalid parameter {name!r} for {type(self).__name__}; valid: {', '.join(sorted(valid))}"
+                )
+            if nested_key:
+                nested.setdefault(name, {})[sub] = value
+            else:
+                setattr(self, name, value)
+        for name, sub_params in nested.items():
+            getattr(self, name).set_params(**sub_params)
+        return self
+
+    def __sklearn_tags__(self) -> Any:
+        """scikit-learn's default estimator tags (what `BaseEstimator` gives), for its tools such as
+        `check_is_fitted`; scikit-learn is imported only when one of them asks."""
+        from sklearn.utils import Tags, TargetTags
+
+        return Tags(estimator_type=None, target_tags=TargetTags(required=False))
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -99,7 +148,7 @@ class LearnedComponent(BaseEstimator, ABC):
     def load_state(self, directory: Path) -> None:
         """Read the fitted state written by `save_state`."""
 
-    def validate(self) -> None:  # an optional hook, not abstract: most components add canaries
+    def validate(self) -> None:  # noqa: B027  (optional hook: most components add canaries)
         """Canary checks before a swap; raise ComponentError when the component must not serve."""
 
     def save(self, directory: str | Path) -> Path:

@@ -9,8 +9,7 @@ champion only if its held-out MAPE beats the champion's on the same steps by `ma
 from __future__ import annotations
 
 from pathlib import Path
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from adapt.registry import Registry
 from adapt.steplog import STEP_LOG_COLUMNS
@@ -19,8 +18,13 @@ from pipelines.outcome import TrainOutcome
 from pipelines.runner import PipelineSpec, Split, run_pipeline
 from predictors.cost_model import FittedCostModel
 
+if TYPE_CHECKING:  # pandas loads when a step log is read, not when the CLI builds its parser
+    import pandas as pd
+
 
 def load_step_log(path: str | Path) -> pd.DataFrame:
+    import pandas as pd
+
     path = Path(path)
     if not path.is_file():
         raise TraceError(path, "no such file")
@@ -55,6 +59,8 @@ def train_cost_model(
     """Fit on the first 80% of the steps, evaluate on the rest, register, gate on held-out MAPE.
     `kv_capacity` defaults to the champion's (the engine did not change size), else 50,000.
     With `skip_unchanged`, nothing is registered when the data equals the latest version's."""
+    import pandas as pd
+
     frame = data if isinstance(data, pd.DataFrame) else load_step_log(data)
     champion = registry.champion("cost-model")
     if kv_capacity is None:

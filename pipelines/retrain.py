@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from adapt.registry import Registry
 from adapt.traces import Trace, load_trace
@@ -69,6 +68,8 @@ def retrain_cost_model(registry: Registry, data_dir: Path, margin: float) -> Ret
     files = _files(data_dir, ("steps*.csv", "steps*.jsonl", "steps*.parquet"))
     if not files:
         return RetrainResult("cost-model", "no data", detail=f"no steps*.csv|jsonl|parquet in {data_dir}")
+    import pandas as pd
+
     frame = pd.concat([load_step_log(f) for f in files], ignore_index=True)
     if "start_s" in frame.columns:  # each file is sorted; together they need sorting again
         frame = frame.sort_values("start_s", kind="stable").reset_index(drop=True)
