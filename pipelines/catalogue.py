@@ -19,7 +19,8 @@ from pipelines.outcome import TrainOutcome
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """What `adapt train` accepts; each entry reads the options that apply to its component."""
+    """What `adapt train` accepts (its flags under the same names); each entry reads the options
+    that apply to its component."""
 
     data: str | None = None
     test_share: float = 0.3

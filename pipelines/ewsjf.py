@@ -167,8 +167,11 @@ def tune_ewsjf(
         **{k: v for k, v in result.history[int(np.argmax(rewards))][2].items() if v is not None},
     }
     champion_metrics = None
-    if champion is not None:  # the champion's Theta scored on the same replay and layout window
-        scored = objective({k: v for k, v in champion.get_params().items() if k in THETA_SPACE})[1]
+    if champion is not None:  # the champion's Theta on the same replay and layout window: its
+        # warm-start trial, unless a shared study had already run it (then score it here)
+        theta = {k: v for k, v in champion.get_params().items() if k in THETA_SPACE}
+        scored = next((m for params, _, m in result.history if params == theta), None)
+        scored = scored if scored is not None else objective(theta)[1]
         champion_metrics = {k: v for k, v in scored.items() if v is not None}
     outcome = register_and_gate(
         registry,

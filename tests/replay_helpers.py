@@ -1,4 +1,5 @@
-"""Test doubles for the replay engine: a constant-time cost model and an invariant-checking engine."""
+"""Test doubles for the replay engine: a constant-time cost model, an invariant-checking engine and
+a synthetic step log."""
 
 from __future__ import annotations
 
@@ -65,3 +66,24 @@ class CheckedEngine(ReplayEngine):
             self.violations.append(f"{state.id} finished twice")
         self.completions[state.id] = state.tokens_generated
         super()._finish(state)
+
+
+def step_log(seed: int = 0, n: int = 400, noise: float = 0.0) -> dict[str, np.ndarray]:
+    """Step-log columns of a made-up engine whose step time is linear in the features (with
+    relative noise), for fitting and checking the `cost-model`."""
+    rng = np.random.default_rng(seed)
+    decodes = rng.integers(0, 64, n).astype(float)
+    chunk = rng.integers(0, 512, n).astype(float)
+    ctx = decodes * rng.integers(100, 2000, n)
+    data = {
+        "tokens": decodes + chunk,
+        "sampled": decodes + (chunk > 0),
+        "prefill_attn_units": chunk * (chunk + 1) / 2,
+        "prefill_kv_read": np.zeros(n),
+        "num_decodes": decodes,
+        "decode_ctx_sum": ctx,
+        "decode_ctx_max": ctx,
+    }
+    true = 0.004 + 2e-5 * data["tokens"] + 1e-9 * (data["prefill_attn_units"] + ctx + decodes) + 3e-8 * ctx
+    data["duration_s"] = true * (1 + noise * rng.standard_normal(n))
+    return data

@@ -135,22 +135,14 @@ def _print_outcome(name: str, outcome) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
     from pipelines.catalogue import TrainOptions, entry
 
     component = entry(args.component)
     if component.needs_data and not args.data:
         raise UsageError(f"{args.component}: --data is required ({component.data_help})")
-    options = TrainOptions(
-        data=args.data,
-        test_share=args.test_share,
-        promote_if_better=args.promote_if_better,
-        margin=args.margin,
-        replay=args.replay,
-        rate=args.rate,
-        num_requests=args.num_requests,
-        trials=args.trials,
-        overlap=args.overlap,
-    )
+    options = TrainOptions(**{field.name: getattr(args, field.name) for field in fields(TrainOptions)})
     _print_outcome(args.component, component.train(_registry(args), options))
     return 0
 

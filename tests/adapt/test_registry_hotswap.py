@@ -14,6 +14,7 @@ from adapt.hotswap import Slot
 from adapt.registry import Registry, RegistryError
 from predictors.cost_model import FittedCostModel
 from serving_hooks.policies.config import PolicyConfig
+from tests.replay_helpers import step_log
 
 pytestmark = pytest.mark.slow
 
@@ -21,25 +22,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def reg(tmp_path) -> Registry:
     return Registry(f"sqlite:///{tmp_path / 'mlflow.db'}", cache_dir=tmp_path / "cache")
-
-
-def step_log(seed: int = 0, n: int = 400, noise: float = 0.0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    decodes = rng.integers(0, 64, n).astype(float)
-    chunk = rng.integers(0, 512, n).astype(float)
-    ctx = decodes * rng.integers(100, 2000, n)
-    data = {
-        "tokens": decodes + chunk,
-        "sampled": decodes + (chunk > 0),
-        "prefill_attn_units": chunk * (chunk + 1) / 2,
-        "prefill_kv_read": np.zeros(n),
-        "num_decodes": decodes,
-        "decode_ctx_sum": ctx,
-        "decode_ctx_max": ctx,
-    }
-    true = 0.004 + 2e-5 * data["tokens"] + 1e-9 * (data["prefill_attn_units"] + ctx + decodes) + 3e-8 * ctx
-    data["duration_s"] = true * (1 + noise * rng.standard_normal(n))
-    return data
 
 
 def artifact_dir(reg: Registry, name: str, version: int) -> Path:

@@ -29,27 +29,9 @@ from sklearn.utils.validation import check_is_fitted
 from adapt.component import LearnedComponent, component_class, known_components
 from adapt.traces import Trace
 from adapt.workloads.compound import generate_graphs
+from tests.replay_helpers import step_log
 
 # ------------------------------------------------------------------------------- tiny data
-
-
-def step_log(n: int = 40, seed: int = 0) -> dict[str, np.ndarray]:
-    """Step-log columns of a made-up engine whose step time is linear in the features."""
-    rng = np.random.default_rng(seed)
-    decodes = rng.integers(0, 32, n).astype(float)
-    chunk = rng.integers(0, 256, n).astype(float)
-    context = decodes * rng.integers(100, 1000, n)
-    data = {
-        "tokens": decodes + chunk,
-        "sampled": decodes + (chunk > 0),
-        "prefill_attn_units": chunk * (chunk + 1) / 2,
-        "prefill_kv_read": np.zeros(n),
-        "num_decodes": decodes,
-        "decode_ctx_sum": context,
-        "decode_ctx_max": context,
-    }
-    data["duration_s"] = 0.004 + 2e-5 * data["tokens"] + 3e-8 * context
-    return data
 
 
 def slai_objective(offset: Callable[[float], float]) -> dict[str, Any]:
@@ -123,8 +105,8 @@ class Case:
 CASES: dict[str, Case] = {
     "cost-model": Case(
         params={"kv_capacity": 4321},
-        data=step_log,
-        predict=lambda model: model.predict(step_log(10, seed=1)),
+        data=lambda: step_log(n=40),
+        predict=lambda model: model.predict(step_log(seed=1, n=10)),
         other={"kv_capacity": 1234},
     ),
     "slai-offset": Case(
