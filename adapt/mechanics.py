@@ -5,7 +5,9 @@ mechanics. "Evaluate by replay, deploy the same policy live" holds only if every
 relies on means the same in the replay engine and in vLLM. This table is where that is stated: for
 each engine, a mechanic is *honoured* (same meaning as in `MECHANICS`), *refused* (the engine will
 not start the policy, with the reason), or *differs* (it runs, but not with the same meaning: a
-known gap, named here and logged at start, so that nobody mistakes it for conformance).
+known gap, named here and logged at start, so that nobody mistakes it for conformance). Today
+every engine honours every mechanic it does not refuse; `adapt.conformance` checks that claim
+step by step against vLLM.
 """
 
 from __future__ import annotations
@@ -29,13 +31,38 @@ class Mechanic:
     relied_on: Callable[[Policy], bool]
 
 
-def _overrides(policy: Policy, method: str) -> bool:
-    return getattr(type(policy), method) is not getattr(Policy, method)
+def _always(policy: Policy) -> bool:
+    return True
 
 
 MECHANICS: dict[str, Mechanic] = {
     m.name: m
     for m in (
+        Mechanic(
+            "admission",
+            "`Plan.admit`: waiting requests admitted in this order, stopping at the first that does"
+            " not fit (running cap, token budget, or its whole known sequence in the free KV blocks);"
+            " none in a step that preempted; unlisted requests wait",
+            _always,
+        ),
+        Mechanic(
+            "running_order",
+            "`Plan.running_order`/`Plan.defer`: running requests get tokens in this order; under KV"
+            " pressure the last one not yet scheduled is preempted by recompute (the victim rule)",
+            _always,
+        ),
+        Mechanic(
+            "preempt_and_drop",
+            "`Plan.preempt` frees a running request's KV (recompute later); `Plan.drop` ends a"
+            " waiting request, reported to its client as aborted",
+            _always,
+        ),
+        Mechanic(
+            "async_output",
+            "with async scheduling a step's tokens reach the policy after the next step is planned"
+            " (`EngineConfig.async_scheduling`, vLLM's default)",
+            _always,
+        ),
         Mechanic(
             "token_budget",
             "`Policy.token_budget` replaces the engine's per-step token budget (Sarathi-Serve's chunks)",
@@ -45,16 +72,6 @@ MECHANICS: dict[str, Mechanic] = {
             "prefill_first",
             "`Policy.prefill_first`: a step with admissible prefills runs only whole prefills (vLLM V0)",
             lambda p: p.prefill_first,
-        ),
-        Mechanic(
-            "preemption_victim",
-            "`Policy.preemption_victim` picks which running request KV pressure evicts",
-            lambda p: _overrides(p, "preemption_victim"),
-        ),
-        Mechanic(
-            "late",
-            "`Plan.late`: running requests scheduled after this step's admissions (SLAI's decodes)",
-            lambda p: p.uses_late,
         ),
         Mechanic(
             "oracle",
@@ -78,14 +95,6 @@ ENGINES: dict[str, dict[str, tuple[Support, str]]] = {
             "it needs true output lengths, which only the replay simulator knows; give it a"
             " predictor or pick another policy",
         ),
-        "preemption_victim": (
-            "differs",
-            "vLLM evicts the last request of its running list, not the policy's victim",
-        ),
-        "late": (
-            "differs",
-            "late requests run last among the running, before admissions, not after them",
-        ),
     },
 }
 
@@ -99,7 +108,7 @@ def support(engine: str, mechanic: str) -> tuple[Support, str]:
 
 
 def relied_on(policy: Policy) -> list[str]:
-    """The mechanics `policy` relies on beyond the plan's order, deferrals, preemptions and drops."""
+    """The mechanics `policy` relies on: the universal ones (every plan uses them), then its own."""
     return [name for name, mechanic in MECHANICS.items() if mechanic.relied_on(policy)]
 
 

@@ -109,9 +109,11 @@ class RequestState:
 class EngineView:
     """The engine at the start of one scheduling step.
 
-    `waiting` is in arrival order and `running` in admission order; both are the engine's own
-    containers, to be read, never modified. `mean_batch_time_s` is a moving average of recent step
-    durations (SLAI's offset is measured in it).
+    `waiting` is in the order requests (re-)entered the queue (arrivals, then preempted ones as
+    they were preempted) and `running` in admission order; both are the engine's own containers,
+    to be read, never modified. `mean_batch_time_s` is a moving average of recent step durations
+    (SLAI's offset is measured in it). `kv_free_blocks` of `kv_block_size` tokens are free now
+    (a waiting request is admitted only if its whole known sequence fits in them).
     """
 
     now: float
@@ -122,6 +124,8 @@ class EngineView:
     max_running: int
     mean_batch_time_s: float
     step_index: int = 0
+    kv_free_blocks: float = math.inf
+    kv_block_size: int = 16
 
 
 @dataclass
@@ -135,10 +139,10 @@ class Plan:
     preempt: running requests to preempt (their KV is freed; they return to waiting).
     drop:    waiting requests to drop (admission control); reported with outcome `dropped`.
     running_order: if given, exactly these running requests are scheduled before admissions, in
-             this order (the rest are deferred or in `late`); default: every running request not
-             in `defer` or `late`, in admission order (vLLM's rule).
-    late:    running requests to schedule *after* admissions, in this order, while budget remains
-             (SLAI's non-critical decodes); a KV shortfall preempts as in the main pass.
+             this order (the rest are deferred); default: every running request not in `defer`, in
+             admission order (vLLM's rule). It is also the protection order: when KV blocks run
+             out, the engine preempts the *last* request of it not yet scheduled (vLLM pops the end
+             of its running list), so a policy picks its victims by where it puts them.
     """
 
     admit: Iterable[RequestState] | None = None
@@ -146,7 +150,6 @@ class Plan:
     preempt: list[RequestState] = field(default_factory=list)
     drop: list[RequestState] = field(default_factory=list)
     running_order: list[RequestState] | None = None
-    late: list[RequestState] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,6 @@ class Policy:
     them all and says what each engine does with each):
     `prefill_first` -- vLLM V0 style: a step with admissible prefills runs only prefills;
     `token_budget` -- overrides the engine's per-step token budget (Sarathi-Serve's small chunks);
-    `uses_late` -- its plans put running requests in `Plan.late`;
     `needs_oracle` -- fill `RequestState.oracle_output_tokens` (oracle baselines only);
     `needs_prompt_text` -- fill `RequestState.prompt_text` where the engine only has token ids
     (vLLM's engine core detokenises the prompt for such policies; replay passes the trace's text);
@@ -183,7 +185,6 @@ class Policy:
     name: str = "policy"
     prefill_first: bool = False
     token_budget: int | None = None
-    uses_late: bool = False
     needs_oracle: bool = False
     needs_prompt_text: bool = False
     components: dict[str, str] = {}  # noqa: RUF012  (attribute -> registered component it holds)
@@ -213,11 +214,6 @@ class Policy:
         """See `Horizon`. The default suits policies whose plan only changes on arrivals,
         admissions and completions."""
         return FOREVER
-
-    def preemption_victim(self, candidates: Sequence[RequestState]) -> RequestState:
-        """Which request to preempt when KV blocks run out; `candidates` are the running requests
-        not yet scheduled this step, in admission order. vLLM's FCFS rule: the last admitted."""
-        return candidates[-1]
 
     def describe(self) -> dict[str, Any]:
         """Parameters worth logging with a replay run."""

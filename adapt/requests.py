@@ -126,7 +126,9 @@ class Request:
     """One request as a trace or workload describes it, before any engine touches it.
 
     `output_tokens` is the true length the response will have (what the trace recorded); only
-    oracle policies may read it. `label` is the class used in `by_class` reports.
+    oracle policies may read it. `label` is the class used in `by_class` reports. `max_tokens` is
+    the client's cap, which policies do see (unset: whatever the context leaves; a live engine's
+    decision log sets it to what the client asked for).
     """
 
     request_id: str
@@ -137,6 +139,7 @@ class Request:
     prompt_text: str | None = None
     program: ProgramRef | None = None
     label: str | None = None
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -147,6 +150,8 @@ class Request:
             raise ValidationError(f"arrival_s: must be >= 0, got {self.arrival_s!r}")
         _check_count("prompt_tokens", self.prompt_tokens, minimum=1)
         _check_count("output_tokens", self.output_tokens, minimum=1)
+        if self.max_tokens is not None:
+            _check_count("max_tokens", self.max_tokens, minimum=self.output_tokens)
         if not isinstance(self.slo, SLO):
             raise ValidationError(f"slo: expected an SLO, got {type(self.slo).__name__}")
         if self.slo.kind == "compound" and self.program is None:

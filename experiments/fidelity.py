@@ -1,22 +1,26 @@
-"""Replay fidelity against the real engine (issue: vLLM serving): fit `cost-model` from a vLLM
-step log, replay the same trace in the simulator, compare every request's TTFT and end-to-end
-latency with what the engine measured.
+"""`adapt fidelity`: is the replayed policy the one that runs live, and does replay predict it?
 
-    .venv/bin/python -m experiments.fidelity [--requests 300] [--rate 6] [--policy fcfs]
-                                             [--model DIR] [--max-num-seqs 16]
+    adapt fidelity --policy P | --policies a,b,c [--rate R] [--requests N] [--model DIR]
+                   [--kv-blocks B] [--json OUT]
 
-Two real runs of vLLM (in-process engine core, `PolicyScheduler` with `--policy`, the monitor's
-request and step logs on), each on its own slice of the bundled Azure conversation trace: real
+For each policy, real vLLM (in-process engine core, `PolicyScheduler`, async scheduling, prefix
+caching off, a KV cache of `--kv-blocks` blocks of 32 tokens: small enough that chunked prefill and
+preemption both happen) serves a slice of the bundled Azure conversation trace open-loop: real
 arrival gaps time-scaled to `--rate`, real prompt and output lengths cut by 4 (clipped) to fit the
-tiny model's 1,024-token context (a prompt of exactly that many token ids, an output of exactly
-that many tokens). Each request's times are taken as a client gets them: submitted, then its
-first token and its end when `engine.step()` returns them. Run A calibrates: `cost-model` is
-fitted on its step log. Run B is predicted: its requests (arrival, prompt, output) are replayed
-with the same policy, the fitted cost model and the engine's own limits (token budget, max
-running, KV blocks), and each request's simulated TTFT and E2E are compared with B's measured
-ones. Also reported: the replay with the cost model fitted on B itself (in-sample), the signed
-bias, and the step-time error of the fit. Vidur reports under 9% error on end-to-end metrics
-(median absolute % error is used here).
+tiny model's 1,024-token context, a prompt of exactly that many token ids, an output of exactly
+that many tokens (`ignore_eos`), and a seeded SLO mix (a TBT target on half the requests, a
+deadline on a quarter) so that SLO-aware policies have something to act on. Two measurements:
+
+1. **Decision conformance** (`adapt.conformance`): the run's decision log is replayed in lockstep
+   with trace-driven time; `decision_agreement` is the share of steps on which replay scheduled,
+   preempted and freed exactly what vLLM did, and `first_divergence` the first step where not.
+2. **Latency fidelity, out of sample**: run A (FCFS, other trace rows) calibrates -- `cost-model`
+   is fitted on its step log; each policy's run (B) is then predicted by an ordinary replay with
+   that cost model and the engine's limits, and every request's TTFT and E2E is compared with what
+   its client measured (median and P90 absolute % error, signed bias). A second FCFS run on A's
+   rows measures the machine's drift between runs, reported beside the errors. The replay's
+   policy rankings (mean E2E, median TTFT) are compared with the live ones (Kendall tau).
+
 Without `--model` a tiny random model is generated (DESIGN.md section 6).
 """
 
@@ -35,10 +39,13 @@ from typing import Any
 import numpy as np
 
 SCALE_TO_CONTEXT = 1024
+BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
+CALIBRATION_OFFSET = 0
+PREDICTED_OFFSET = 5000
 
 
-def workload(requests: int, rate: float, offset: int) -> list[tuple[float, int, int]]:
-    """(arrival s, prompt tokens, output tokens) from the Azure trace rows [offset, offset + n)."""
+def workload(requests: int, rate: float, offset: int) -> list[dict[str, Any]]:
+    """Rows [offset, offset + n) of the Azure trace: arrival, prompt, output and an SLO per request."""
     from adapt.traces import load_trace
     from adapt.workloads import bundled
     from adapt.workloads.builders import scale_to_rate
@@ -48,24 +55,33 @@ def workload(requests: int, rate: float, offset: int) -> list[tuple[float, int, 
     arrivals = scale_to_rate(azure.arrival_s[rows] - azure.arrival_s[offset], rate)
     prompts = np.clip(azure.prompt_tokens[rows] // 4, 8, 700)  # 4x shorter, as the context is
     outputs = np.clip(azure.output_tokens[rows] // 4, 4, SCALE_TO_CONTEXT - 700)
-    return [(float(a), int(p), int(o)) for a, p, o in zip(arrivals, prompts, outputs, strict=True)]
+    draws = np.random.default_rng(offset).random(len(prompts))
+    result = []
+    for a, p, o, u in zip(arrivals, prompts, outputs, draws, strict=True):
+        slo = (
+            {"tbt_s": 0.05} if u < 0.5 else ({"deadline_s": 5.0, "slo_kind": "deadline"} if u < 0.75 else {})
+        )
+        result.append({"arrival_s": float(a), "prompt": int(p), "output": int(o), "slo": slo})
+    return result
 
 
-def worker(
-    model: str, policy: str, rows: list[tuple[float, int, int]], log_dir: str, max_num_seqs: int
-) -> None:
-    """Serve `rows` open-loop (each added when its arrival time comes); the monitor writes the
-    logs. Prints the engine limits the replay must copy."""
+def worker(model: str, policy: str, rows: list[dict[str, Any]], out: Path, settings: dict[str, int]) -> None:
+    """Serve `rows` open-loop in this process (each added when its arrival time comes) and write
+    the decision log, the replay config, the client's times and the monitor's step log."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["ADAPT_POLICY"] = policy
-    os.environ["ADAPT_LOG_DIR"] = log_dir
+    os.environ["ADAPT_LOG_DIR"] = str(out)
+    os.environ["ADAPT_RECORD_DECISIONS"] = "1"
     from vllm import LLM, SamplingParams
 
     llm = LLM(
         model=model,
         max_model_len=SCALE_TO_CONTEXT,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=512,
+        max_num_seqs=settings["max_num_seqs"],
+        max_num_batched_tokens=settings["token_budget"],
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks_override=settings["kv_blocks"],
+        enable_prefix_caching=False,
         enforce_eager=True,
         dtype="float32",
         gpu_memory_utilization=0.3,
@@ -80,52 +96,66 @@ def worker(
     started = time.monotonic()
     while pending or engine.has_unfinished_requests():
         now = time.monotonic() - started
-        while pending and pending[0][1][0] <= now:
-            index, (_, prompt, output) = pending.pop(0)
-            tokens = rng.integers(5, 500, size=prompt).tolist()
-            params = SamplingParams(max_tokens=output, ignore_eos=True)
+        while pending and pending[0][1]["arrival_s"] <= now:
+            index, row = pending.pop(0)
+            tokens = rng.integers(5, 500, size=row["prompt"]).tolist()
+            params = SamplingParams(max_tokens=row["output"], ignore_eos=True, extra_args=row["slo"] or None)
             engine.add_request(f"r{index}", {"prompt_token_ids": tokens}, params)
             seen[f"r{index}"] = [time.monotonic() - started, None, None]
         if engine.has_unfinished_requests():
-            for out in engine.step():  # what a client would receive, when it would receive it
-                times, now = seen[out.request_id], time.monotonic() - started
-                if times[1] is None and out.outputs and out.outputs[0].token_ids:
+            for output in engine.step():  # what a client would receive, when it would receive it
+                times, now = seen[output.request_id], time.monotonic() - started
+                if times[1] is None and output.outputs and output.outputs[0].token_ids:
                     times[1] = now
-                if out.finished:
+                if output.finished:
                     times[2] = now
         elif pending:
-            time.sleep(max(0.0, pending[0][1][0] - (time.monotonic() - started)))
-    (Path(log_dir) / "client.json").write_text(json.dumps(seen))
-    limits = {
-        "token_budget": int(scheduler.max_num_scheduled_tokens),
-        "max_running": int(scheduler.max_num_running_reqs),
-        "block_size": int(scheduler.block_size),
-        "kv_blocks": int(scheduler.kv_cache_manager.block_pool.num_gpu_blocks),
-        "policy_errors": scheduler.policy_errors,
-    }
-    print("LIMITS " + json.dumps(limits), flush=True)
+            time.sleep(max(0.0, pending[0][1]["arrival_s"] - (time.monotonic() - started)))
+    scheduler._flush_logs()
+    import dataclasses
+
+    (out / "client.json").write_text(json.dumps(seen))
+    (out / "decisions.json").write_text(json.dumps(scheduler.decisions))
+    config = dataclasses.asdict(scheduler.replay_config())
+    (out / "engine.json").write_text(json.dumps({**config, "policy_errors": scheduler.policy_errors}))
 
 
-def serve_and_log(model: str, policy: str, rows: list, log_dir: Path, max_num_seqs: int) -> dict[str, Any]:
-    spec = log_dir / "workload.json"
-    spec.write_text(json.dumps(rows))
-    command = [
-        sys.executable, "-m", "experiments.fidelity", "--worker", str(spec), "--model", model,
-        "--policy", policy, "--max-num-seqs", str(max_num_seqs),
-    ]  # fmt: skip
+def serve(model: str, policy: str, rows: list[dict[str, Any]], out: Path, settings: dict[str, int]) -> None:
+    """One live run in a fresh process (vLLM's engine state must not leak between runs)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "workload.json").write_text(json.dumps({"rows": rows, "settings": settings}))
+    command = [sys.executable, "-m", "experiments.fidelity", "--worker", str(out), "--model", model]
+    command += ["--policy", policy]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-    for line in done.stdout.splitlines():
-        if line.startswith("LIMITS "):
-            return json.loads(line[len("LIMITS ") :])
-    raise RuntimeError(f"engine run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    (out / "engine.log").write_text(done.stderr)
+    if done.returncode != 0 or not (out / "engine.json").is_file():
+        raise RuntimeError(f"engine run of {policy} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
 
 
-def real_requests(log_dir: Path) -> list[dict[str, Any]]:
-    """Each request's lengths (the engine's request log) with its times as the client saw them:
-    arrival when it was submitted, first token and finish when `engine.step()` returned them."""
-    client = json.loads((log_dir / "client.json").read_text())
+def engine_config(out: Path) -> Any:
+    from adapt.replay.engine import EngineConfig
+
+    fields = json.loads((out / "engine.json").read_text())
+    fields.pop("policy_errors")
+    return EngineConfig(**fields)
+
+
+def conformance(out: Path, policy: str) -> Any:
+    """Replay the run's decision log in lockstep and compare (`adapt.conformance`)."""
+    from adapt.conformance import compare, replay_decisions
+    from serving_hooks.policies import make_policy_from_spec
+
+    live = json.loads((out / "decisions.json").read_text())
+    replayed = replay_decisions(live, make_policy_from_spec(policy), engine_config(out))
+    return compare(live, replayed)
+
+
+def real_requests(out: Path) -> list[dict[str, Any]]:
+    """Each request's lengths and SLO (the engine's request log) with its times as the client saw
+    them: arrival when it was submitted, first token and finish when `engine.step()` returned them."""
+    client = json.loads((out / "client.json").read_text())
     records = []
-    for path in sorted(log_dir.glob("requests-*.jsonl")):
+    for path in sorted(out.glob("requests-*.jsonl")):
         records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     for record in records:  # the engine core's id is the client's plus "-<random suffix>"
         client_id = record["request_id"].rsplit("-", 1)[0]
@@ -133,120 +163,186 @@ def real_requests(log_dir: Path) -> list[dict[str, Any]]:
     return sorted(records, key=lambda r: r["arrival_s"])
 
 
-def fit_cost_model(log_dir: Path, kv_capacity: int) -> tuple[Any, float]:
-    """The cost model fitted on every step of a run, and its step-time MAPE on the last 20%
-    when fitted on the first 80% (the pipeline's split)."""
+def fit_cost_model(out: Path, kv_capacity: int) -> Any:
     import pandas as pd
 
     from pipelines.cost_model import load_step_log
     from predictors.cost_model import FittedCostModel
 
-    frame = pd.concat([load_step_log(p) for p in sorted(log_dir.glob("steps-*.jsonl"))], ignore_index=True)
-    cut = int(len(frame) * 0.8)
-    held_out = FittedCostModel(kv_capacity).fit(frame.iloc[:cut]).evaluate(frame.iloc[cut:])["mape"]
-    return FittedCostModel(kv_capacity).fit(frame), held_out
+    frame = pd.concat([load_step_log(p) for p in sorted(out.glob("steps-*.jsonl"))], ignore_index=True)
+    return FittedCostModel(kv_capacity).fit(frame)
 
 
-def replay_errors(
-    real: list[dict[str, Any]], cost: Any, limits: dict[str, Any], policy: str
-) -> dict[str, float]:
-    """Median absolute % error of simulated vs measured TTFT and E2E, over finished requests."""
-    from adapt.replay.engine import EngineConfig, ReplayEngine
+def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
+    """Replay run `out`'s requests (arrival, prompt, output, SLO) with `cost` and compare each
+    request's TTFT and E2E with its client's measurement."""
+    from adapt.replay.engine import ReplayEngine
     from adapt.requests import Request
     from serving_hooks.policies import make_policy_from_spec
+    from serving_hooks.xargs import slo_from_extra_args
 
-    requests = [
-        Request(r["request_id"], r["arrival_s"], r["prompt_tokens"], r["output_tokens"])
-        for r in real
-        if r.get("finish_s") is not None
-    ]
-    config = EngineConfig(
-        token_budget=limits["token_budget"],
-        max_running=limits["max_running"],
-        block_size=limits["block_size"],
-        kv_capacity_tokens=limits["kv_blocks"] * limits["block_size"],
-        max_model_len=SCALE_TO_CONTEXT,
-    )
-    simulated = {
-        r.request_id: r
-        for r in ReplayEngine(make_policy_from_spec(policy), cost, config).run(requests).records
-    }
-    errors: dict[str, list[float]] = {"ttft": [], "e2e": []}  # signed: (simulated - real) / real
+    real = real_requests(out)
+    rows = json.loads((out / "workload.json").read_text())["rows"]
+    requests = []
     for record in real:
-        sim = simulated.get(record["request_id"])
-        if record.get("finish_s") is None or sim is None or sim.finish_s is None:
+        row = rows[int(record["request_id"].rsplit("-", 1)[0][1:])]
+        slo = slo_from_extra_args(row["slo"] or None)
+        requests.append(
+            Request(
+                record["request_id"], record["arrival_s"], row["prompt"], row["output"], slo=slo,
+                max_tokens=row["output"],
+            )
+        )  # fmt: skip
+    result = ReplayEngine(make_policy_from_spec(policy), cost, engine_config(out)).run(requests)
+    simulated = {r.request_id: r for r in result.records}
+    errors: dict[str, list[float]] = {"ttft": [], "e2e": []}  # signed: (simulated - real) / real
+    live = {"ttft": [], "e2e": []}
+    sim = {"ttft": [], "e2e": []}
+    for record in real:
+        s = simulated.get(record["request_id"])
+        if record.get("finish_s") is None or s is None or s.finish_s is None:
             continue
         for key, end in (("ttft", "first_token_s"), ("e2e", "finish_s")):
-            measured = record[end] - record["arrival_s"]
-            predicted = getattr(sim, end) - sim.arrival_s
+            measured, predicted = record[end] - record["arrival_s"], getattr(s, end) - s.arrival_s
+            live[key].append(measured)
+            sim[key].append(predicted)
             if measured > 0:
                 errors[key].append((predicted - measured) / measured)
+    preempted_live = sum(r.get("preemptions", 0) for r in real)
+
+    def summary(values: dict[str, list[float]], preemptions: int) -> dict[str, float]:
+        return {
+            "ttft_p50": float(np.median(values["ttft"])),
+            "e2e_mean": float(np.mean(values["e2e"])),
+            "preemptions": preemptions,
+        }
+
+    e2e, ttft = np.abs(errors["e2e"]), np.abs(errors["ttft"])
     return {
-        "ttft_error": float(np.median(np.abs(errors["ttft"]))),
-        "e2e_error": float(np.median(np.abs(errors["e2e"]))),
-        "ttft_bias": float(np.median(errors["ttft"])),
-        "e2e_bias": float(np.median(errors["e2e"])),
-        "requests": len(errors["e2e"]),
+        "e2e_median_abs_pct_error": 100 * float(np.median(e2e)),
+        "e2e_p90_abs_pct_error": 100 * float(np.percentile(e2e, 90)),
+        "ttft_median_abs_pct_error": 100 * float(np.median(ttft)),
+        "e2e_bias_pct": 100 * float(np.median(errors["e2e"])),
+        "compared_requests": len(e2e),
+        "live": summary(live, preempted_live),
+        "replay": summary(sim, result.preemptions),
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--rate", type=float, default=6.0)
-    parser.add_argument("--policy", default="fcfs")
-    parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--model", help="model directory (default: a generated tiny model)")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        rows = json.loads(Path(args.worker).read_text())
-        worker(args.model, args.policy, rows, str(Path(args.worker).parent), args.max_num_seqs)
-        return
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a between two score lists over the same items."""
+    n, total = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            total += int(np.sign(a[i] - a[j]) * np.sign(b[i] - b[j]))
+    pairs = n * (n - 1) / 2
+    return total / pairs if pairs else 1.0
+
+
+def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
+    policies = args.policies
+    settings = {
+        "max_num_seqs": args.max_num_seqs,
+        "token_budget": args.token_budget,
+        "kv_blocks": args.kv_blocks,
+    }
     with tempfile.TemporaryDirectory(prefix="adapt-fidelity-") as tmp:
         model = args.model
         if model is None:
             from serving_hooks.tiny_model import make_tiny_model
 
             model = str(make_tiny_model(Path(tmp) / "tiny"))
-        runs = {}
-        for name, offset in (("A (calibration)", 0), ("B (predicted)", 5000)):
-            log_dir = Path(tmp) / name.split()[0]
-            log_dir.mkdir()
-            print(
-                f"run {name}: {args.requests} requests at {args.rate} req/s, policy {args.policy} ...",
-                flush=True,
+        calibration = workload(args.requests, args.rate, CALIBRATION_OFFSET)
+        predicted = workload(args.requests, args.rate, PREDICTED_OFFSET)
+        progress(f"run A (calibration, fcfs): {args.requests} requests at {args.rate} req/s ...")
+        serve(model, "fcfs", calibration, Path(tmp) / "A", settings)
+        config = engine_config(Path(tmp) / "A")
+        cost = fit_cost_model(Path(tmp) / "A", int(config.kv_capacity_tokens))
+        drift = None
+        if args.drift:
+            progress("run A again (the machine's drift between runs) ...")
+            serve(model, "fcfs", calibration, Path(tmp) / "A2", settings)
+            drift = predict(Path(tmp) / "A2", cost, "fcfs")["e2e_median_abs_pct_error"]
+        results = []
+        for policy in policies:
+            progress(f"run B ({policy}): {args.requests} requests at {args.rate} req/s ...")
+            out = Path(tmp) / f"B-{policy.replace(':', '_')}"
+            serve(model, policy, predicted, out, settings)
+            agreement = conformance(out, policy)
+            result = {
+                "policy": policy,
+                "rate": args.rate,
+                "requests": args.requests,
+                "decision_agreement": agreement.agreement,
+                "steps": agreement.steps,
+                "first_divergence": None if agreement.first_divergence is None else agreement.describe(),
+                **predict(out, cost, policy),
+                "policy_errors": json.loads((out / "engine.json").read_text())["policy_errors"],
+                "calibration_drift_e2e_pct": drift,
+            }
+            progress(
+                f"  {policy}: decisions {agreement.identical}/{agreement.steps} identical;"
+                f" E2E |err| median {result['e2e_median_abs_pct_error']:.1f}%"
             )
-            limits = serve_and_log(
-                model, args.policy, workload(args.requests, args.rate, offset), log_dir, args.max_num_seqs
-            )
-            runs[name] = (log_dir, limits)
-        (dir_a, limits), (dir_b, _) = runs["A (calibration)"], runs["B (predicted)"]
-        kv = limits["kv_blocks"] * limits["block_size"]
-        cost_a, step_error_a = fit_cost_model(dir_a, kv)
-        cost_b, _ = fit_cost_model(dir_b, kv)
-        real = real_requests(dir_b)
+            results.append(result)
+    rankings = {}
+    for name, key in (("e2e_mean", "e2e_mean"), ("ttft_p50", "ttft_p50")):
+        live = [r["live"][key] for r in results]
+        sim = [r["replay"][key] for r in results]
+        rankings[name] = {
+            "live": [r["policy"] for _, r in sorted(zip(live, results, strict=True), key=lambda x: x[0])],
+            "replay": [r["policy"] for _, r in sorted(zip(sim, results, strict=True), key=lambda x: x[0])],
+            "kendall_tau": kendall_tau(live, sim),
+        }
+    return {"results": results, "rankings": rankings, "drift_e2e_pct": drift, "settings": settings}
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(
+        f"{'policy':<12}{'decisions':>10}{'steps':>7}{'E2E |err|':>11}{'E2E P90':>9}{'TTFT |err|':>11}"
+        f"{'E2E bias':>10}{'live E2E':>10}{'sim E2E':>9}{'live pre':>9}{'sim pre':>8}"
+    )
+    for r in report["results"]:
         print(
-            f"engine limits {limits}; cost-model step-time MAPE"
-            f" (fit on 80% of run A's steps): {step_error_a:.3f}"
+            f"{r['policy']:<12}{r['decision_agreement']:>10.3f}{r['steps']:>7}"
+            f"{r['e2e_median_abs_pct_error']:>10.1f}%{r['e2e_p90_abs_pct_error']:>8.1f}%"
+            f"{r['ttft_median_abs_pct_error']:>10.1f}%{r['e2e_bias_pct']:>+9.1f}%"
+            f"{r['live']['e2e_mean']:>10.3f}{r['replay']['e2e_mean']:>9.3f}"
+            f"{r['live']['preemptions']:>9}{r['replay']['preemptions']:>8}"
         )
+    if report["drift_e2e_pct"] is not None:
+        print(f"machine drift (FCFS on run A's rows, again): E2E median |err| {report['drift_e2e_pct']:.1f}%")
+    for name, ranking in report["rankings"].items():
         print(
-            f"{'replay of run B with':<30}{'TTFT |err|':>12}{'E2E |err|':>11}{'TTFT bias':>11}"
-            f"{'E2E bias':>10}{'requests':>10}   (medians; bias = signed (sim - real) / real)"
+            f"ranking by {name}: live {ranking['live']}; replay {ranking['replay']};"
+            f" tau {ranking['kendall_tau']:.2f}"
         )
-        for label, cost in (("cost model fitted on run A", cost_a), ("cost model fitted on run B", cost_b)):
-            result = replay_errors(real, cost, limits, args.policy)
-            print(
-                f"{label:<30}{result['ttft_error']:>12.3f}{result['e2e_error']:>11.3f}"
-                f"{result['ttft_bias']:>+11.3f}{result['e2e_bias']:>+10.3f}{result['requests']:>10}"
-            )
-        measured = [
-            (r["first_token_s"] - r["arrival_s"], r["finish_s"] - r["arrival_s"])
-            for r in real
-            if r.get("finish_s")
-        ]
-        ttft, e2e = np.median(measured, axis=0)
-        print(f"run B measured: TTFT median {ttft * 1000:.1f} ms, E2E median {e2e * 1000:.1f} ms")
+    for r in report["results"]:
+        if r["first_divergence"]:
+            print(f"{r['policy']}: {r['first_divergence']}")
+
+
+def execute(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
+    """`adapt fidelity`: measure, print the table, write `--json`."""
+    args.policies = policies
+    report = run(args, progress=lambda line: print(line, flush=True))
+    print_table(report)
+    if args.json:
+        payload = report["results"][0] if len(policies) == 1 else report
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+    return report
+
+
+def main() -> None:
+    """The engine worker of one live run (`serve`); users run `adapt fidelity`."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--policy", required=True)
+    args = parser.parse_args()
+    out = Path(args.worker)
+    spec = json.loads((out / "workload.json").read_text())
+    worker(args.model, args.policy, spec["rows"], out, spec["settings"])
 
 
 if __name__ == "__main__":

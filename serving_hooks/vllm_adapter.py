@@ -11,12 +11,16 @@ and applies it with vLLM's own mechanics before vLLM schedules:
   waiting requests the plan does not list sit out the step, as in the replay engine (a policy may
   cap admissions, e.g. jitserve's batch size);
 - deferral: deferred running requests are taken out of `self.running` for this step only;
-- `running_order` / `late`: reorder `self.running` (vLLM schedules every running request before
-  any waiting one, so `late` requests run last among the running, not after admissions);
+- `running_order`: `self.running` is rearranged in that order for the step, so vLLM's own
+  preemption path (it pops the end of its running list) evicts the policy's last request;
 - preemption: vLLM's own `_preempt_request` (recompute); drops: `finish_requests(..., ABORTED)`;
-- the policy's token budget (`Policy.token_budget`, e.g. Sarathi's 512) is the step's budget.
-Mechanics vLLM cannot honour refuse the policy at start; those it honours differently are logged
-(`adapt.mechanics.ENGINES["vllm"]`).
+- the policy's token budget (`Policy.token_budget`, e.g. Sarathi's 512) is the step's budget;
+- what the policy sees is what the replay engine shows it: tokens when vLLM processes a step's
+  output (`update_from_output`, one step late under async scheduling), the waiting requests in the
+  order they (re-)entered the queue.
+Mechanics vLLM cannot honour refuse the policy at start (`adapt.mechanics.ENGINES["vllm"]`). With
+`record_decisions` on (or `ADAPT_RECORD_DECISIONS=1`), every step's decisions are kept in
+`self.decisions` in the format `adapt.conformance` compares with a trace-driven replay.
 A policy that raises is logged and counted, and that step runs as plain vLLM FCFS: the engine never
 dies because of a policy. Under `adapt serve` (`ADAPT_WATCH_INTERVAL` set) the policy's learned
 components follow the registry's champions live (`serving_hooks.live`).
@@ -26,6 +30,7 @@ relies on is checked at import and an unsupported vLLM fails with a message sayi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -38,6 +43,7 @@ from vllm.v1.request import RequestStatus
 
 from adapt.mechanics import check_policy
 from adapt.policy import EngineView, Plan, RequestState
+from adapt.replay.engine import EngineConfig
 from adapt.requests import SLO, CompletedRequest, ValidationError
 from adapt.steplog import step_batch
 from serving_hooks.live import LiveComponents
@@ -83,6 +89,12 @@ class PolicyScheduler(AsyncScheduler):
         self._held: list[Any] = []  # waiting requests the plan did not list, out for one step
         self._unplanned: set[str] = set()  # on_arrival raised: the policy cannot plan these, FCFS does
         self._last_step: tuple[float, dict[str, float]] | None = None
+        self._waiting_order: dict[str, None] = {}  # ids in the order they (re-)entered waiting
+        self.decisions: list[dict] | None = [] if os.environ.get("ADAPT_RECORD_DECISIONS") == "1" else None
+        self._arrived_since: list[list] = []
+        self._freed_since: list[str] = []
+        self._undelivered: list[dict | None] = []  # decision records whose output is still coming
+        self._preempt_order: list[str] = []  # this step's possible victims, in eviction order
         self._follow_live()  # a policy-config champion replaces --policy from the first step
         log.info("adapt policy %s scheduling vLLM %s", self.policy.name, vllm.__version__)
 
@@ -107,6 +119,12 @@ class PolicyScheduler(AsyncScheduler):
             program=program,
         )
         self._states[request.request_id] = state
+        self._waiting_order[request.request_id] = None
+        if self.decisions is not None:
+            extra = {"slo": dataclasses.asdict(slo), "prompt_text": state.prompt_text}
+            self._arrived_since.append(
+                [request.request_id, now, request.num_prompt_tokens, request.max_tokens or 0, extra]
+            )
         if not self._call("on_arrival", state, now):
             self._unplanned.add(request.request_id)
 
@@ -125,12 +143,18 @@ class PolicyScheduler(AsyncScheduler):
         state = self._states.pop(request.request_id, None)
         self._running_ids.discard(request.request_id)
         self._unplanned.discard(request.request_id)
+        self._waiting_order.pop(request.request_id, None)
+        if self.decisions is not None:
+            self._freed_since.append(request.request_id)
         if state is not None:
+            now = time.monotonic()
             state.phase = "finished"
-            state.finish_s = time.monotonic()
-            self._call("on_finish", state, state.finish_s)
+            # A dropped or aborted request did not finish: policies tell the two apart by this,
+            # as in the replay engine.
+            state.finish_s = None if request.status == RequestStatus.FINISHED_ABORTED else now
+            self._call("on_finish", state, now)
             if self.monitor is not None:
-                self._log_request(request, state)
+                self._log_request(request, state, now)
                 if not self._states:  # idle: nothing may sit in the buffers while no step comes
                     self._flush_logs()
         return super()._free_request(request, *args, **kwargs)
@@ -145,14 +169,14 @@ class PolicyScheduler(AsyncScheduler):
         except Exception:
             log.exception("monitor: could not flush the logs")
 
-    def _log_request(self, request: Any, state: RequestState) -> None:
+    def _log_request(self, request: Any, state: RequestState, freed_at: float) -> None:
         """One request-log record; logging trouble is reported, never raised into the engine."""
         try:
             dropped = request.request_id in self._dropped_ids
             self._dropped_ids.discard(request.request_id)
             output = int(request.num_output_tokens)
             finished = not dropped and request.status != RequestStatus.FINISHED_ABORTED and output > 0
-            finish = state.finish_s
+            finish = freed_at
             first = min(max(state.first_token_s or finish, state.arrival_s), finish) if finished else None
             record = CompletedRequest(
                 request_id=state.id,
@@ -180,6 +204,27 @@ class PolicyScheduler(AsyncScheduler):
             log.exception("policy %s.%s failed for %s", self.policy.name, hook, state.id)
             return False
         return True
+
+    def replay_config(self) -> EngineConfig:
+        """This engine's limits as a replay `EngineConfig`, for a replay that should decide as it
+        does (`adapt.conformance`). Refuses settings the replay does not model."""
+        cache, sched = self.vllm_config.cache_config, self.scheduler_config
+        if cache.enable_prefix_caching:
+            raise ValueError("replay does not model prefix caching: start vLLM with it off")
+        if getattr(sched, "watermark", 0.0):
+            raise ValueError("replay does not model vLLM's KV watermark: start vLLM without one")
+        if getattr(sched, "long_prefill_token_threshold", 0):
+            raise ValueError("replay does not model long_prefill_token_threshold: leave it at 0")
+        usable_blocks = int(self.kv_cache_manager.block_pool.num_gpu_blocks) - 1  # vLLM's null block
+        return EngineConfig(
+            token_budget=self.engine_token_budget,
+            max_running=int(self.max_num_running_reqs),
+            block_size=int(self.block_size),
+            max_model_len=int(self.max_model_len),
+            kv_capacity_tokens=usable_blocks * int(self.block_size),
+            async_scheduling=bool(sched.async_scheduling),
+            reserve_full_sequence=bool(getattr(sched, "scheduler_reserve_full_isl", False)),
+        )
 
     # ------------------------------------------------------------ live swaps
     def _follow_live(self) -> None:
@@ -231,6 +276,11 @@ class PolicyScheduler(AsyncScheduler):
         self._follow_live()
         self._apply_mechanics()
         self._sync(now)
+        if self.decisions is not None:
+            self._queues = {
+                "running": [r.request_id for r in self.running],
+                "waiting": [i for i in self._waiting_order if i in self._states],
+            }
         original = list(self.running)
         deferred: list[Any] = []
         try:
@@ -243,15 +293,34 @@ class PolicyScheduler(AsyncScheduler):
         try:
             output = super().schedule(*args, **kwargs)
         finally:
-            if deferred:
-                self._restore(original, deferred)
+            self._restore(original, deferred)  # admission order again, whatever the plan's order
             for request in self._held:  # after whatever vLLM left waiting, in their old order
                 self.waiting.add_request(request)
             self._held = []
         self._after_schedule(now)
+        if self.decisions is not None:
+            self._record_decision(now, output)
         if self.monitor is not None:
             self._log_step(now, output)
         return output
+
+    def _record_decision(self, now: float, output: Any) -> None:
+        """This step in `adapt.conformance`'s format: what arrived and left since the last one,
+        what vLLM scheduled and preempted, and (filled in by `update_from_output`) when its
+        output reached the scheduler."""
+        record = {
+            "index": int(self.current_step) - 1,
+            "t": now,
+            "arrived": self._arrived_since,
+            "scheduled": dict(output.num_scheduled_tokens),
+            "preempted": sorted(output.preempted_req_ids),
+            "freed": sorted(self._freed_since),
+            "delivered_t": None,
+            **self._queues,
+        }
+        self.decisions.append(record)  # type: ignore[union-attr]
+        self._undelivered.append(record)
+        self._arrived_since, self._freed_since = [], []
 
     def _apply_mechanics(self) -> None:
         """The serving policy's token budget is this step's (vLLM reads it in `schedule`), so a
@@ -263,6 +332,7 @@ class PolicyScheduler(AsyncScheduler):
         `finish_requests` is made for aborts the client started, so without this the client of
         a dropped request would wait for it forever."""
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._deliver(scheduler_output)
         if self._drops_to_report:
             from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 
@@ -280,6 +350,27 @@ class PolicyScheduler(AsyncScheduler):
                     outputs[request.client_index] = EngineCoreOutputs(outputs=[finished])
             self._drops_to_report = []
         return outputs
+
+    def _deliver(self, scheduler_output: Any) -> None:
+        """A step's sampled tokens reached the scheduler: the policy sees them from now on (the
+        replay engine's `_deliver`), stamped with this moment."""
+        now = time.monotonic()
+        if self._undelivered:
+            record = self._undelivered.pop(0)
+            if record is not None:
+                record["delivered_t"] = now
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request, state = self.requests.get(request_id), self._states.get(request_id)
+            if request is None or state is None:
+                continue
+            generated = int(request.num_output_tokens)
+            if generated > state.tokens_generated:
+                state.last_token_s = now
+                if state.first_token_s is None:
+                    state.first_token_s = now
+                if state.phase != "preempted":
+                    state.phase = "decode"
+            state.tokens_generated = generated
 
     def _log_step(self, now: float, output: Any) -> None:
         """Step-log row of the previous step, whose duration is known now (the gap to this
@@ -302,22 +393,15 @@ class PolicyScheduler(AsyncScheduler):
             log.exception("step log: could not record a step")
 
     def _sync(self, now: float) -> None:
-        """Copy vLLM's counters into the policy's view of each request."""
+        """Copy vLLM's computed-token counters into the policy's view (tokens and phases move when
+        vLLM delivers a step's output, `_deliver`)."""
         for request in self.running:
             state = self._states.get(request.request_id)
-            if state is None:
-                continue
-            generated = request.num_output_tokens
-            if generated > state.tokens_generated:
-                state.last_token_s = now
-                if state.first_token_s is None:
-                    state.first_token_s = now
-            state.tokens_generated = generated
-            state.tokens_computed = request.num_computed_tokens
-            state.phase = "decode" if generated > 0 else "prefill"
+            if state is not None:
+                state.tokens_computed = request.num_computed_tokens
 
     def _view(self, now: float) -> EngineView:
-        waiting = [self._states[r.request_id] for r in self.waiting if r.request_id in self._states]
+        waiting = [self._states[i] for i in self._waiting_order if i in self._states]
         running = [self._states[r.request_id] for r in self.running if r.request_id in self._states]
         return EngineView(
             now=now,
@@ -328,6 +412,8 @@ class PolicyScheduler(AsyncScheduler):
             max_running=int(self.max_num_running_reqs),
             mean_batch_time_s=self._mean_batch_s,
             step_index=int(getattr(self, "current_step", 0)),
+            kv_free_blocks=int(self.kv_cache_manager.block_pool.get_num_free_blocks()),
+            kv_block_size=int(self.block_size),
         )
 
     def _apply(self, plan: Plan) -> list[Any]:
@@ -338,26 +424,30 @@ class PolicyScheduler(AsyncScheduler):
             self._drops_to_report += self.finish_requests(
                 [s.id for s in plan.drop], RequestStatus.FINISHED_ABORTED
             )
+        self._preempt_order = []
         for state in plan.preempt:
             request = self.requests.get(state.id)
             if request is not None and request in self.running:
                 self.running.remove(request)
                 self._preempt_request(request, time.monotonic())
+                self._preempt_order.append(state.id)
         by_id = {r.request_id: r for r in self.running}
         if plan.running_order is not None:
-            order = [s.id for s in [*plan.running_order, *plan.late]]
+            order = [s.id for s in plan.running_order]
         else:
-            skip = {s.id for s in plan.defer} | {s.id for s in plan.late}
-            order = [r.request_id for r in self.running if r.request_id not in skip] + [
-                s.id for s in plan.late
-            ]
+            skip = {s.id for s in plan.defer}
+            order = [r.request_id for r in self.running if r.request_id not in skip]
         chosen = [by_id[i] for i in dict.fromkeys(order) if i in by_id]
         chosen_ids = {r.request_id for r in chosen}
+        if self.decisions is not None:
+            self._queues["order"] = [r.request_id for r in chosen]
+        # vLLM evicts from the end of `chosen`: that is the order its preemptions happen in.
+        self._preempt_order += [r.request_id for r in reversed(chosen)]
         deferred = [r for r in self.running if r.request_id not in chosen_ids]
+        room = self.max_num_running_reqs - len(self.running)  # deferred requests hold their slots
         self.running = chosen
-        room = self.max_num_running_reqs - len(self.running)
-        if room <= 0 or not self.waiting:
-            return deferred  # vLLM admits nothing this step: the queue's order does not matter
+        if not self.waiting:
+            return deferred
         waiting_ids = {r.request_id for r in self.waiting}
         front = []
         for state in plan.admit or ():
@@ -365,15 +455,13 @@ class PolicyScheduler(AsyncScheduler):
                 break
             if state.id in waiting_ids:
                 front.append(self.requests[state.id])
-        # Only what the plan lists may be admitted, as in the replay engine: when the plan fills
-        # fewer slots than are free, the rest of the queue sits out this step (put back after it).
-        # Requests the policy never took (its on_arrival raised) stay, in FCFS order, after the
-        # plan's: otherwise nothing would ever admit them.
-        if len(front) < room:
-            front_ids = {r.request_id for r in front} | self._unplanned
-            self._held = [r for r in self.waiting if r.request_id not in front_ids]
-            if self._held:
-                self.waiting.remove_requests(self._held)
+        # Only what the plan lists may be admitted, as in the replay engine: the rest of the queue
+        # sits out this step (put back after it). Requests the policy never took (its on_arrival
+        # raised) stay, in FCFS order, after the plan's: otherwise nothing would ever admit them.
+        front_ids = {r.request_id for r in front} | self._unplanned
+        self._held = [r for r in self.waiting if r.request_id not in front_ids]
+        if self._held:
+            self.waiting.remove_requests(self._held)
         if front:
             self.waiting.remove_requests(front)
             self.waiting.prepend_requests(reversed(front))  # extendleft reverses: keep plan order
@@ -394,16 +482,22 @@ class PolicyScheduler(AsyncScheduler):
     def _after_schedule(self, now: float) -> None:
         """Report admissions and vLLM's own preemptions to the policy."""
         running_now = {r.request_id for r in self.running}
-        for request_id in running_now - self._running_ids:
+        admitted = [r.request_id for r in self.running if r.request_id not in self._running_ids]
+        for request_id in admitted:  # in admission order, as the replay engine calls on_admit
             state = self._states.get(request_id)
+            self._waiting_order.pop(request_id, None)
             if state is not None:
                 state.phase = "prefill"
                 self._call("on_admit", state, now)
-        for request_id in self._running_ids - running_now:
+        left = self._running_ids - running_now
+        rank = {request_id: n for n, request_id in enumerate(self._preempt_order)}
+        for request_id in sorted(left, key=lambda i: rank.get(i, len(rank))):  # as they happened
             request = self.requests.get(request_id)
             state = self._states.get(request_id)
             if state is not None and request is not None and request.status == RequestStatus.PREEMPTED:
+                self._waiting_order[request_id] = None
                 state.phase = "preempted"
+                state.tokens_computed = 0
                 state.num_preemptions += 1
                 self._call("on_preempt", state, now)
         self._running_ids = running_now

@@ -33,7 +33,7 @@ class CheckedEngine(ReplayEngine):
         self.completions: dict[str, int] = {}
         self.violations: list[str] = []
 
-    def _execute(self, scheduled):
+    def _execute(self, scheduled, trace=None):
         tokens = sum(n for _, n in scheduled)
         ids = [s.id for s, _ in scheduled]
         limit = self.token_budget
@@ -49,7 +49,7 @@ class CheckedEngine(ReplayEngine):
         if held + self.kv.free_blocks != self.kv.num_blocks or self.kv.free_blocks < 0:
             self.violations.append(f"kv accounting: held {held} free {self.kv.free_blocks}")
         before = self.now
-        super()._execute(scheduled)
+        super()._execute(scheduled, trace)
         if not self.now > before:
             self.violations.append(f"time did not advance at {before}")
 
@@ -61,11 +61,11 @@ class CheckedEngine(ReplayEngine):
         if self.kv.free_blocks < 0:
             self.violations.append("kv overflow in a decode run")
 
-    def _finish(self, state):
+    def _finish(self, state, now):
         if state.id in self.completions:
             self.violations.append(f"{state.id} finished twice")
         self.completions[state.id] = state.tokens_generated
-        super()._finish(state)
+        super()._finish(state, now)
 
 
 def step_log(seed: int = 0, n: int = 400, noise: float = 0.0) -> dict[str, np.ndarray]:

@@ -278,6 +278,17 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    from experiments.fidelity import execute
+
+    names = [p for p in (args.policies or args.policy or "").split(",") if p]
+    if not names:
+        raise UsageError("adapt fidelity: give --policy P or --policies a,b,c")
+    report = execute(args, names)
+    errors = sum(r["policy_errors"] for r in report["results"])
+    return 1 if errors else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adapt", description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -420,6 +431,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then any vLLM serve arguments")
     serve.set_defaults(func=cmd_serve)
+
+    fidelity = sub.add_parser(
+        "fidelity", help="live vLLM vs replay: step-by-step decision agreement and latency error per policy"
+    )
+    fidelity.add_argument("--policy", help="one policy spec (NAME or NAME:key=value)")
+    fidelity.add_argument("--policies", help="comma-separated policy specs")
+    fidelity.add_argument("--requests", type=int, default=300)
+    fidelity.add_argument("--rate", type=float, default=20.0, help="arrival rate, req/s (default 20)")
+    fidelity.add_argument("--max-num-seqs", type=int, default=16)
+    fidelity.add_argument("--token-budget", type=int, default=2048, help="vLLM's max_num_batched_tokens")
+    fidelity.add_argument("--kv-blocks", type=int, default=128, help="KV cache size in 32-token blocks")
+    fidelity.add_argument("--no-drift", dest="drift", action="store_false", help="skip the repeat of run A")
+    fidelity.add_argument("--model", help="model directory (default: a generated tiny model)")
+    fidelity.add_argument("--json", help="write the report here (one policy: its record alone)")
+    fidelity.set_defaults(func=cmd_fidelity)
 
     tiny = sub.add_parser("tiny-model", help="a tiny random Llama + tokenizer for trying vLLM on a CPU")
     tiny.add_argument("dir")

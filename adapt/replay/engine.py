@@ -1,11 +1,23 @@
 """An iteration-level discrete-event model of a vLLM V1 engine.
 
 Each step: the policy plans (`adapt.policy`); the engine applies drops and preemptions, schedules
-running requests in admission order (decodes take 1 token, unfinished prefills a chunk) under the
-token budget, allocating KV blocks and preempting by recompute when the pool runs dry (the policy
-picks the victim), then admits waiting requests in the policy's order while the running cap, the
-budget and the free blocks allow -- as vLLM's scheduler does. The step's duration comes from the
-cost model; every request whose known tokens are all computed samples one token at its end.
+running requests in the plan's running order (default: admission order; decodes take 1 token,
+unfinished prefills a chunk) under the token budget, allocating KV blocks and, when the pool runs
+dry, preempting by recompute the *last* request of that order not yet scheduled (possibly the
+request itself), then -- only if nothing was preempted -- admits waiting requests in the policy's
+order while the running cap, the budget and the free blocks allow, a request being admitted only if
+its whole known sequence fits (vLLM's `scheduler_reserve_full_isl`). These are vLLM V1's rules, so
+a policy's running order means the same in both engines: the order requests get tokens in, and the
+reverse of the order KV pressure evicts them in (`adapt.mechanics`). The step's duration comes from
+the cost model; every request whose known tokens are all computed samples one token at its end.
+
+Async scheduling (`EngineConfig.async_scheduling`, vLLM's default): a step's sampled tokens reach
+the scheduler only after the next step has been scheduled, so the next step plans without them (a
+decode already in flight counts as one placeholder token, a request whose last token is in flight
+is skipped, a finished request holds its KV blocks one step longer, a request preempted with a
+token in flight gets that token and waits for it before it can resume) -- as vLLM's
+`AsyncScheduler` does. Trace-driven steps (`TraceStep`) take their start, number and duration from
+a live engine's decision log, so a replay can be compared with it step by step (`adapt.conformance`).
 
 Compound programs: a request whose `program.parent_ids` are set is held back when added and
 arrives `program.after_parents_s` (a tool call) after its last parent finishes; if a parent is
@@ -55,11 +67,25 @@ class EngineConfig:
     skip_decode_runs: bool = True
     batch_time_ema: float = 0.1
     record_steps: bool = False
+    async_scheduling: bool = False
+    reserve_full_sequence: bool = True
+    record_decisions: bool = False
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_running", "block_size", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class TraceStep:
+    """One step of a live engine's decision log: when it started, its number, how long until the
+    next one, and when its output (sampled tokens) reached the scheduler."""
+
+    at: float
+    index: int
+    duration: float
+    output_at: float | None = None
 
 
 class ReplayEngine:
@@ -92,6 +118,14 @@ class ReplayEngine:
         # the next arrival routed anywhere (it might come here).
         self.arrival_fence_s = math.inf
         self.recorder = Recorder(record_steps=self.config.record_steps)
+        # Async scheduling: the last step's sampled requests, delivered after the next is planned.
+        self._in_flight: tuple[float, list[RequestState]] | None = None
+        self._placeholders: dict[str, int] = defaultdict(int)
+        # Decision log (`EngineConfig.record_decisions`), in the live adapter's format.
+        self.decisions: list[dict] | None = [] if self.config.record_decisions else None
+        self._preempted_now: list[str] = []
+        self._freed_since: list[str] = []
+        self._queues: dict[str, list[str]] = {}
 
     # ----------------------------------------------------------------- arrivals
     def add(self, request: Request) -> None:
@@ -170,7 +204,7 @@ class ReplayEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending_pos < len(self._pending))
+        return bool(self.waiting or self.running or self._in_flight or self._pending_pos < len(self._pending))
 
     @property
     def outstanding(self) -> int:
@@ -192,7 +226,7 @@ class ReplayEngine:
             request.request_id,
             request.arrival_s,
             request.prompt_tokens,
-            self.config.max_model_len - request.prompt_tokens,
+            request.max_tokens or self.config.max_model_len - request.prompt_tokens,
             request.slo,
             request.prompt_text,
             request.program,
@@ -215,12 +249,18 @@ class ReplayEngine:
         self.policy.on_arrival(state, self.now)
 
     # ----------------------------------------------------------------- one step
-    def step(self) -> None:
-        """Run one scheduling step (or a run of identical decode steps), advancing `now`."""
-        if not self.waiting and not self.running:
+    def step(self, trace: TraceStep | None = None) -> None:
+        """Run one scheduling step (or a run of identical decode steps), advancing `now`. With
+        `trace`, the step starts when and as the live engine's did, and never waits."""
+        if trace is not None:
+            self.now, self.step_index = trace.at, trace.index
+        elif not self.waiting and not self.running and not self._in_flight:
             self.now = max(self.now, self.next_arrival_s)
         self._admit_arrivals()
-        if not self.waiting and not self.running:
+        if not self.waiting and not self.running and not self._in_flight:
+            if trace is not None and self.decisions is not None:
+                self._queues = {"running": [], "waiting": []}
+                self._record_decision(trace.index, [])
             return
         view = EngineView(
             self.now,
@@ -231,22 +271,46 @@ class ReplayEngine:
             self.config.max_running,
             self.mean_batch_time,
             self.step_index,
+            self.kv.free_blocks,
+            self.kv.block_size,
         )
+        if self.decisions is not None:
+            self._queues = {"running": [r.id for r in self.running], "waiting": list(self.waiting)}
         plan = self.policy.on_step(view)
         scheduled, changed, acted = self._schedule(plan)
-        if scheduled:
-            self._execute(scheduled)
-        elif not changed:
+        if self.decisions is not None:
+            self._record_decision(trace.index if trace is not None else self.step_index, scheduled)
+        previous, self._in_flight = self._in_flight, None
+        if scheduled or trace is not None:
+            self._execute(scheduled, trace)
+        delivered = self._deliver(previous)
+        if trace is not None:
+            return
+        if not scheduled and not changed and not delivered:
             self._idle(view)
             return
         if (
             self.config.skip_decode_runs
+            and not self.config.async_scheduling
             and not acted
             and self.running
             and len(scheduled) == len(self.running)
             and all(n == 1 for _, n in scheduled)
         ):
             self._decode_run(view)
+
+    def _record_decision(self, index: int, scheduled: list[tuple[RequestState, int]]) -> None:
+        self.decisions.append(  # type: ignore[union-attr]
+            {
+                "index": index,
+                "t": self.now,
+                "scheduled": {state.id: n for state, n in scheduled},
+                "preempted": sorted(self._preempted_now),
+                "freed": sorted(self._freed_since),
+                **self._queues,
+            }
+        )
+        self._preempted_now, self._freed_since = [], []
 
     def _idle(self, view: EngineView) -> None:
         """Nothing could be scheduled: wait for the next arrival or the policy's wake-up time."""
@@ -266,6 +330,7 @@ class ReplayEngine:
         for state in plan.drop:
             if self.waiting.pop(state.id, None) is not None:
                 self.recorder.dropped(state, self.now, "admission control")
+                self._freed_since.append(state.id)
                 self.policy.on_finish(state, self.now)
                 self._parent_done(state.id, finished=False)
                 changed = True
@@ -279,62 +344,69 @@ class ReplayEngine:
                 return admitted, changed, True
         budget = self.token_budget
         scheduled: list[tuple[RequestState, int]] = []
-        done: set[str] = set()
         if plan.running_order is not None:
-            sequence = plan.running_order
+            running = set(self.running)
+            sequence = [r for r in dict.fromkeys(plan.running_order) if r in running]
+        elif plan.defer:
+            sequence = [r for r in self.running if r not in plan.defer]
         else:
-            skip = plan.defer | set(plan.late) if plan.late else plan.defer
-            sequence = [r for r in self.running if r not in skip] if skip else list(self.running)
-        budget, preempted_now = self._schedule_running(sequence, budget, scheduled, done)
+            sequence = list(self.running)
+        if self.decisions is not None:
+            self._queues["order"] = [r.id for r in sequence]
+        budget, preempted_now = self._schedule_running(sequence, budget, scheduled)
         changed = changed or preempted_now
-        acted = changed or bool(plan.defer) or plan.running_order is not None or bool(plan.late)
+        acted = changed or len(sequence) < len(self.running)
         if plan.admit is not None and not preempted_now and budget > 0:
             admitted = self._admit(plan, budget, chunked=True)
             scheduled.extend(admitted)
-            budget -= sum(n for _, n in admitted)
             acted = acted or bool(admitted)
-        if plan.late:
-            _, preempted_late = self._schedule_running(plan.late, budget, scheduled, done)
-            changed = changed or preempted_late
         return scheduled, changed, acted
+
+    def _tokens_needed(self, state: RequestState) -> int:
+        """Tokens the next step would compute for `state`: its unprocessed known tokens plus the
+        one whose sampling is still in flight (async scheduling's placeholder)."""
+        return state.tokens_to_compute + self._placeholders.get(state.id, 0)
+
+    def _last_token_in_flight(self, state: RequestState) -> bool:
+        placeholder = self._placeholders.get(state.id, 0)
+        return placeholder > 0 and state.tokens_generated + placeholder >= self._true_len[state.id]
 
     def _schedule_running(
         self,
-        sequence: Sequence[RequestState],
+        sequence: list[RequestState],
         budget: int,
         scheduled: list[tuple[RequestState, int]],
-        done: set[str],
     ) -> tuple[int, bool]:
         """Give running requests their next tokens in `sequence` order under the budget. When KV
-        blocks run out, the policy's victim among the requests not yet scheduled this step is
-        preempted by recompute (possibly the request itself), as vLLM does."""
+        blocks run out, the last request of `sequence` not yet scheduled is preempted by
+        recompute (possibly the request itself, which ends the pass), as vLLM does with its
+        running list."""
         preempted = False
-        for state in sequence:
-            if budget <= 0:
-                break
-            if state.phase not in ("prefill", "decode") or state.id in done:
+        index = 0
+        while index < len(sequence) and budget > 0:
+            state = sequence[index]
+            if self._last_token_in_flight(state):
+                index += 1  # vLLM's async rule: no step past the last token
                 continue
-            tokens = min(state.tokens_to_compute, budget)
+            tokens = min(self._tokens_needed(state), budget)
             while not self.kv.can_grow(state.id, state.tokens_computed + tokens):
-                candidates = [r for r in self.running if r.id not in done]
-                victim = self.policy.preemption_victim(candidates)
-                if victim not in candidates:
-                    victim = candidates[-1]
+                victim = sequence.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is state:
-                    break
-            if state.phase == "preempted":
-                continue  # `state` itself was the victim
+                    return budget, preempted
             self.kv.grow(state.id, state.tokens_computed + tokens)
             scheduled.append((state, tokens))
-            done.add(state.id)
             budget -= tokens
+            index += 1
         return budget, preempted
 
     def _admit(self, plan: Plan, budget: int, *, chunked: bool) -> list[tuple[RequestState, int]]:
         """Admit waiting requests in the plan's order while the running cap, the budget and free
-        KV blocks allow; stop at the first that does not fit (vLLM's head-of-line rule).
+        KV blocks allow; stop at the first that does not fit (vLLM's head-of-line rule). A
+        request is admitted only if its whole known sequence fits in the free blocks
+        (`reserve_full_sequence`, vLLM's default), though only its first chunk is allocated; one
+        still waiting for a token from before its preemption sits this step out.
         `chunked=False` is vLLM V0's prefill-first mode: whole prompts only (the first one even if
         it exceeds the budget), and such a step runs nothing but those prefills."""
         admitted: list[tuple[RequestState, int]] = []
@@ -342,11 +414,12 @@ class ReplayEngine:
         for state in plan.admit or ():
             if room <= 0 or budget <= 0:
                 break
-            if self.waiting.get(state.id) is not state:
+            if self.waiting.get(state.id) is not state or self._placeholders.get(state.id, 0):
                 continue
             need = state.tokens_to_compute
             tokens = min(need, budget) if chunked else need
-            if (tokens > budget and admitted) or not self.kv.can_grow(state.id, tokens):
+            fits = need if self.config.reserve_full_sequence else tokens
+            if (tokens > budget and admitted) or not self.kv.can_grow(state.id, fits):
                 break
             self.kv.grow(state.id, tokens)
             admitted.append((state, tokens))
@@ -366,30 +439,55 @@ class ReplayEngine:
         state.phase = "preempted"
         state.num_preemptions += 1
         self.recorder.preempted(state)
+        self._preempted_now.append(state.id)
         self.waiting[state.id] = state
         self.policy.on_preempt(state, self.now)
 
-    def _execute(self, scheduled: list[tuple[RequestState, int]]) -> None:
-        """Time the step with the cost model and apply its effects at the step's end."""
+    def _execute(self, scheduled: list[tuple[RequestState, int]], trace: TraceStep | None = None) -> None:
+        """Time the step (the cost model, or the live step's duration) and apply its effects:
+        at its end, or -- async scheduling -- after the next step is planned (`_deliver`)."""
+        asynchronous = self.config.async_scheduling
+        samples = []
+        for state, n in scheduled:
+            known = state.prompt_tokens + state.tokens_generated + self._placeholders.get(state.id, 0)
+            samples.append(state.tokens_computed + n == known)
         batch = step_batch(
-            (
-                n,
-                state.tokens_computed,
-                n == 1 and state.phase == "decode",
-                state.tokens_computed + n == state.prompt_tokens + state.tokens_generated,
-            )
-            for state, n in scheduled
+            (n, state.tokens_computed, n == 1 and state.phase == "decode", sampled)
+            for (state, n), sampled in zip(scheduled, samples, strict=True)
         )
-        duration = float(self.cost.time(batch))
+        duration = trace.duration if trace is not None else float(self.cost.time(batch))
         start = self.now
         self.now = start + duration
         self._note_batch_time(duration)
-        self.step_index += 1
-        self.recorder.step(start, duration, batch, self.kv.usage)
-        for state, n in scheduled:
+        if trace is None:
+            self.step_index += 1
+        if scheduled:
+            self.recorder.step(start, duration, batch, self.kv.usage)
+        sampled_states = []
+        for (state, n), sampled in zip(scheduled, samples, strict=True):
             state.tokens_computed += n
-            if state.tokens_computed == state.prompt_tokens + state.tokens_generated:
-                self._emit_token(state)
+            if sampled:
+                sampled_states.append(state)
+                if asynchronous:
+                    self._placeholders[state.id] += 1
+        output_at = trace.output_at if trace is not None and trace.output_at is not None else self.now
+        if asynchronous:
+            self._in_flight = (output_at, sampled_states)
+        else:
+            for state in sampled_states:
+                self._emit_token(state, output_at)
+
+    def _deliver(self, previous: tuple[float, list[RequestState]] | None) -> bool:
+        """Async scheduling: the previous step's tokens reach the scheduler once this step is
+        scheduled (stamped with when that step's output came). True if any did."""
+        if previous is None:
+            return False
+        output_at, states = previous
+        for state in states:
+            self._placeholders[state.id] -= 1
+            if state.phase != "finished":
+                self._emit_token(state, output_at)
+        return bool(states)
 
     def _note_batch_time(self, duration: float) -> None:
         alpha = self.config.batch_time_ema
@@ -397,24 +495,29 @@ class ReplayEngine:
             duration if self.mean_batch_time == 0 else ((1 - alpha) * self.mean_batch_time + alpha * duration)
         )
 
-    def _emit_token(self, state: RequestState) -> None:
-        now = self.now
+    def _emit_token(self, state: RequestState, now: float) -> None:
         self.recorder.token(state, now)
         state.tokens_generated += 1
         state.last_token_s = now
         if state.first_token_s is None:
             state.first_token_s = now
-        state.phase = "decode"
+        if state.phase != "preempted":
+            state.phase = "decode"
         if state.tokens_generated >= self._true_len[state.id]:
-            self._finish(state)
+            self._finish(state, now)
 
-    def _finish(self, state: RequestState) -> None:
-        self.running.remove(state)
+    def _finish(self, state: RequestState, now: float) -> None:
+        if state.phase == "preempted":  # its last token was in flight when it was preempted
+            del self.waiting[state.id]
+        else:
+            self.running.remove(state)
         self.kv.release(state.id)
-        state.finish_s = self.now
+        self._placeholders.pop(state.id, None)
+        self._freed_since.append(state.id)
+        state.finish_s = now
         state.phase = "finished"
         self.recorder.finished(state)
-        self.policy.on_finish(state, self.now)
+        self.policy.on_finish(state, now)
         self._parent_done(state.id, finished=True)
 
     # ------------------------------------------------------------ fast path
@@ -463,7 +566,7 @@ class ReplayEngine:
             if state.tokens_generated >= self._true_len[state.id]:
                 finished.append(state)
         for state in finished:
-            self._finish(state)
+            self._finish(state, self.now)
 
     def _kv_step_limit(self, computed: np.ndarray, held: np.ndarray, limit: int, usage_below: float) -> int:
         """Largest k <= limit such that growing every context by k tokens fits in the free blocks

@@ -17,8 +17,13 @@ from adapt.policy import EngineView, Plan, Policy, RequestState
 
 
 class PriorityPolicy(Policy):
-    """Admit waiting requests by ascending `key`; under KV pressure preempt the running request
-    with the largest key (vLLM's priority-scheduling rule). Subclasses define `key`."""
+    """Admit waiting requests by ascending `key`, and order the running ones by `running_key`, so
+    that the running request with the largest key gets tokens last and is the first evicted under
+    KV pressure (vLLM's priority-scheduling rule). Subclasses define `key`; those with
+    `orders_running = False` keep vLLM's FCFS running order (admission order: the last admitted
+    is evicted first)."""
+
+    orders_running = True
 
     def __init__(self) -> None:
         self._waiting = SortedList()
@@ -54,11 +59,15 @@ class PriorityPolicy(Policy):
         return (entry[-1] for entry in self._waiting)
 
     def on_step(self, view: EngineView) -> Plan:
-        return Plan(admit=self.waiting_in_order())
+        return Plan(admit=self.waiting_in_order(), running_order=self.running_in_order(view.running))
 
     def running_key(self, request: RequestState, now: float) -> tuple[Any, ...]:
-        """Key of a running request when choosing a preemption victim (default: its admission key)."""
+        """Key of a running request in the running order (default: its admission key)."""
         return self.key(request, now)
 
-    def preemption_victim(self, candidates: Sequence[RequestState]) -> RequestState:
-        return max(reversed(candidates), key=lambda r: self.running_key(r, r.last_token_s or r.arrival_s))
+    def running_in_order(self, running: Sequence[RequestState]) -> list[RequestState] | None:
+        """The running requests by ascending `running_key` (None: keep admission order). The
+        sort is stable: ties keep admission order (the last admitted is evicted first)."""
+        if not self.orders_running:
+            return None
+        return sorted(running, key=lambda r: self.running_key(r, r.last_token_s or r.arrival_s))

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from adapt.policy import EngineView, Horizon, Plan, Policy, RequestState
+from adapt.policy import EngineView, Horizon, Plan, RequestState
 from serving_hooks.policies.base import PriorityPolicy
 
 LengthPredictor = Callable[[RequestState], float]
@@ -29,7 +29,7 @@ class FCFS(PriorityPolicy):
     def key(self, request: RequestState, now: float) -> tuple[Any, ...]:
         return (request.arrival_s,)
 
-    preemption_victim = Policy.preemption_victim  # vLLM's rule (the last admitted), not the key's
+    orders_running = False  # vLLM's running order (the last admitted is evicted first)
 
 
 class VllmV0(FCFS):
@@ -179,7 +179,7 @@ class Trail(PriorityPolicy):
                 # Refinement: a fresh prediction of the total, now conditioned on having got this far.
                 request.cache["trail_total"] = max(self.predict(request), request.tokens_generated + 1.0)
                 request.cache["trail_at"] = request.tokens_generated
-        plan = Plan(admit=self.waiting_in_order())
+        plan = Plan(admit=self.waiting_in_order(), running_order=self.running_in_order(view.running))
         full = len(view.running) >= view.max_running or view.kv_usage >= FULL_KV_USAGE
         if full and self._waiting:
             best = self._waiting[0][-1]
@@ -234,7 +234,7 @@ class FastServe(PriorityPolicy):
             if used >= self._quantum(level) and level < self.levels - 1:
                 request.cache["mlfq_level"] = level + 1
                 request.cache["mlfq_base"] = request.tokens_generated
-        plan = Plan(admit=self.waiting_in_order())
+        plan = Plan(admit=self.waiting_in_order(), running_order=self.running_in_order(view.running))
         full = len(view.running) >= view.max_running or view.kv_usage >= FULL_KV_USAGE
         if full and self._waiting and view.running:
             best_level = self._waiting[0][0]

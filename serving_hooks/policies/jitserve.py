@@ -231,7 +231,9 @@ class JITServe(Policy):
             preempt = self._plan_frame(view, step_s)
         room = self._batch(view) - len(view.running) + len(preempt)
         admit = itertools.islice(self._admission_order(), max(0, room))
-        return Plan(admit=admit, preempt=preempt, drop=drop)
+        # Highest priority first, so that KV pressure evicts the lowest-priority request first.
+        order = sorted(view.running, key=lambda r: -self._priority.get(r.id, 0.0))
+        return Plan(admit=admit, preempt=preempt, drop=drop, running_order=order)
 
     def _batch(self, view: EngineView) -> int:
         return min(self.batch_size or view.max_running, view.max_running)
@@ -467,9 +469,6 @@ class JITServe(Policy):
         if slo.kind in ("deadline", "compound"):
             return float(tokens) if request.finish_s <= request.deadline_at else 0.0
         return float(tokens)
-
-    def preemption_victim(self, candidates):
-        return min(reversed(candidates), key=lambda r: self._priority.get(r.id, 0.0))
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -254,7 +254,7 @@ class SageSched(PriorityPolicy):
                 r for r in view.running if r.tokens_generated - r.cache.get("sage_at", 0) >= self.bucket
             ]
             self._refresh(crossed)
-        plan = Plan(admit=self.waiting_in_order())
+        plan = Plan(admit=self.waiting_in_order(), running_order=self.running_in_order(view.running))
         full = len(view.running) >= view.max_running or view.kv_usage >= FULL_KV_USAGE
         if self.preempt_on_flip and full and self._waiting:
             victims = [r for r in view.running if r.tokens_computed < self.preempt_below_tokens]

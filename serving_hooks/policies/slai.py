@@ -8,9 +8,17 @@ at `t_prev`, the last schedulable time is
 and the decode is *critical* once `now >= LST`. Each step the batch is, in order:
   1. critical decodes, by increasing LST;
   2. prefills already started (chunked prefills in flight), oldest first;
-  3. new prefills, shortest prompt first (SPF) or FCFS, optionally paying tier first, while the
-     token budget and the cap on active requests allow;
-  4. non-critical decodes by increasing LST, while budget remains, up to the decode limit.
+  3. non-critical decodes by increasing LST, up to the decode limit, in the budget the new prefills
+     leave (below);
+  4. new prefills, shortest prompt first (SPF) or FCFS, optionally paying tier first, while the
+     token budget and the cap on active requests allow.
+The paper runs non-critical decodes *after* the new prefills, in whatever budget they leave. vLLM
+V1 schedules every running request before any waiting one, so no engine that is also vLLM can do
+that literally; SLAI instead reserves the budget the next admissions will take (the prompts at
+the head of its queue that fit in the free KV blocks, while KV usage is below `reserve_below`, so
+that under KV pressure the decodes that free memory run) and gives non-critical decodes the rest
+-- the same plan in replay and live. Under KV pressure the
+engine evicts the last of these (the decode with the most slack) first.
 A decode without a TBT target is never critical (LST = +inf). `offset` is a number (`slai-fixed`)
 or a function of KV-cache usage (`slai`: the `slai-offset` component, by default the paper's rule:
 5 below 96% usage, 10 above).
@@ -38,7 +46,6 @@ class SLAI(PriorityPolicy):
     """SLAI with a fixed or KV-dependent offset (see module docstring)."""
 
     name = "slai"
-    uses_late = True  # non-critical decodes run after admissions (`Plan.late`)
     components = {"offset": "slai-offset"}  # noqa: RUF012  (the offset is read fresh every step)
 
     def __init__(
@@ -49,6 +56,7 @@ class SLAI(PriorityPolicy):
         token_budget: int = 512,
         max_active: int = 128,
         decode_limit: int = 128,
+        reserve_below: float = 0.9,
     ) -> None:
         super().__init__()
         if prefill_order not in ("spf", "fcfs"):
@@ -63,6 +71,7 @@ class SLAI(PriorityPolicy):
         self.token_budget = token_budget
         self.max_active = max_active
         self.decode_limit = decode_limit
+        self.reserve_below = reserve_below
 
     def current_offset(self, kv_usage: float) -> float:
         return self.offset(kv_usage) if callable(self.offset) else float(self.offset)
@@ -92,13 +101,27 @@ class SLAI(PriorityPolicy):
             (critical if view.now >= lst else optional).append((lst, request))
         critical.sort(key=lambda item: item[0])
         optional.sort(key=lambda item: item[0])
-        room_for_decodes = max(0, self.decode_limit - len(critical))
-        late = [request for _, request in optional[:room_for_decodes]]
-        return Plan(
-            admit=self._admissions(self.max_active - len(view.running)),
-            running_order=[request for _, request in critical] + started,
-            late=late,
-        )
+        room = self.max_active - len(view.running)
+        budget = view.token_budget - len(critical) - sum(r.tokens_to_compute for r in started)
+        if view.kv_usage < self.reserve_below:
+            budget -= self._reserved(view, min(room, view.max_running - len(view.running)), budget)
+        allowed = max(0, min(self.decode_limit - len(critical), budget))
+        order = [request for _, request in critical] + started + [r for _, r in optional[:allowed]]
+        return Plan(admit=self._admissions(room), running_order=order)
+
+    def _reserved(self, view: EngineView, room: int, budget: int) -> int:
+        """Tokens the next admissions will take: the head of the queue, in order, as far as the
+        budget, the free slots and the free KV blocks (whole sequences, as the engine admits) go.
+        Counting only admissions that will happen keeps decodes from waiting on one that cannot."""
+        reserved, free = 0, view.kv_free_blocks
+        for request in self._admissions(room):
+            need = request.tokens_to_compute
+            blocks = -(-need // view.kv_block_size)
+            if reserved >= budget or blocks > free:
+                break
+            reserved += min(need, budget - reserved)
+            free -= blocks
+        return reserved
 
     def horizon(self, view: EngineView) -> Horizon:
         """Wake up when the earliest deferred decode becomes critical."""
@@ -120,6 +143,7 @@ class SLAI(PriorityPolicy):
             "token_budget": self.token_budget,
             "max_active": self.max_active,
             "decode_limit": self.decode_limit,
+            "reserve_below": self.reserve_below,
         }
 
 

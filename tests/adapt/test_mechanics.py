@@ -9,14 +9,15 @@ from adapt.mechanics import ENGINES, MECHANICS, UnsupportedPolicy, check_policy,
 from adapt.policy import Policy
 from serving_hooks.policies import POLICIES, make_policy
 
+UNIVERSAL = ["admission", "running_order", "preempt_and_drop", "async_output"]
+
 
 def test_relied_on_by_hand():
-    assert relied_on(make_policy("fcfs")) == []
-    assert relied_on(make_policy("vllm-v0")) == ["token_budget", "prefill_first"]
-    assert relied_on(make_policy("sarathi")) == ["token_budget"]
-    assert relied_on(make_policy("spf")) == ["preemption_victim"]
-    assert relied_on(make_policy("slai")) == ["token_budget", "preemption_victim", "late"]
-    assert relied_on(make_policy("sjf-oracle")) == ["preemption_victim", "oracle"]
+    assert relied_on(make_policy("fcfs")) == UNIVERSAL
+    assert relied_on(make_policy("vllm-v0")) == [*UNIVERSAL, "token_budget", "prefill_first"]
+    assert relied_on(make_policy("sarathi")) == [*UNIVERSAL, "token_budget"]
+    assert relied_on(make_policy("slai")) == [*UNIVERSAL, "token_budget"]
+    assert relied_on(make_policy("sjf-oracle")) == [*UNIVERSAL, "oracle"]
 
 
 def test_replay_honours_every_mechanic_of_every_policy():
@@ -24,13 +25,12 @@ def test_replay_honours_every_mechanic_of_every_policy():
         assert check_policy(make_policy(name), "replay") == []
 
 
-def test_vllm_refuses_with_the_reason_and_lists_what_differs():
+def test_vllm_refuses_with_the_reason_and_honours_the_rest():
     with pytest.raises(UnsupportedPolicy, match="'sjf-oracle' cannot run in vllm: it needs true output"):
         check_policy(make_policy("sjf-oracle"), "vllm")
     with pytest.raises(UnsupportedPolicy, match="'vllm-v0' cannot run in vllm: vLLM V1 always mixes"):
         check_policy(make_policy("vllm-v0"), "vllm")
-    differs = check_policy(make_policy("slai"), "vllm", engine_token_budget=2048)
-    assert [d.split(":")[0] for d in differs] == ["preemption_victim", "late"]
+    assert check_policy(make_policy("slai"), "vllm", engine_token_budget=2048) == []
     assert check_policy(make_policy("sarathi"), "vllm", engine_token_budget=512) == []
 
 
@@ -47,8 +47,8 @@ def test_every_engine_entry_names_a_known_mechanic():
         assert set(table) <= set(MECHANICS)
 
 
-def test_a_new_policy_relies_on_nothing_by_default():
+def test_a_new_policy_relies_on_the_universal_mechanics_only():
     class Plain(Policy):
         name = "plain"
 
-    assert relied_on(Plain()) == []
+    assert relied_on(Plain()) == UNIVERSAL

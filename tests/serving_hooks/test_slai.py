@@ -51,9 +51,16 @@ def test_critical_marking_and_batch_order():
     policy.on_arrival(short, 0.1)
     view = EngineView(1.0, [long, short], [d1, d2, p1, d3, d4], 0.5, 512, 256, 0.02)
     plan = policy.on_step(view)
-    assert [r.id for r in plan.running_order] == ["d1", "d3", "p1"]
-    assert [r.id for r in plan.late] == ["d2", "d4"]
+    # critical by LST, the started prefill, then the non-critical decodes by LST (the budget is ample)
+    assert [r.id for r in plan.running_order] == ["d1", "d3", "p1", "d2", "d4"]
     assert [r.id for r in plan.admit] == ["short", "long"]
+    # a tight budget: what the two admissions (10 + 100 tokens) need is reserved first, one decode fits
+    tight = 2 + p1.tokens_to_compute + 110 + 1
+    view = EngineView(1.0, [long, short], [d1, d2, p1, d3, d4], 0.5, tight, 256, 0.02)
+    assert [r.id for r in policy.on_step(view).running_order] == ["d1", "d3", "p1", "d2"]
+    # under KV pressure nothing is reserved: the decodes that free memory run
+    view = EngineView(1.0, [long, short], [d1, d2, p1, d3, d4], 0.95, tight, 256, 0.02)
+    assert [r.id for r in policy.on_step(view).running_order] == ["d1", "d3", "p1", "d2", "d4"]
     fcfs = SLAI(offset=5.0, prefill_order="fcfs")
     fcfs.on_arrival(long, 0.0)
     fcfs.on_arrival(short, 0.1)
@@ -67,7 +74,7 @@ def test_decode_limit_and_active_cap():
     for w in waiting:
         policy.on_arrival(w, 0.0)
     plan = policy.on_step(EngineView(1.0, waiting, running, 0.1, 512, 256, 0.02))
-    assert len(plan.running_order) == 2 and plan.late == []  # limit reached by critical decodes
+    assert len(plan.running_order) == 2  # the decode limit is reached by the critical decodes
     assert len(list(plan.admit)) == 0  # 3 active already
 
 

@@ -1,0 +1,127 @@
+"""Decision conformance: does the replay engine take the decisions the live engine took?
+
+A live engine (vLLM under `serving_hooks.vllm_adapter.PolicyScheduler` with decision recording
+on) logs, per scheduling step: when it started, which requests had arrived since the last step,
+what it scheduled (request -> tokens), what it preempted, which requests left, and when the step's
+output reached the scheduler. `replay_decisions` replays the same requests through `ReplayEngine`
+with *trace-driven time*: each replay step starts when the live step did, with the live step's
+number, lasts until the next live step, and sees arrivals at the same step boundaries. A policy
+whose every input is the same in both engines must then decide the same; `compare` counts the
+steps where it did and shows the first where it did not, with both engines' queues.
+
+Conformance needs the live run to be one the replay can describe: every request generates exactly
+its `max_tokens` (the client sets `ignore_eos`), no prefix caching, no KV watermark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from adapt.policy import Policy
+from adapt.replay.engine import EngineConfig, ReplayEngine, TraceStep
+from adapt.requests import SLO, Request
+
+COMPARED = ("scheduled", "preempted", "freed")
+
+
+def requests_from_log(decisions: Sequence[dict[str, Any]]) -> list[Request]:
+    """The requests a live decision log saw arrive, each as long as its client's `max_tokens`."""
+    requests = []
+    for step in decisions:
+        for arrival in step["arrived"]:
+            request_id, arrival_s, prompt_tokens, max_tokens = arrival[:4]
+            extra = arrival[4] if len(arrival) > 4 else {}
+            requests.append(
+                Request(
+                    request_id,
+                    float(arrival_s),
+                    int(prompt_tokens),
+                    int(max_tokens),
+                    slo=SLO(**extra["slo"]) if extra.get("slo") else SLO(),
+                    prompt_text=extra.get("prompt_text"),
+                    max_tokens=int(max_tokens),
+                )
+            )
+    return requests
+
+
+class _TraceTime:
+    """The cost model of a trace-driven replay: every step's time comes from the live log."""
+
+    def time(self, batch: Any) -> float:
+        raise RuntimeError("a trace-driven replay takes its step times from the live decision log")
+
+    def kv_capacity_tokens(self) -> int:
+        raise RuntimeError("a trace-driven replay takes its KV capacity from the live engine")
+
+
+def replay_decisions(
+    decisions: Sequence[dict[str, Any]], policy: Policy, config: EngineConfig
+) -> list[dict[str, Any]]:
+    """Replay the requests of a live decision log under `policy` with the live engine's limits
+    (`config`, which must give the KV capacity) in lockstep with the live steps; returns the
+    replay's own decision log, one record per live step."""
+    if config.kv_capacity_tokens is None:
+        raise ValueError("config.kv_capacity_tokens: give the live engine's KV capacity")
+    config = dataclasses.replace(config, skip_decode_runs=False, record_decisions=True)
+    engine = ReplayEngine(policy, _TraceTime(), config)  # type: ignore[arg-type]
+    arrivals = iter(requests_from_log(decisions))
+    pending = next(arrivals, None)
+    for i, live in enumerate(decisions):
+        arrived = {a[0] for a in live["arrived"]}
+        while pending is not None and pending.request_id in arrived:
+            engine.add(pending)
+            pending = next(arrivals, None)
+        duration = decisions[i + 1]["t"] - live["t"] if i + 1 < len(decisions) else 0.0
+        engine.step(TraceStep(live["t"], live["index"], duration, live["delivered_t"]))
+    return engine.decisions  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Conformance:
+    """Step-by-step agreement of two decision logs."""
+
+    steps: int
+    identical: int
+    first_divergence: dict[str, Any] | None
+
+    @property
+    def agreement(self) -> float:
+        return self.identical / self.steps if self.steps else 1.0
+
+    def describe(self) -> str:
+        head = f"{self.identical}/{self.steps} steps identical ({self.agreement:.3f})"
+        if self.first_divergence is None:
+            return head
+        d = self.first_divergence
+        lines = [head, f"first divergence at step {d['index']} (t={d['t']:.6f}):"]
+        for field in COMPARED:
+            if d["live"][field] != d["replay"][field]:
+                lines.append(f"  {field}: live {d['live'][field]} / replay {d['replay'][field]}")
+        for engine in ("live", "replay"):
+            state = d[engine]
+            lines.append(
+                f"  {engine}: running {state.get('running')} in the plan's order {state.get('order')};"
+                f" waiting {state.get('waiting')}"
+            )
+        return "\n".join(lines)
+
+
+def compare(live: Sequence[dict[str, Any]], replay: Sequence[dict[str, Any]]) -> Conformance:
+    """Count the steps on which both logs scheduled, preempted and freed the same requests."""
+    if len(live) != len(replay):
+        raise ValueError(f"logs of different lengths: live {len(live)} steps, replay {len(replay)}")
+    identical, first = 0, None
+    for a, b in zip(live, replay, strict=True):
+        if all(_normal(a[f]) == _normal(b[f]) for f in COMPARED):
+            identical += 1
+        elif first is None:
+            first = {"index": a["index"], "t": a["t"], "live": a, "replay": b}
+    return Conformance(len(live), identical, first)
+
+
+def _normal(value: Any) -> Any:
+    return {k: int(v) for k, v in value.items()} if isinstance(value, dict) else sorted(value)
