@@ -352,7 +352,13 @@ class JITServe(Policy):
         if self.fairness > 0:
             fair = waited / max(float(waited.max()), 1e-9) * float(priority.max())
             priority = (1 - self.fairness) * priority + self.fairness * fair
-        return priority
+        # Orders must not hinge on the last bits: vectorised maths may round the same inputs
+        # differently at different array positions, and replay and vLLM keep requests in
+        # different table rows. Equal to 12 significant digits is a tie (broken by arrival).
+        scale = float(np.abs(priority).max())
+        if scale == 0.0 or not math.isfinite(scale):
+            return priority
+        return np.round(priority, 11 - math.floor(math.log10(scale)))
 
     def stage_deadline(self, request: RequestState) -> float:
         """start + phi(s) * D for a compound call; phi from the matched pattern graph (or the

@@ -35,17 +35,11 @@ def _lockstep(tiny_model, tmp_path, policy):
     return live, conformance(out, policy)
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "spf", "sarathi", "slai", "ewsjf", "sagesched"])
-def test_deterministic_policies_decide_identically_in_both_engines(tiny_model, tmp_path, policy):
+@pytest.mark.parametrize("policy", ["fcfs", "spf", "sarathi", "slai", "ewsjf", "sagesched", "jitserve"])
+def test_every_policy_decides_identically_in_both_engines(tiny_model, tmp_path, policy):
+    """jitserve's bandit draws from a seeded generator, so it is deterministic too."""
     live, result = _lockstep(tiny_model, tmp_path, policy)
     assert sum(len(step["preempted"]) for step in live) > 0  # the run exercised KV pressure
-    budget = 512 if policy in ("sarathi", "slai") else SETTINGS["token_budget"]
+    budget = 512 if policy in ("sarathi", "slai", "jitserve") else SETTINGS["token_budget"]
     assert max(sum(step["scheduled"].values()) for step in live) <= budget
     assert result.agreement == 1.0, result.describe()
-
-
-def test_jitserve_agrees_on_nearly_every_step(tiny_model, tmp_path):
-    """JITServe reaches 1.0 on most runs but not all: a residual divergence (ties between
-    priorities that differ in the last bit) remains; this guards the level reached."""
-    _, result = _lockstep(tiny_model, tmp_path, "jitserve")
-    assert result.agreement >= 0.9, result.describe()
