@@ -544,7 +544,9 @@ class ReplayEngine:
         if limit < 1:
             return
         times = self.cost.decode_run_times(len(self.running), int(computed.sum()), int(computed.max()), limit)
-        ends = self.now + np.cumsum(times)
+        # Step by step, as `_execute` adds each duration to `now` (now + cumsum(times) would round
+        # differently and move a run's end across an arrival).
+        ends = np.cumsum(np.concatenate(([self.now], times)))[1:]
         starts = np.concatenate(([self.now], ends[:-1]))
         k = int(np.searchsorted(starts, wall, side="left"))
         if k < 1:
