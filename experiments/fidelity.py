@@ -27,6 +27,7 @@ Without `--model` a tiny random model is generated (DESIGN.md section 6).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -112,8 +113,6 @@ def worker(model: str, policy: str, rows: list[dict[str, Any]], out: Path, setti
         elif pending:
             time.sleep(max(0.0, pending[0][1]["arrival_s"] - (time.monotonic() - started)))
     scheduler._flush_logs()
-    import dataclasses
-
     (out / "client.json").write_text(json.dumps(seen))
     (out / "decisions.json").write_text(json.dumps(scheduler.decisions))
     config = dataclasses.asdict(scheduler.replay_config())
@@ -229,17 +228,9 @@ def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
     }
 
 
-def kendall_tau(a: list[float], b: list[float]) -> float:
-    """Kendall's tau-a between two score lists over the same items."""
-    n, total = len(a), 0
-    for i in range(n):
-        for j in range(i + 1, n):
-            total += int(np.sign(a[i] - a[j]) * np.sign(b[i] - b[j]))
-    pairs = n * (n - 1) / 2
-    return total / pairs if pairs else 1.0
-
-
 def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
+    from scipy.stats import kendalltau
+
     policies = args.policies
     settings = {
         "max_num_seqs": args.max_num_seqs,
@@ -292,7 +283,7 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
         rankings[name] = {
             "live": [r["policy"] for _, r in sorted(zip(live, results, strict=True), key=lambda x: x[0])],
             "replay": [r["policy"] for _, r in sorted(zip(sim, results, strict=True), key=lambda x: x[0])],
-            "kendall_tau": kendall_tau(live, sim),
+            "kendall_tau": float(kendalltau(live, sim).statistic) if len(results) > 1 else 1.0,
         }
     return {"results": results, "rankings": rankings, "drift_e2e_pct": drift, "settings": settings}
 

@@ -312,6 +312,10 @@ class ReplayEngine:
         )
         self._preempted_now, self._freed_since = [], []
 
+    def _note_freed(self, state: RequestState) -> None:
+        if self.decisions is not None:  # only a decision log reads these; they are reset per step
+            self._freed_since.append(state.id)
+
     def _idle(self, view: EngineView) -> None:
         """Nothing could be scheduled: wait for the next arrival or the policy's wake-up time."""
         wake = min(self.next_arrival_s, self.policy.horizon(view).until_s)
@@ -330,7 +334,7 @@ class ReplayEngine:
         for state in plan.drop:
             if self.waiting.pop(state.id, None) is not None:
                 self.recorder.dropped(state, self.now, "admission control")
-                self._freed_since.append(state.id)
+                self._note_freed(state)
                 self.policy.on_finish(state, self.now)
                 self._parent_done(state.id, finished=False)
                 changed = True
@@ -439,7 +443,8 @@ class ReplayEngine:
         state.phase = "preempted"
         state.num_preemptions += 1
         self.recorder.preempted(state)
-        self._preempted_now.append(state.id)
+        if self.decisions is not None:
+            self._preempted_now.append(state.id)
         self.waiting[state.id] = state
         self.policy.on_preempt(state, self.now)
 
@@ -447,10 +452,7 @@ class ReplayEngine:
         """Time the step (the cost model, or the live step's duration) and apply its effects:
         at its end, or -- async scheduling -- after the next step is planned (`_deliver`)."""
         asynchronous = self.config.async_scheduling
-        samples = []
-        for state, n in scheduled:
-            known = state.prompt_tokens + state.tokens_generated + self._placeholders.get(state.id, 0)
-            samples.append(state.tokens_computed + n == known)
+        samples = [n == self._tokens_needed(state) for state, n in scheduled]  # all known tokens done
         batch = step_batch(
             (n, state.tokens_computed, n == 1 and state.phase == "decode", sampled)
             for (state, n), sampled in zip(scheduled, samples, strict=True)
@@ -513,7 +515,7 @@ class ReplayEngine:
             self.running.remove(state)
         self.kv.release(state.id)
         self._placeholders.pop(state.id, None)
-        self._freed_since.append(state.id)
+        self._note_freed(state)
         state.finish_s = now
         state.phase = "finished"
         self.recorder.finished(state)
