@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections import deque
 from typing import Any
 
 import vllm
@@ -93,8 +94,9 @@ class PolicyScheduler(AsyncScheduler):
         self.decisions: list[dict] | None = [] if os.environ.get("ADAPT_RECORD_DECISIONS") == "1" else None
         self._arrived_since: list[list] = []
         self._freed_since: list[str] = []
-        self._undelivered: list[dict | None] = []  # decision records whose output is still coming
+        self._undelivered: deque[dict] = deque()  # decision records whose output is still coming
         self._preempt_order: list[str] = []  # this step's possible victims, in eviction order
+        self._output_at: float | None = None  # while vLLM processes a step's output: its moment
         self._follow_live()  # a policy-config champion replaces --policy from the first step
         log.info("adapt policy %s scheduling vLLM %s", self.policy.name, vllm.__version__)
 
@@ -147,7 +149,8 @@ class PolicyScheduler(AsyncScheduler):
         if self.decisions is not None:
             self._freed_since.append(request.request_id)
         if state is not None:
-            now = time.monotonic()
+            now = self._output_at or time.monotonic()
+            self._take_output(request, state, now)  # a finishing request's last token, first
             state.phase = "finished"
             # A dropped or aborted request did not finish: policies tell the two apart by this,
             # as in the replay engine.
@@ -275,16 +278,17 @@ class PolicyScheduler(AsyncScheduler):
         self._last_schedule = now
         self._follow_live()
         self._apply_mechanics()
-        self._sync(now)
-        if self.decisions is not None:
-            self._queues = {
-                "running": [r.request_id for r in self.running],
-                "waiting": [i for i in self._waiting_order if i in self._states],
-            }
+        self._sync()
         original = list(self.running)
         deferred: list[Any] = []
         try:
-            plan = self.policy.on_step(self._view(now))
+            view = self._view(now)
+            if self.decisions is not None:
+                self._queues = {
+                    "running": [s.id for s in view.running],
+                    "waiting": [s.id for s in view.waiting],
+                }
+            plan = self.policy.on_step(view)
             deferred = self._apply(plan)
         except Exception:
             self.policy_errors += 1
@@ -331,8 +335,12 @@ class PolicyScheduler(AsyncScheduler):
         """vLLM's update, plus a finished (abort) output for each request the policy dropped:
         `finish_requests` is made for aborts the client started, so without this the client of
         a dropped request would wait for it forever."""
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
-        self._deliver(scheduler_output)
+        self._output_at = time.monotonic()  # one moment for the whole output, as replay stamps it
+        try:
+            outputs = super().update_from_output(scheduler_output, model_runner_output)
+            self._deliver(scheduler_output)
+        finally:
+            self._output_at = None
         if self._drops_to_report:
             from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 
@@ -353,24 +361,26 @@ class PolicyScheduler(AsyncScheduler):
 
     def _deliver(self, scheduler_output: Any) -> None:
         """A step's sampled tokens reached the scheduler: the policy sees them from now on (the
-        replay engine's `_deliver`), stamped with this moment."""
-        now = time.monotonic()
+        replay engine's `_deliver`), stamped with this output's moment. Requests the output
+        finished took theirs in `_free_request`, before their policy's `on_finish`."""
+        now = self._output_at
         if self._undelivered:
-            record = self._undelivered.pop(0)
-            if record is not None:
-                record["delivered_t"] = now
+            self._undelivered.popleft()["delivered_t"] = now
         for request_id in scheduler_output.num_scheduled_tokens:
             request, state = self.requests.get(request_id), self._states.get(request_id)
-            if request is None or state is None:
-                continue
-            generated = int(request.num_output_tokens)
-            if generated > state.tokens_generated:
-                state.last_token_s = now
-                if state.first_token_s is None:
-                    state.first_token_s = now
-                if state.phase != "preempted":
-                    state.phase = "decode"
-            state.tokens_generated = generated
+            if request is not None and state is not None:
+                self._take_output(request, state, now)
+
+    @staticmethod
+    def _take_output(request: Any, state: RequestState, now: float) -> None:
+        generated = int(request.num_output_tokens)
+        if generated > state.tokens_generated:
+            state.last_token_s = now
+            if state.first_token_s is None:
+                state.first_token_s = now
+            if state.phase != "preempted":
+                state.phase = "decode"
+        state.tokens_generated = generated
 
     def _log_step(self, now: float, output: Any) -> None:
         """Step-log row of the previous step, whose duration is known now (the gap to this
@@ -392,7 +402,7 @@ class PolicyScheduler(AsyncScheduler):
         except Exception:
             log.exception("step log: could not record a step")
 
-    def _sync(self, now: float) -> None:
+    def _sync(self) -> None:
         """Copy vLLM's computed-token counters into the policy's view (tokens and phases move when
         vLLM delivers a step's output, `_deliver`)."""
         for request in self.running:
