@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from adapt.policy import Policy, RequestState
-from adapt.replay.cost import add_overlap_argument, roofline
+from adapt.replay.cost import DEFAULT_OVERLAP, add_overlap_argument, roofline
 from adapt.replay.engine import ReplayEngine
 from adapt.traces import load_trace
 from adapt.workloads import WORKLOADS, bundled, jitserve_mix
@@ -108,7 +108,7 @@ def run_study(
     qrf: Any,
     patterns: Any,
     with_ablations: bool = False,
-    overlap: str = "step",
+    overlap: str = DEFAULT_OVERLAP,
 ) -> dict[str, Any]:
     spec = WORKLOADS["jitserve-mix"]
     cost = roofline(spec.model, spec.gpu, tp=spec.tp, overlap=overlap)

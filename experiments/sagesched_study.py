@@ -34,7 +34,7 @@ import numpy as np
 
 from adapt.policy import Policy
 from adapt.registry import load_reference
-from adapt.replay.cost import add_overlap_argument, roofline
+from adapt.replay.cost import DEFAULT_OVERLAP, add_overlap_argument, roofline
 from adapt.replay.engine import EngineConfig, ReplayEngine
 from adapt.traces import load_trace, split_by_instruction
 from adapt.workloads import WORKLOADS, bundled, sagesched_mix
@@ -90,7 +90,7 @@ def run_study(
     history: SemanticHistory,
     seeds: list[int],
     token_budget: int = EngineConfig.token_budget,
-    overlap: str = "step",
+    overlap: str = DEFAULT_OVERLAP,
 ) -> dict[str, Any]:
     """Every policy at every rate on the same requests per seed; the table holds the mean over
     seeds (near saturation one seed's order of arrivals swings a policy's mean TTLT by 20-40%)."""

@@ -27,7 +27,7 @@ from typing import Any
 
 from adapt.plots import figure, save
 from adapt.policy import Policy
-from adapt.replay.cost import add_overlap_argument
+from adapt.replay.cost import DEFAULT_OVERLAP, add_overlap_argument
 from pipelines.slai import SLOS, make_setup, replay_objective, run, summarise
 from predictors.slai_offset import SlaiOffset
 from serving_hooks.policies import make_policy
@@ -47,7 +47,9 @@ def policies(tuned: SlaiOffset) -> dict[str, Callable[[], Policy]]:
     }
 
 
-def kv_plot(rate: float, num_requests: int, tuned: SlaiOffset, out: Path, overlap: str = "step") -> Path:
+def kv_plot(
+    rate: float, num_requests: int, tuned: SlaiOffset, out: Path, overlap: str = DEFAULT_OVERLAP
+) -> Path:
     setup = make_setup(rate, num_requests)
     fig, ax = figure()
     for label, policy in (

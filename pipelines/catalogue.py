@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from adapt.registry import Registry
+from adapt.replay.cost import DEFAULT_OVERLAP
 from pipelines import cost_model, ewsjf, jitserve, neural_length, retrain, semantic_history, slai
 from pipelines.outcome import TrainOutcome
 
@@ -30,7 +31,7 @@ class TrainOptions:
     rate: float | None = None
     num_requests: int | None = None
     trials: int = 20
-    overlap: str = "step"
+    overlap: str = DEFAULT_OVERLAP
 
 
 @dataclass(frozen=True)

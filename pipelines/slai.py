@@ -12,7 +12,7 @@ from typing import Any
 
 from adapt.policy import Policy
 from adapt.registry import Registry
-from adapt.replay.cost import roofline
+from adapt.replay.cost import DEFAULT_OVERLAP, roofline
 from adapt.replay.engine import ReplayEngine
 from adapt.replay.metrics import ReplayResult
 from adapt.replay.runner import ReplaySetup
@@ -32,7 +32,7 @@ def make_setup(rate: float, num_requests: int, seed: int = 0, paying_share: floa
     return ReplaySetup(requests, spec.info(rate, num_requests, seed), spec.model, spec.gpu, spec.tp)
 
 
-def run(setup: ReplaySetup, policy: Policy, overlap: str = "step") -> ReplayResult:
+def run(setup: ReplaySetup, policy: Policy, overlap: str = DEFAULT_OVERLAP) -> ReplayResult:
     engine = ReplayEngine(policy, roofline(setup.model, setup.gpu, tp=setup.tp, overlap=overlap))
     return engine.run(setup.requests)
 
@@ -81,7 +81,7 @@ def keep_up_ratio(result: ReplayResult, start: float = 0.2, end: float = 0.8) ->
 
 
 def replay_objective(
-    rate: float, num_requests: int, seed: int = 0, overlap: str = "step"
+    rate: float, num_requests: int, seed: int = 0, overlap: str = DEFAULT_OVERLAP
 ) -> Callable[[SlaiOffset], dict[str, Any]]:
     """What `SlaiOffset.fit` optimises: replay SLAI (SPF) with a candidate offset."""
     setup = make_setup(rate, num_requests, seed)
@@ -104,7 +104,7 @@ def train_slai_offset(
     num_requests: int = 800,
     trials: int = 20,
     seed: int = 0,
-    overlap: str = "step",
+    overlap: str = DEFAULT_OVERLAP,
     promote_if_better: bool = False,
     margin: float = 0.0,
     with_policy_config: bool = False,

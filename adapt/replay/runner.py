@@ -11,7 +11,7 @@ from typing import Any
 
 from adapt.policy import Policy
 from adapt.replay.cluster import Cluster, make_router
-from adapt.replay.cost import roofline
+from adapt.replay.cost import DEFAULT_OVERLAP, roofline
 from adapt.replay.engine import EngineConfig, ReplayEngine
 from adapt.replay.metrics import ReplayResult
 from adapt.requests import Request
@@ -37,7 +37,7 @@ def replay_policy(
     replicas: int = 1,
     router: str = "least-outstanding",
     decode_attention: str = "sum",
-    overlap: str = "step",
+    overlap: str = DEFAULT_OVERLAP,
     seed: int = 0,
     progress: bool = False,
     config: EngineConfig | None = None,

@@ -54,7 +54,8 @@ def test_operator_overlap_adds_linear_and_attention_rooflines_by_hand():
         )
 
     assert model(overlap="operator").time(batch) == pytest.approx(0.01 + 0.0144 + 0.080)
-    assert model().time(batch) == pytest.approx(0.01 + 0.0832)
+    assert model(overlap="step").time(batch) == pytest.approx(0.01 + 0.0832)
+    assert model().overlap == "operator"  # the default, chosen by measurement (experiments.gpu_steps)
     with pytest.raises(ValueError, match="overlap"):
         model(overlap="both")
 
