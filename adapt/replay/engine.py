@@ -280,6 +280,9 @@ class ReplayEngine:
         scheduled, changed, acted = self._schedule(plan)
         if self.decisions is not None:
             self._record_decision(trace.index if trace is not None else self.step_index, scheduled)
+        # A decode run repeats a step of decodes only: at a tiny token budget a 1-token prefill
+        # chunk also has n == 1, but it samples nothing, so only the phase tells them apart.
+        decodes_only = all(n == 1 and state.phase == "decode" for state, n in scheduled)
         previous, self._in_flight = self._in_flight, None
         if scheduled or trace is not None:
             self._execute(scheduled, trace)
@@ -295,7 +298,7 @@ class ReplayEngine:
             and not acted
             and self.running
             and len(scheduled) == len(self.running)
-            and all(n == 1 for _, n in scheduled)
+            and decodes_only
         ):
             self._decode_run(view)
 
