@@ -98,7 +98,7 @@ class ReplayEngine:
         self.config = config or EngineConfig()
         capacity = self.config.kv_capacity_tokens or cost.kv_capacity_tokens()
         self.kv = BlockPool(capacity // self.config.block_size, self.config.block_size)
-        self.token_budget = policy.token_budget or self.config.token_budget
+        self.token_budget = self.config.token_budget if policy.token_budget is None else policy.token_budget
         self.now = 0.0
         self.step_index = 0
         self.mean_batch_time = 0.0
