@@ -26,6 +26,7 @@ T = TypeVar("T")
 MAX_GENERATED = 10_000_000
 TABLE_COLUMNS = (
     ("completed", "done"),
+    ("dropped", "dropped"),
     ("ttft_mean", "ttft_mean"),
     ("ttft_p99", "ttft_p99"),
     ("tbt_p99", "tbt_p99"),
@@ -219,6 +220,10 @@ def run_replay_command(args: argparse.Namespace) -> int:
         if not args.no_mlflow:
             log_to_mlflow(args.experiment, setup.workload, policy, results[policy])
     print(format_table(results))
+    for policy, metrics in results.items():
+        if metrics["dropped"]:
+            causes = ", ".join(f"{n} {cause}" for cause, n in metrics["dropped_by_reason"].items())
+            print(f"{policy}: {metrics['dropped']} dropped ({causes})", file=sys.stderr)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(

@@ -213,3 +213,27 @@ def test_a_bug_is_one_line_exit_70_and_debug_shows_the_traceback(monkeypatch, ca
     assert len(err) == 1 and "internal error (KeyError" in err[0]
     with pytest.raises(KeyError):
         main(["--debug", "trace", "stats", "x.csv"])
+
+
+def test_drops_are_a_table_column_and_counted_by_reason(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,100,10\n0.5,10000000,10\n1,50,5\n")
+    out = tmp_path / "r.json"
+    args = [
+        "replay",
+        "--trace",
+        str(trace),
+        "--policies",
+        "fcfs",
+        "--json",
+        str(out),
+        "--no-mlflow",
+        "--quiet",
+    ]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    header, _, row = captured.out.strip().splitlines()
+    assert header.split()[1:3] == ["done", "dropped"] and row.split()[1:3] == ["2", "1"]
+    assert "fcfs: 1 dropped (1 longer than max_model_len)" in captured.err
+    metrics = json.loads(out.read_text())["policies"]["fcfs"]
+    assert metrics["dropped"] == 1 and metrics["dropped_by_reason"] == {"longer than max_model_len": 1}
