@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from adapt.cli.usage import COUNT, POSITIVE, Parser, UsageError, integer, number
+from adapt.cli.usage import COUNT, POSITIVE, RATE, Parser, UsageError, integer, number
 from adapt.traces import FORMATS, load_trace, trace_stats
 
 MARGIN = number(0.0, low_open=False)  # a relative improvement a candidate must show
@@ -354,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
         " schedules worse is not promoted)",
     )
     train.add_argument("--margin", type=MARGIN, default=0.0, help="relative improvement required to promote")
-    train.add_argument("--rate", type=POSITIVE, help="slai-offset: arrival rate to tune at (default 2.8)")
+    train.add_argument("--rate", type=RATE, help="slai-offset: arrival rate to tune at (default 2.8)")
     train.add_argument("--num-requests", type=COUNT, help="slai-offset: requests per replay (default 800)")
     train.add_argument("--trials", type=COUNT, default=20, help="slai-offset: Optuna trials")
     add_overlap_argument(train, help=SLAI_OVERLAP_HELP)
@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune_source.add_argument("--workload")
     tune_source.add_argument("--trace")
     tune.add_argument("--trials", type=COUNT, default=20)
-    tune.add_argument("--rate", type=POSITIVE)
+    tune.add_argument("--rate", type=RATE)
     tune.add_argument("--num-requests", type=COUNT)
     add_overlap_argument(tune, help=SLAI_OVERLAP_HELP)
     tune.add_argument(
@@ -436,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     fidelity.add_argument("--policy", help="one policy spec (NAME or NAME:key=value)")
     fidelity.add_argument("--policies", help="comma-separated policy specs")
     fidelity.add_argument("--requests", type=COUNT, default=300)
-    fidelity.add_argument("--rate", type=POSITIVE, default=20.0, help="arrival rate, req/s (default 20)")
+    fidelity.add_argument("--rate", type=RATE, default=20.0, help="arrival rate, req/s (default 20)")
     fidelity.add_argument("--max-num-seqs", type=COUNT, default=16)
     fidelity.add_argument("--token-budget", type=COUNT, default=2048, help="vLLM's max_num_batched_tokens")
     fidelity.add_argument("--kv-blocks", type=COUNT, default=128, help="KV cache size in 32-token blocks")

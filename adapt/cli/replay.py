@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from adapt.cli.usage import COUNT, POSITIVE, SEED, UsageError
+from adapt.cli.usage import COUNT, DURATION, RATE, SEED, UsageError
 from adapt.replay.cluster import ROUTERS
 from adapt.replay.cost import GPUS, MODELS, ModelSpec, add_overlap_argument
 from adapt.replay.engine import EngineConfig
@@ -48,8 +48,8 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         default="fcfs,sjf-oracle",
         help=f"comma-separated NAME or NAME:key=value:..., NAME from {','.join(POLICIES)}",
     )
-    parser.add_argument("--rate", type=POSITIVE, help="arrivals per second (a trace is time-scaled to it)")
-    parser.add_argument("--duration", type=POSITIVE, help="keep arrivals in the first S seconds")
+    parser.add_argument("--rate", type=RATE, help="arrivals per second (a trace is time-scaled to it)")
+    parser.add_argument("--duration", type=DURATION, help="keep arrivals in the first S seconds")
     parser.add_argument("--num-requests", type=COUNT, help="first N requests of a trace, or N generated")
     parser.add_argument("--model", choices=sorted(MODELS), help="model preset (default: the workload's)")
     parser.add_argument("--gpu", choices=sorted(GPUS), help="GPU preset (default: the workload's)")

@@ -40,9 +40,16 @@ def integer(low: int = 1, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def number(low: float = 0.0, high: float = math.inf, *, low_open: bool = True) -> Callable[[str], float]:
+def number(
+    low: float = 0.0, high: float = math.inf, *, low_open: bool = True, says: str | None = None
+) -> Callable[[str], float]:
     """An argparse type: a finite number above `low` (or at least `low`, `low_open=False`) and
-    below `high` (exclusive)."""
+    below `high` (exclusive). `says` words the range for the error message."""
+    if says is None:
+        if math.isinf(high):
+            says = f"{'>' if low_open else '>='} {low:g}"
+        else:
+            says = f"in {'(' if low_open else '['}{low:g}, {high:g})"
 
     def parse(raw: str) -> float:
         try:
@@ -51,11 +58,7 @@ def number(low: float = 0.0, high: float = math.inf, *, low_open: bool = True) -
             value = math.nan
         above = value > low if low_open else value >= low
         if not (math.isfinite(value) and above and value < high):
-            if math.isinf(high):
-                bounds = f"{'>' if low_open else '>='} {low:g}"
-            else:
-                bounds = f"in {'(' if low_open else '['}{low:g}, {high:g})"
-            raise argparse.ArgumentTypeError(f"must be {bounds} (a finite number), got {raw!r}")
+            raise argparse.ArgumentTypeError(f"must be {says} (a finite number), got {raw!r}")
         return value
 
     return parse
@@ -68,5 +71,10 @@ def _bounds(low: int, high: int | None) -> str:
 
 
 POSITIVE = number()
+# Arrivals per second: below one a week, or a billion a second, is a unit slip; a rate of 1e-300
+# would put arrivals where a step's duration no longer changes the clock.
+RATE = number(1e-6, 1e9, low_open=False, says="> 0, at least 1e-06 and below 1e+09")
+# Seconds, bounded as trace timestamps are (adapt.traces.MAX_TIMESTAMP_S).
+DURATION = number(0.0, 1e10, says="> 0 and below 1e+10")
 COUNT = integer()
 SEED = integer(0)

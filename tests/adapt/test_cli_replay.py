@@ -161,9 +161,11 @@ def test_compare_lines_up_runs_and_plots_goodput_versus_load(tmp_path, capsys):
     [
         (["--tp", "0"], "argument --tp: must be > 0 (an integer), got '0'"),  # was taken as tp 1
         (["--tp", "3"], "--tp: mistral-7b has 32 attention heads and 8 KV heads"),
-        (["--rate", "inf"], "argument --rate: must be > 0 (a finite number), got 'inf'"),
+        (["--rate", "inf"], "argument --rate: must be > 0, at least 1e-06 and below 1e+09 (a finite number)"),
+        (["--rate", "1e-300"], "argument --rate: must be > 0, at least 1e-06"),
         (["--rate", "nan"], "argument --rate: must be > 0"),
-        (["--duration", "1e300"], "would generate 9.6e+299 requests; at most 10,000,000"),
+        (["--duration", "1e300"], "argument --duration: must be > 0 and below 1e+10"),
+        (["--duration", "1e9"], "would generate 9.6e+08 requests; at most 10,000,000"),
         (["--token-budget", "0"], "argument --token-budget: must be > 0"),
         (["--seed", "-1"], "argument --seed: must be >= 0"),
         (["--policies", "sarathi:token_budget=0"], "token_budget: expected an integer in [1, inf), got 0"),
