@@ -4,15 +4,23 @@ Every engine describes a step by the same features (`StepBatch`, built by `step_
 (tokens, cached) pairs it scheduled): the replay engine to time the step with a cost model, the vLLM
 adapter's monitor to log it, the `cost-model` component to learn from those logs. Computing them
 in one place is what makes a cost model fitted to live step logs mean the same thing in replay.
+`load_step_log` reads such a log and checks it where the file and line are still known.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+from adapt.traces import TraceError
+
+if TYPE_CHECKING:  # pandas loads when a step log is read, not when the CLI builds its parser
+    import pandas as pd
 
 STEP_FIELDS: tuple[str, ...] = (
     "tokens",  # tokens computed this step (prefill chunks + decodes)
@@ -92,3 +100,63 @@ class CostModel(Protocol):
 
     def kv_capacity_tokens(self) -> int:
         """KV-cache tokens the modelled engine holds."""
+
+
+def load_step_log(path: str | Path) -> pd.DataFrame:
+    """A step log (CSV, JSONL or parquet; .gz ok) as a frame sorted by `start_s` when it has one.
+
+    Every failure is one `TraceError` naming the file and, where it can, the line and field: an
+    empty or unreadable file, a ragged row, a missing column, or a step-log value that is missing,
+    not a number, not finite or negative (pandas would otherwise carry them into a fit as NaN or
+    fail later with its own traceback). Valid logs come back exactly as pandas reads them."""
+    import pandas as pd
+
+    path = Path(path)
+    if not path.is_file():
+        raise TraceError(path, "no such file")
+    suffixes = "".join(path.suffixes)
+    first_line = None if ".parquet" in suffixes else 1 if ".jsonl" in suffixes else 2  # of row 0
+    try:
+        if first_line is None:
+            frame = pd.read_parquet(path)
+        elif first_line == 1:
+            frame = pd.read_json(path, lines=True, encoding="utf-8-sig")
+        else:
+            frame = pd.read_csv(path, encoding="utf-8-sig")
+    except pd.errors.EmptyDataError:
+        raise TraceError(path, "empty file", line=1) from None
+    except (ValueError, OSError, EOFError, zlib.error) as exc:  # pandas' parser errors are ValueErrors
+        raise TraceError(path, f"cannot read: {' '.join(str(exc).split())}") from None
+    required = {"tokens", "duration_s"}
+    missing = required - set(frame.columns)
+    if missing:
+        raise TraceError(path, f"missing column(s) {', '.join(sorted(missing))}", line=1)
+    if frame.empty:
+        raise TraceError(path, "no steps")
+    for column in frame.columns:
+        if column in STEP_LOG_COLUMNS or column == "start_s":
+            frame[column] = _checked_column(path, frame[column], str(column), first_line)
+    if "start_s" in frame.columns:
+        frame = frame.sort_values("start_s", kind="stable")
+    return frame.reset_index(drop=True)
+
+
+def _checked_column(path: Path, column: pd.Series, name: str, first_line: int | None) -> pd.Series:
+    """The column as numbers; the first missing, non-numeric (booleans included), non-finite or
+    (a step feature) negative value is an error at its line (parquet: its row)."""
+    import pandas as pd
+
+    values = pd.to_numeric(column, errors="coerce")
+    floats = values.to_numpy(dtype=np.float64, na_value=np.nan)
+    bad = ~np.isfinite(floats) | (column.map(lambda v: isinstance(v, bool)).to_numpy(dtype=bool))
+    if name != "start_s":
+        bad |= floats < 0
+    rows = np.flatnonzero(bad)
+    if len(rows) == 0:
+        return values
+    row = int(rows[0])
+    expected = "a finite number" if name == "start_s" else "a finite number >= 0"
+    what = f"expected {expected}, got {column.iloc[row]!r}"
+    if first_line is None:
+        raise TraceError(path, f"row {row + 1}: {what}", field=name)
+    raise TraceError(path, what, line=first_line + row, field=name)

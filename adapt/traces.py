@@ -3,7 +3,11 @@
 Every importer returns a `Trace`: column arrays (arrival times when the source has them, prompt and
 output token counts, optional text) plus an `ImportReport` that counts everything read, so nothing
 is dropped silently. Malformed input raises `TraceError`, whose message names the file, the line and
-the field -- the CLI prints that one line and exits non-zero.
+the field -- the CLI prints that one line and exits non-zero. Values are range-checked here, where
+the file and line are known: token counts are whole, non-negative and at most `MAX_TOKENS`,
+timestamps finite, non-negative and at most `MAX_TIMESTAMP_S`. A UTF-8 byte-order mark and CRLF line
+ends are accepted (spreadsheet exports have both), and a file none of whose rows load is an error,
+not an empty trace.
 
 Supported formats (auto-detected from the extension and the header/first record):
 - `azure`: Azure LLM inference trace CSV (`arrived_at`|`TIMESTAMP`, `num_prefill_tokens`|`ContextTokens`,
@@ -26,6 +30,7 @@ import hashlib
 import io
 import json
 import math
+import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +44,14 @@ from adapt.requests import CompletedRequest, ValidationError
 from adapt.tokenizer import MINILM, count_tokens
 
 FORMATS: tuple[str, ...] = ("azure", "lengths", "burstgpt", "mooncake", "alpaca", "requestlog")
+# No model's context comes near a billion tokens; a larger count is a corrupt cell (and past 2**63
+# it would not even fit the int64 columns).
+MAX_TOKENS = 1_000_000_000
+# Year 2286 in Unix seconds (today's are ~1.7e9): larger is a unit mix-up or corruption, and 1e300
+# would turn every arrival gap into rounding noise.
+MAX_TIMESTAMP_S = 1e10
+# What reading a damaged file raises (a corrupt gzip stream is a zlib.error, a truncated one EOFError).
+_READ_ERRORS = (OSError, UnicodeDecodeError, EOFError, zlib.error, csv.Error)
 
 
 class TraceError(ValueError):
@@ -106,9 +119,11 @@ class Trace:
 
 
 def _open_text(path: Path) -> io.TextIOBase:
+    """UTF-8 text with a leading byte-order mark removed (else it glues onto the first column's
+    name and a timestamp column goes unrecognised); line ends are left to the csv/json readers."""
     if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8", newline="")
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8-sig", newline="")
+    return open(path, encoding="utf-8-sig", newline="")
 
 
 def _base_suffix(path: Path) -> str:
@@ -129,7 +144,7 @@ def detect_format(path: Path) -> str:
             if suffix in (".jsonl", ".json"):
                 first = _first_json_record(path, handle, suffix)
                 return _json_format(path, first)
-    except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile) as exc:
+    except _READ_ERRORS as exc:
         raise TraceError(path, f"cannot read: {exc}") from exc
     raise TraceError(path, f"unknown extension {suffix or '(none)'}; expected .csv, .jsonl or .json (.gz ok)")
 
@@ -156,8 +171,8 @@ def _first_json_record(path: Path, handle: io.TextIOBase, suffix: str) -> dict[s
         decoder = json.JSONDecoder()
         try:
             record, _ = decoder.raw_decode(text[start:])
-        except json.JSONDecodeError as exc:
-            raise TraceError(path, f"unparsable JSON: {exc.msg}", line=exc.lineno) from exc
+        except (ValueError, RecursionError) as exc:
+            raise _json_error(path, exc, None) from exc
         return record
     for lineno, line in enumerate(handle, start=1):
         if line.strip():
@@ -175,42 +190,63 @@ def _json_format(path: Path, record: dict[str, Any]) -> str:
     raise TraceError(path, f"unrecognised JSON record with keys {sorted(record)}", line=1)
 
 
+def _json_error(path: Path, exc: ValueError | RecursionError, lineno: int | None) -> TraceError:
+    """Besides syntax errors, `json` refuses integers of over 4,300 digits (ValueError) and nesting
+    deeper than the interpreter's stack (RecursionError); all are one unparsable-JSON line."""
+    if isinstance(exc, json.JSONDecodeError):
+        return TraceError(path, f"unparsable JSON: {exc.msg}", line=exc.lineno if lineno is None else lineno)
+    if isinstance(exc, RecursionError):
+        return TraceError(path, "unparsable JSON: nested too deeply", line=lineno)
+    return TraceError(path, f"unparsable JSON: {exc}", line=lineno)
+
+
 def _parse_json_line(path: Path, line: str, lineno: int) -> dict[str, Any]:
     try:
         record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise TraceError(path, f"unparsable JSON: {exc.msg}", line=lineno) from exc
+    except (ValueError, RecursionError) as exc:
+        raise _json_error(path, exc, lineno) from exc
     if not isinstance(record, dict):
         raise TraceError(path, f"expected a JSON object, got {type(record).__name__}", line=lineno)
     return record
 
 
-def _number(path: Path, lineno: int, name: str, raw: Any, *, integer: bool) -> float:
-    """Parse one numeric cell; non-numeric, non-finite and negative values are errors."""
+def _number(path: Path, lineno: int | None, name: str, raw: Any, *, integer: bool, maximum: float) -> float:
+    """Parse one numeric cell; non-numeric (booleans included), non-finite, negative and
+    out-of-range values are errors."""
     try:
+        if isinstance(raw, bool):
+            raise TypeError
         value = float(raw)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise TraceError(path, f"expected a number, got {raw!r}", line=lineno, field=name) from None
     if not math.isfinite(value):
         raise TraceError(path, f"expected a finite number, got {raw!r}", line=lineno, field=name)
     if value < 0:
         raise TraceError(path, f"must not be negative, got {raw!r}", line=lineno, field=name)
+    if value > maximum:
+        raise TraceError(path, f"must be at most {maximum:.10g}, got {raw!r}", line=lineno, field=name)
     if integer and value != int(value):
         raise TraceError(path, f"expected a whole number of tokens, got {raw!r}", line=lineno, field=name)
     return value
 
 
+def _count(path: Path, lineno: int | None, name: str, raw: Any) -> int:
+    """A token count: a whole number in [0, MAX_TOKENS]."""
+    return int(_number(path, lineno, name, raw, integer=True, maximum=MAX_TOKENS))
+
+
 def _timestamp(path: Path, lineno: int, name: str, raw: str) -> float:
     """Seconds; Azure's raw `TIMESTAMP` column is a date-time string, the processed one a number."""
     try:
-        return _number(path, lineno, name, raw, integer=False)
-    except TraceError:
+        float(raw)
+    except ValueError:
         try:
             return datetime.fromisoformat(raw.strip()[:26]).timestamp()
         except ValueError:
             raise TraceError(
                 path, f"expected seconds or a date-time, got {raw!r}", line=lineno, field=name
             ) from None
+    return _number(path, lineno, name, raw, integer=False, maximum=MAX_TIMESTAMP_S)
 
 
 def _pick(path: Path, header: list[str], *names: str) -> str:
@@ -223,18 +259,32 @@ def _pick(path: Path, header: list[str], *names: str) -> str:
 def _read_csv_rows(path: Path) -> Iterator[tuple[int, list[str], dict[str, str]]]:
     with _open_text(path) as handle:
         reader = csv.reader(handle)
-        header = next(reader, None)
+        rows = _csv_lines(path, reader)
+        header = next(rows, None)
         if header is None:
             raise TraceError(path, "empty file", line=1)
         header = [h.strip() for h in header]
         yield 1, header, {}
-        for row in reader:
+        for row in rows:
             lineno = reader.line_num
             if not row or all(not cell.strip() for cell in row):
                 continue
             if len(row) != len(header):
                 raise TraceError(path, f"expected {len(header)} cells, got {len(row)}", line=lineno)
             yield lineno, header, dict(zip(header, row, strict=True))
+
+
+def _csv_lines(path: Path, reader: Any) -> Iterator[list[str]]:
+    """The reader's rows; a row the csv module refuses (a NUL byte, an unterminated quote at the end,
+    an over-long field) is reported with its line."""
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise TraceError(path, f"cannot parse CSV: {exc}", line=reader.line_num) from None
+        yield row
 
 
 def _load_csv(path: Path, fmt: str) -> Trace:
@@ -256,8 +306,8 @@ def _load_csv(path: Path, fmt: str) -> Trace:
     skipped: Counter[str] = Counter()
     for lineno, _, record in rows:
         report.rows_read += 1
-        prompt = _number(path, lineno, in_col, record[in_col], integer=True)
-        output = _number(path, lineno, out_col, record[out_col], integer=True)
+        prompt = _count(path, lineno, in_col, record[in_col])
+        output = _count(path, lineno, out_col, record[out_col])
         if prompt == 0:
             skipped["zero prompt tokens"] += 1
             continue
@@ -266,8 +316,8 @@ def _load_csv(path: Path, fmt: str) -> Trace:
             continue
         if time_col is not None:
             arrivals.append(_timestamp(path, lineno, time_col, record[time_col]))
-        prompts.append(int(prompt))
-        outputs.append(int(output))
+        prompts.append(prompt)
+        outputs.append(output)
     return _finish(path, report, skipped, arrivals if time_col else None, prompts, outputs)
 
 
@@ -283,6 +333,9 @@ def _finish(
 ) -> Trace:
     if report.rows_read == 0:
         raise TraceError(path, "no data rows")
+    if not prompts:
+        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items()))
+        raise TraceError(path, f"no usable rows: all {report.rows_read} skipped ({reasons})")
     report.skipped = dict(skipped)
     report.loaded = len(prompts)
     trace = Trace(
@@ -307,8 +360,8 @@ def _iter_json_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         if _base_suffix(path) == ".json":
             try:
                 data = json.load(handle)
-            except json.JSONDecodeError as exc:
-                raise TraceError(path, f"unparsable JSON: {exc.msg}", line=exc.lineno) from exc
+            except (ValueError, RecursionError) as exc:
+                raise _json_error(path, exc, None) from exc
             if not isinstance(data, list):
                 raise TraceError(path, "expected a JSON array of objects", line=1)
             for index, record in enumerate(data, start=1):
@@ -333,20 +386,30 @@ def _load_mooncake(path: Path) -> Trace:
     skipped: Counter[str] = Counter()
     for lineno, record in _iter_json_records(path):
         report.rows_read += 1
-        stamp = _number(path, lineno, "timestamp", _require(path, lineno, record, "timestamp"), integer=False)
-        prompt = _number(
-            path, lineno, "input_length", _require(path, lineno, record, "input_length"), integer=True
+        stamp = _number(
+            path,
+            lineno,
+            "timestamp",
+            _require(path, lineno, record, "timestamp"),
+            integer=False,
+            maximum=MAX_TIMESTAMP_S * 1000.0,  # milliseconds
         )
-        output = _number(
-            path, lineno, "output_length", _require(path, lineno, record, "output_length"), integer=True
-        )
+        prompt = _count(path, lineno, "input_length", _require(path, lineno, record, "input_length"))
+        output = _count(path, lineno, "output_length", _require(path, lineno, record, "output_length"))
+        block_hashes = record.get("hash_ids", [])
+        if not isinstance(block_hashes, list) or any(
+            isinstance(h, bool) or not isinstance(h, int) for h in block_hashes
+        ):
+            raise TraceError(
+                path, f"expected a list of integers, got {block_hashes!r}", line=lineno, field="hash_ids"
+            )
         if prompt == 0 or output == 0:
             skipped["zero prompt or output tokens"] += 1
             continue
         arrivals.append(stamp / 1000.0)
-        prompts.append(int(prompt))
-        outputs.append(int(output))
-        hashes.append(list(record.get("hash_ids", [])))
+        prompts.append(prompt)
+        outputs.append(output)
+        hashes.append(block_hashes)
     return _finish(path, report, skipped, arrivals, prompts, outputs, columns={"hash_ids": hashes})
 
 
@@ -373,9 +436,12 @@ def _load_alpaca(path: Path, tokenizer: str) -> Trace:
             counted.append(None)
         else:
             tokens = record["output_tokens"]
-            if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens <= MAX_TOKENS:
                 raise TraceError(
-                    path, f"expected a count >= 0, got {tokens!r}", line=lineno, field="output_tokens"
+                    path,
+                    f"expected a count in [0, {MAX_TOKENS:,}], got {tokens!r}",
+                    line=lineno,
+                    field="output_tokens",
                 )
             outputs_text.append("")
             counted.append(tokens)
@@ -416,8 +482,14 @@ def _load_requestlog(path: Path) -> Trace:
         report.rows_read += 1
         try:
             record = CompletedRequest.from_dict(raw)
-        except (ValidationError, TypeError) as exc:
+        except (ValidationError, TypeError, AttributeError) as exc:
             raise TraceError(path, str(exc), line=lineno) from exc
+        _count(path, lineno, "prompt_tokens", record.prompt_tokens)
+        _count(path, lineno, "output_tokens", record.output_tokens)
+        for name in ("arrival_s", "first_token_s", "finish_s"):
+            value = getattr(record, name)
+            if value is not None:
+                _number(path, lineno, name, value, integer=False, maximum=MAX_TIMESTAMP_S)
         if record.outcome != "finished":
             skipped[f"outcome {record.outcome}"] += 1
             continue
@@ -453,7 +525,7 @@ def load_trace(path: str | Path, fmt: str | None = None, *, tokenizer: str = MIN
         if fmt == "alpaca":
             return _load_alpaca(path, tokenizer)
         return _load_requestlog(path)
-    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile, csv.Error) as exc:
+    except _READ_ERRORS as exc:
         raise TraceError(path, f"cannot read: {exc}") from exc
 
 

@@ -329,7 +329,8 @@ class PolicyScheduler(AsyncScheduler):
     def _apply_mechanics(self) -> None:
         """The serving policy's token budget is this step's (vLLM reads it in `schedule`), so a
         policy swapped in live brings its budget along; `_check` made sure it is within vLLM's."""
-        self.max_num_scheduled_tokens = int(self.policy.token_budget or self.engine_token_budget)
+        budget = self.policy.token_budget
+        self.max_num_scheduled_tokens = int(self.engine_token_budget if budget is None else budget)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
         """vLLM's update, plus a finished (abort) output for each request the policy dropped:

@@ -1,8 +1,11 @@
 """The `adapt` command. Each subcommand is a thin shell over a library function.
 
-Errors a user can fix (a bad file, a bad flag value) print one line on stderr and exit 2; heavy
-imports (vLLM, MLflow, torch) happen inside the subcommands that need them, so `adapt trace stats`
-answers in well under a second.
+Errors a user can fix (a bad file, a bad flag value, a bad alias, a component that fails its checks)
+print one line on stderr and exit 2; anything else is a bug, reported in one line with exit 70
+(EX_SOFTWARE). `adapt --debug ...` shows the traceback of either. Commands keep their own documented
+exit codes (retrain: 1 a component failed, 75 locked; fidelity: 1 a policy error). Heavy imports
+(vLLM, MLflow, torch) happen inside the subcommands that need them, so `adapt trace stats` answers in
+well under a second.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from adapt.cli.usage import UsageError
-from adapt.requests import ValidationError
-from adapt.traces import FORMATS, TraceError, load_trace, trace_stats
+from adapt.cli.usage import COUNT, POSITIVE, RATE, Parser, UsageError, integer, number
+from adapt.traces import FORMATS, load_trace, trace_stats
 
+MARGIN = number(0.0, low_open=False)  # a relative improvement a candidate must show
+EXIT_USAGE, EXIT_BUG = 2, 70  # 70: EX_SOFTWARE (sysexits.h)
 SLAI_OVERLAP_HELP = (
     "slai: the replay's roofline form -- one per step, or linear and attention added as the SLAI"
     " paper's batch-time model does (adapt/replay/cost.py)"
@@ -175,19 +179,23 @@ def cmd_tune(args: argparse.Namespace) -> int:
     workload = {"slai": "slai-tiers", "ewsjf": "ewsjf-mixed"}[args.policy]
     if args.trace or args.workload not in (None, workload):
         raise UsageError(f"tune {args.policy}: only --workload {workload} is supported")
+
+    def given(value: Any, default: Any) -> Any:  # a flag not given, not a falsy one
+        return default if value is None else value
+
     if args.policy == "ewsjf" and args.online:
         from pipelines.ewsjf import online_tune_ewsjf
 
         outcome = online_tune_ewsjf(
-            _registry(args), rate=args.rate or 12.0, num_requests=args.num_requests or 4000
+            _registry(args), rate=given(args.rate, 12.0), num_requests=given(args.num_requests, 4000)
         )
     elif args.policy == "ewsjf":
         from pipelines.ewsjf import tune_ewsjf
 
         outcome = tune_ewsjf(
             _registry(args),
-            rate=args.rate or 40.0,
-            num_requests=args.num_requests or 1500,
+            rate=given(args.rate, 40.0),
+            num_requests=given(args.num_requests, 1500),
             trials=args.trials,
             storage=args.storage,
         )
@@ -196,8 +204,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
         outcome = train_slai_offset(
             _registry(args),
-            rate=args.rate or 2.8,
-            num_requests=args.num_requests or 800,
+            rate=given(args.rate, 2.8),
+            num_requests=given(args.num_requests, 800),
             trials=args.trials,
             overlap=args.overlap,
             promote_if_better=True,
@@ -221,18 +229,13 @@ def cmd_retrain(args: argparse.Namespace) -> int:
 
     registry = _registry(args)
     if args.schedule:
-        try:
-            retrain_on_schedule(registry, args.data_dir, args.schedule, retrainers(), margin=args.margin)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from exc
+        retrain_on_schedule(registry, args.data_dir, args.schedule, retrainers(), margin=args.margin)
         return EXIT_OK
     try:
         results = retrain_once(registry, args.data_dir, retrainers(), margin=args.margin)
     except RetrainLocked as exc:
         print(f"adapt: {exc}", file=sys.stderr)
         return EXIT_LOCKED
-    except FileNotFoundError as exc:
-        raise UsageError(str(exc)) from exc
     for result in results:
         print(format_result(result))
     return EXIT_FAILED if any(r.status == "failed" for r in results) else EXIT_OK
@@ -243,10 +246,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     if args.metric not in METRICS:
         raise UsageError(f"--metric: expected one of {', '.join(METRICS)}, got {args.metric!r}")
-    try:
-        return run_compare(args.experiment, args.metric, args.out, args.json, log=not args.no_mlflow)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
+    return run_compare(args.experiment, args.metric, args.out, args.json, log=not args.no_mlflow)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -255,20 +255,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     extra = list(args.vllm_args)
     if extra and extra[0] == "--":
         extra = extra[1:]
-    try:
-        return serve(
-            args.model,
-            args.policy,
-            host=args.host,
-            port=args.port,
-            watch_interval_s=args.watch_interval,
-            log_dir=args.log_dir,
-            log_prompts=args.log_prompts,
-            follow_policy_config=args.follow_policy_config,
-            extra=extra,
-        )
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
+    return serve(
+        args.model,
+        args.policy,
+        host=args.host,
+        port=args.port,
+        watch_interval_s=args.watch_interval,
+        log_dir=args.log_dir,
+        log_prompts=args.log_prompts,
+        follow_policy_config=args.follow_policy_config,
+        extra=extra,
+    )
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -290,11 +287,12 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="adapt", description=__doc__.splitlines()[0])
+    parser = Parser(prog="adapt", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--tracking-uri",
         help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite under mlruns/)",
     )
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     trace = sub.add_parser("trace", help="inspect traces").add_subparsers(dest="trace_command", required=True)
@@ -322,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=cmd_models_show)
     promote = models_sub.add_parser("promote", help="point an alias (default champion) at a version")
     promote.add_argument("name")
-    promote.add_argument("version", type=int)
+    promote.add_argument("version", type=COUNT)
     promote.add_argument("--alias", default="champion")
     promote.set_defaults(func=cmd_models_promote)
     rollback = models_sub.add_parser("rollback", help="restore the previous champion")
@@ -342,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--test-share",
-        type=float,
+        type=number(0.0, 1.0),
         default=0.3,
         help="semantic-history, qrf-length, neural-length: share of instructions held out",
     )
@@ -355,10 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
         " policy the component drives, replayed with candidate and champion; a candidate that"
         " schedules worse is not promoted)",
     )
-    train.add_argument("--margin", type=float, default=0.0, help="relative improvement required to promote")
-    train.add_argument("--rate", type=float, help="slai-offset: arrival rate to tune at (default 2.8)")
-    train.add_argument("--num-requests", type=int, help="slai-offset: requests per replay (default 800)")
-    train.add_argument("--trials", type=int, default=20, help="slai-offset: Optuna trials")
+    train.add_argument("--margin", type=MARGIN, default=0.0, help="relative improvement required to promote")
+    train.add_argument("--rate", type=RATE, help="slai-offset: arrival rate to tune at (default 2.8)")
+    train.add_argument("--num-requests", type=COUNT, help="slai-offset: requests per replay (default 800)")
+    train.add_argument("--trials", type=COUNT, default=20, help="slai-offset: Optuna trials")
     add_overlap_argument(train, help=SLAI_OVERLAP_HELP)
     train.set_defaults(func=cmd_train)
 
@@ -367,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--data", required=True, help="prompt/response file (alpaca format); pattern-graph: JSONL graphs"
     )
-    evaluate.add_argument("--version", type=int, help="a version number (default: the champion)")
+    evaluate.add_argument("--version", type=COUNT, help="a version number (default: the champion)")
     evaluate.add_argument("--json", dest="json_out", metavar="OUT", help="also write the metrics here")
     evaluate.set_defaults(func=cmd_evaluate)
 
@@ -376,9 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune_source = tune.add_mutually_exclusive_group()
     tune_source.add_argument("--workload")
     tune_source.add_argument("--trace")
-    tune.add_argument("--trials", type=int, default=20)
-    tune.add_argument("--rate", type=float)
-    tune.add_argument("--num-requests", type=int)
+    tune.add_argument("--trials", type=COUNT, default=20)
+    tune.add_argument("--rate", type=RATE)
+    tune.add_argument("--num-requests", type=COUNT)
     add_overlap_argument(tune, help=SLAI_OVERLAP_HELP)
     tune.add_argument(
         "--storage", help="Optuna storage URL (e.g. sqlite:///mlruns/optuna.db, postgresql://...)"
@@ -399,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     retrain.add_argument(
         "--data-dir", default="mlruns/data", help="steps*.csv|jsonl|parquet and requests*.jsonl"
     )
-    retrain.add_argument("--margin", type=float, default=0.0)
+    retrain.add_argument("--margin", type=MARGIN, default=0.0)
     retrain.set_defaults(func=cmd_retrain)
 
     compare = sub.add_parser("compare", help="replay runs side by side (policies x workloads), plots vs load")
@@ -418,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--model", required=True, help="model directory (or name vLLM can load offline)")
     serve.add_argument("--policy", required=True, help="policy spec, e.g. jitserve or sarathi:order=spf")
-    serve.add_argument("--watch-interval", type=float, default=5.0, help="registry poll interval (s)")
+    serve.add_argument("--watch-interval", type=POSITIVE, default=5.0, help="registry poll interval (s)")
     serve.add_argument("--log-dir", help="write requests-*.jsonl and steps-*.jsonl here (for adapt retrain)")
     serve.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log")
     serve.add_argument(
@@ -428,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
         " (--policy serves while none is registered)",
     )
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=integer(1, 65535), default=8000)
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then any vLLM serve arguments")
     serve.set_defaults(func=cmd_serve)
 
@@ -437,11 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fidelity.add_argument("--policy", help="one policy spec (NAME or NAME:key=value)")
     fidelity.add_argument("--policies", help="comma-separated policy specs")
-    fidelity.add_argument("--requests", type=int, default=300)
-    fidelity.add_argument("--rate", type=float, default=20.0, help="arrival rate, req/s (default 20)")
-    fidelity.add_argument("--max-num-seqs", type=int, default=16)
-    fidelity.add_argument("--token-budget", type=int, default=2048, help="vLLM's max_num_batched_tokens")
-    fidelity.add_argument("--kv-blocks", type=int, default=128, help="KV cache size in 32-token blocks")
+    fidelity.add_argument("--requests", type=COUNT, default=300)
+    fidelity.add_argument("--rate", type=RATE, default=20.0, help="arrival rate, req/s (default 20)")
+    fidelity.add_argument("--max-num-seqs", type=COUNT, default=16)
+    fidelity.add_argument("--token-budget", type=COUNT, default=2048, help="vLLM's max_num_batched_tokens")
+    fidelity.add_argument("--kv-blocks", type=COUNT, default=128, help="KV cache size in 32-token blocks")
     fidelity.add_argument("--no-drift", dest="drift", action="store_false", help="skip the repeat of run A")
     fidelity.add_argument("--model", help="model directory (default: a generated tiny model)")
     fidelity.add_argument("--json", help="write the report here (one policy: its record alone)")
@@ -464,20 +462,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    func: Callable[[argparse.Namespace], int] = args.func
-    if args.tracking_uri:
-        import os
-
-        os.environ["MLFLOW_TRACKING_URI"] = args.tracking_uri
-    from adapt.registry import RegistryError
-
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv[: argv.index("--")] if "--" in argv else "--debug" in argv
     try:
+        args = build_parser().parse_args(argv)
+        func: Callable[[argparse.Namespace], int] = args.func
+        if args.tracking_uri:
+            import os
+
+            os.environ["MLFLOW_TRACKING_URI"] = args.tracking_uri
         return func(args)
-    except (TraceError, ValidationError, UsageError, RegistryError) as exc:
-        print(f"adapt: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("adapt: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if debug:
+            raise
+        user = _is_user_error(exc)
+        kind = "error" if user else f"internal error ({type(exc).__name__}; --debug shows where)"
+        print(f"adapt: {kind}: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE if user else EXIT_BUG
+
+
+def _is_user_error(exc: Exception) -> bool:
+    """What a user can fix: a bad value (ValueError: trace, validation, usage and component errors
+    are ones), a file that is missing or unreadable (OSError), or an error this project or MLflow
+    raises on purpose (a registry, policy or MLflow error: an unknown alias, `--alias ../../x`)."""
+    if isinstance(exc, ValueError | OSError):
+        return True
+    modules = (cls.__module__ for cls in type(exc).__mro__)
+    return any(m.split(".")[0] in PROJECT_PACKAGES for m in modules)
+
+
+PROJECT_PACKAGES = frozenset({"adapt", "predictors", "serving_hooks", "pipelines", "experiments", "mlflow"})
+
+
+def _one_line(exc: Exception) -> str:
+    """MLflow and pandas messages run over several lines; the CLI's errors are one."""
+    return " ".join(str(exc).split()) or type(exc).__name__

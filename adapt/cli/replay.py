@@ -7,13 +7,13 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from adapt.cli.usage import UsageError
+from adapt.cli.usage import COUNT, DURATION, RATE, SEED, UsageError
 from adapt.replay.cluster import ROUTERS
-from adapt.replay.cost import GPUS, MODELS, add_overlap_argument
+from adapt.replay.cost import GPUS, MODELS, ModelSpec, add_overlap_argument
 from adapt.replay.engine import EngineConfig
 from adapt.replay.runner import ReplaySetup, log_to_mlflow, replay_policy
 from adapt.traces import load_trace
@@ -21,8 +21,12 @@ from adapt.workloads import WORKLOADS, get_workload
 from adapt.workloads.builders import build_requests, poisson_arrivals, scale_to_rate
 from serving_hooks.policies import POLICIES, make_policy_from_spec, parse_policy_spec
 
+T = TypeVar("T")
+# A generated workload is built in memory before it replays; more than this is a typo, not a study.
+MAX_GENERATED = 10_000_000
 TABLE_COLUMNS = (
     ("completed", "done"),
+    ("dropped", "dropped"),
     ("ttft_mean", "ttft_mean"),
     ("ttft_p99", "ttft_p99"),
     ("tbt_p99", "tbt_p99"),
@@ -44,19 +48,23 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         default="fcfs,sjf-oracle",
         help=f"comma-separated NAME or NAME:key=value:..., NAME from {','.join(POLICIES)}",
     )
-    parser.add_argument("--rate", type=float, help="arrivals per second (a trace is time-scaled to it)")
-    parser.add_argument("--duration", type=float, help="keep arrivals in the first S seconds")
-    parser.add_argument("--num-requests", type=int, help="first N requests of a trace, or N generated")
+    parser.add_argument("--rate", type=RATE, help="arrivals per second (a trace is time-scaled to it)")
+    parser.add_argument("--duration", type=DURATION, help="keep arrivals in the first S seconds")
+    parser.add_argument("--num-requests", type=COUNT, help="first N requests of a trace, or N generated")
     parser.add_argument("--model", choices=sorted(MODELS), help="model preset (default: the workload's)")
     parser.add_argument("--gpu", choices=sorted(GPUS), help="GPU preset (default: the workload's)")
-    parser.add_argument("--tp", type=int, help="tensor-parallel degree (default: the workload's)")
     parser.add_argument(
-        "--token-budget", type=int, default=2048, help="max tokens per step (vLLM max_num_batched_tokens)"
+        "--tp",
+        type=COUNT,
+        help="tensor-parallel degree, dividing the model's heads (default: the workload's)",
     )
     parser.add_argument(
-        "--max-running", type=int, default=256, help="max running sequences (vLLM max_num_seqs)"
+        "--token-budget", type=COUNT, default=2048, help="max tokens per step (vLLM max_num_batched_tokens)"
     )
-    parser.add_argument("--replicas", type=int, default=1, help="engine replicas behind a router")
+    parser.add_argument(
+        "--max-running", type=COUNT, default=256, help="max running sequences (vLLM max_num_seqs)"
+    )
+    parser.add_argument("--replicas", type=COUNT, default=1, help="engine replicas behind a router")
     parser.add_argument("--router", choices=ROUTERS, default="least-outstanding")
     parser.add_argument("--decode-attention", choices=("sum", "max"), default="sum", help="see cost.py")
     add_overlap_argument(parser)
@@ -65,7 +73,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         default="roofline",
         help="roofline (default), or a registered cost-model fitted to a real engine: champion or a version",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=SEED, default=0)
     parser.add_argument("--json", metavar="OUT", help="write {workload, policies} JSON here")
     parser.add_argument("--no-mlflow", action="store_true", help="do not log runs to MLflow")
     parser.add_argument("--experiment", default="replay", help="MLflow experiment name")
@@ -74,38 +82,72 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _trace_setup(args: argparse.Namespace) -> ReplaySetup:
     trace = load_trace(args.trace)
-    if args.num_requests:
+    if args.num_requests is not None:
         trace = trace.head(args.num_requests)
     rng = np.random.default_rng(args.seed)
     if trace.arrival_s is None:
-        if not args.rate:
+        if args.rate is None:
             raise UsageError(f"{args.trace}: this trace has no timestamps; pass --rate for Poisson arrivals")
         arrivals = poisson_arrivals(len(trace), args.rate, rng)
     else:
-        arrivals = scale_to_rate(trace.arrival_s, args.rate) if args.rate else trace.arrival_s
+        arrivals = trace.arrival_s if args.rate is None else scale_to_rate(trace.arrival_s, args.rate)
     requests = build_requests(trace, arrivals)
     info = {"name": Path(args.trace).name, "trace": str(args.trace), "rate": args.rate, "seed": args.seed}
-    return ReplaySetup(requests, info, args.model or "llama-2-13b", args.gpu or "a100-80g", args.tp or 1)
+    return ReplaySetup(
+        requests,
+        info,
+        _given(args.model, "llama-2-13b"),
+        _given(args.gpu, "a100-80g"),
+        _given(args.tp, 1),
+    )
 
 
 def _workload_setup(args: argparse.Namespace) -> ReplaySetup:
     spec = get_workload(args.workload)
-    rate = args.rate or spec.rate
-    num = args.num_requests or (math.ceil(args.duration * rate * 1.2) if args.duration else spec.num_requests)
+    rate = _given(args.rate, spec.rate)
+    if args.num_requests is not None:
+        wanted: float = args.num_requests
+    else:
+        wanted = spec.num_requests if args.duration is None else args.duration * rate * 1.2
+    if wanted > MAX_GENERATED:
+        raise UsageError(
+            f"--num-requests/--duration: {args.workload} would generate {wanted:.4g} requests; at most"
+            f" {MAX_GENERATED:,} (replay a trace file for more)"
+        )
+    num = math.ceil(wanted)
     requests = spec.build(rate, num, args.seed)
     info = spec.info(rate, num, args.seed)
-    return ReplaySetup(requests, info, args.model or spec.model, args.gpu or spec.gpu, args.tp or spec.tp)
+    return ReplaySetup(
+        requests, info, _given(args.model, spec.model), _given(args.gpu, spec.gpu), _given(args.tp, spec.tp)
+    )
+
+
+def _given(value: T | None, default: T) -> T:
+    """The flag's value unless it was not given (a 0 is a value, not a missing flag)."""
+    return default if value is None else value
+
+
+def _splits(spec: ModelSpec, tp: int) -> bool:
+    """vLLM's rule: the attention heads split evenly over the TP group, and the KV heads either
+    split evenly or are replicated a whole number of times."""
+    kv_ok = spec.kv_heads % tp == 0 if tp <= spec.kv_heads else tp % spec.kv_heads == 0
+    return spec.heads % tp == 0 and kv_ok
+
+
+def check_tp(model: str, tp: int) -> None:
+    spec = MODELS[model]
+    if not _splits(spec, tp):
+        valid = ", ".join(str(d) for d in range(1, spec.heads + 1) if _splits(spec, d))
+        raise UsageError(
+            f"--tp: {model} has {spec.heads} attention heads and {spec.kv_heads} KV heads, which {tp}"
+            f" GPUs cannot split evenly; expected one of {valid}"
+        )
 
 
 def build_setup(args: argparse.Namespace) -> ReplaySetup:
-    for name in ("rate", "duration"):
-        value = getattr(args, name)
-        if value is not None and not value > 0:
-            raise UsageError(f"--{name.replace('_', '-')}: must be > 0, got {value}")
-    if args.num_requests is not None and args.num_requests <= 0:
-        raise UsageError(f"--num-requests: must be > 0, got {args.num_requests}")
     setup = _trace_setup(args) if args.trace else _workload_setup(args)
-    if args.duration:
+    check_tp(setup.model, setup.tp)
+    if args.duration is not None:
         setup.requests = [r for r in setup.requests if r.arrival_s < args.duration]
     if not setup.requests:
         raise UsageError("no requests to replay (check --duration / --num-requests)")
@@ -141,21 +183,13 @@ def run_replay_command(args: argparse.Namespace) -> int:
             make_policy_from_spec(spec)
         except ValueError as exc:
             raise UsageError(f"--policies: {exc}") from exc
-    if args.replicas < 1:
-        raise UsageError(f"--replicas: must be >= 1, got {args.replicas}")
-    try:
-        setup = build_setup(args)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
+    setup = build_setup(args)
     print(
         f"replaying {len(setup.requests):,} requests ({setup.workload.get('name')}) on {setup.model} /"
         f" {setup.tp} x {setup.gpu}, {args.replicas} replica(s): {', '.join(policies)}",
         file=sys.stderr,
     )
-    try:
-        config = EngineConfig(token_budget=args.token_budget, max_running=args.max_running)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
+    config = EngineConfig(token_budget=args.token_budget, max_running=args.max_running)
     cost = None
     if args.cost_model != "roofline":
         from adapt.registry import Registry
@@ -186,6 +220,10 @@ def run_replay_command(args: argparse.Namespace) -> int:
         if not args.no_mlflow:
             log_to_mlflow(args.experiment, setup.workload, policy, results[policy])
     print(format_table(results))
+    for policy, metrics in results.items():
+        if metrics["dropped"]:
+            causes = ", ".join(f"{n} {cause}" for cause, n in metrics["dropped_by_reason"].items())
+            print(f"{policy}: {metrics['dropped']} dropped ({causes})", file=sys.stderr)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(

@@ -98,7 +98,7 @@ class ReplayEngine:
         self.config = config or EngineConfig()
         capacity = self.config.kv_capacity_tokens or cost.kv_capacity_tokens()
         self.kv = BlockPool(capacity // self.config.block_size, self.config.block_size)
-        self.token_budget = policy.token_budget or self.config.token_budget
+        self.token_budget = self.config.token_budget if policy.token_budget is None else policy.token_budget
         self.now = 0.0
         self.step_index = 0
         self.mean_batch_time = 0.0
@@ -280,6 +280,9 @@ class ReplayEngine:
         scheduled, changed, acted = self._schedule(plan)
         if self.decisions is not None:
             self._record_decision(trace.index if trace is not None else self.step_index, scheduled)
+        # A decode run repeats a step of decodes only: at a tiny token budget a 1-token prefill
+        # chunk also has n == 1, but it samples nothing, so only the phase tells them apart.
+        decodes_only = all(n == 1 and state.phase == "decode" for state, n in scheduled)
         previous, self._in_flight = self._in_flight, None
         if scheduled or trace is not None:
             self._execute(scheduled, trace)
@@ -295,7 +298,7 @@ class ReplayEngine:
             and not acted
             and self.running
             and len(scheduled) == len(self.running)
-            and all(n == 1 for _, n in scheduled)
+            and decodes_only
         ):
             self._decode_run(view)
 

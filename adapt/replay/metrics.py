@@ -8,7 +8,9 @@ SLO accounting (DESIGN.md section 4):
 - compound: all tokens of a program count if its last request finished by the program's first
   arrival + deadline.
 - best_effort: a finished request counts all its tokens and attains its SLO.
-A dropped request counts nothing and never attains its SLO.
+A dropped request counts nothing and never attains its SLO; `dropped_by_reason` counts drops by
+cause (the engine could not hold it: longer than max_model_len or the whole KV cache; the policy's
+admission control; a parent dropped), so a drop is never only a number.
 
 TBT samples are kept per class as (values, weight) chunks: a run of identical decode steps adds
 one array of step times with the number of requests that decoded in it as the weight.
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,6 +193,17 @@ def _program_outcomes(records: Sequence[RequestRecord]) -> dict[str, bool]:
     return {pid: ok[pid] and last.get(pid, math.inf) <= start[pid] + deadline[pid] for pid in start}
 
 
+def _drop_causes(records: Sequence[RequestRecord]) -> dict[str, int]:
+    """Drops counted by cause. A dependant's reason names its parent (`parent p.s0 dropped`); those
+    are counted together as `parent dropped`."""
+    causes = Counter(
+        "parent dropped" if r.dropped.startswith("parent ") else r.dropped
+        for r in records
+        if r.dropped is not None
+    )
+    return dict(sorted(causes.items()))
+
+
 def _aggregate(
     records: Sequence[RequestRecord], tbt: list[tuple[np.ndarray, float]], makespan: float
 ) -> dict[str, Any]:
@@ -205,6 +218,7 @@ def _aggregate(
         "num_requests": len(records),
         "completed": len(done),
         "dropped": sum(1 for r in records if r.dropped is not None),
+        "dropped_by_reason": _drop_causes(records),
         "ttft_mean": _stat(ttft),
         "ttft_p50": _stat(ttft, 50),
         "ttft_p99": _stat(ttft, 99),

@@ -22,6 +22,7 @@ from serving_hooks.policies.baselines import (
 )
 from serving_hooks.policies.ewsjf import EWSJF
 from serving_hooks.policies.jitserve import JITServe, JITServeOracle
+from serving_hooks.policies.params import check_params
 from serving_hooks.policies.sagesched import SageSched
 from serving_hooks.policies.slai import SLAI, SLAIFixed
 
@@ -58,6 +59,7 @@ def make_policy(name: str, **params: Any) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"policy: unknown {name!r}; expected one of {', '.join(POLICIES)}")
     policy_class = POLICIES[name]
+    check_params(policy_class, params)
     for attribute, component in getattr(policy_class, "components", {}).items():
         if isinstance(params.get(attribute), str):
             params[attribute] = load_reference(component, params[attribute])
@@ -102,5 +104,5 @@ def make_policy_from_spec(spec: str) -> Policy:
     name, params = parse_policy_spec(spec)
     try:
         return make_policy(name, **params)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"policy {spec!r}: {exc}") from exc

@@ -154,3 +154,88 @@ def test_compare_lines_up_runs_and_plots_goodput_versus_load(tmp_path, capsys):
     rows = json.loads((tmp_path / "c.json").read_text())
     assert len(rows) == 4
     assert main(["compare", "--experiment", "nope"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tp", "0"], "argument --tp: must be > 0 (an integer), got '0'"),  # was taken as tp 1
+        (["--tp", "3"], "--tp: mistral-7b has 32 attention heads and 8 KV heads"),
+        (["--rate", "inf"], "argument --rate: must be > 0, at least 1e-06 and below 1e+09 (a finite number)"),
+        (["--rate", "1e-300"], "argument --rate: must be > 0, at least 1e-06"),
+        (["--rate", "nan"], "argument --rate: must be > 0"),
+        (["--duration", "1e300"], "argument --duration: must be > 0 and below 1e+10"),
+        (["--duration", "1e9"], "would generate 9.6e+08 requests; at most 10,000,000"),
+        (["--token-budget", "0"], "argument --token-budget: must be > 0"),
+        (["--seed", "-1"], "argument --seed: must be >= 0"),
+        (["--policies", "sarathi:token_budget=0"], "token_budget: expected an integer in [1, inf), got 0"),
+        (
+            ["--policies", "sarathi:token_budget=1.5"],
+            "token_budget: expected an integer in [1, inf), got 1.5",
+        ),
+        (["--policies", "slai-fixed:offset=NaN"], "offset: expected a finite number in [0, inf), got nan"),
+        (["--cost-model", "../../x"], "Invalid alias name"),  # an MlflowException, was a traceback
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_out_of_range_flags_are_one_line_naming_the_flag(tmp_path, monkeypatch, capsys, args, message):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'r.db'}")
+    assert main(["replay", "--workload", "slai-tiers", "--no-mlflow", "--quiet", *args]) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("replaying")]
+    err = [line for line in err if " INFO " not in line]  # MLflow creating its tables
+    assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "qrf-length", "--test-share", "0"],
+        ["tune", "ewsjf", "--trials", "0"],
+        ["tune", "slai", "--rate", "0"],  # was taken as the default rate, 2.8
+        ["models", "promote", "qrf-length", "0"],
+        ["serve", "--model", "m", "--policy", "fcfs", "--port", "70000"],
+        ["retrain", "--once", "--margin", "nan"],
+    ],
+)
+def test_every_command_checks_its_flags_before_running(capsys, args):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("adapt: error: argument ")
+
+
+def test_a_bug_is_one_line_exit_70_and_debug_shows_the_traceback(monkeypatch, capsys):
+    import adapt.cli
+
+    def broken(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(adapt.cli, "load_trace", broken)
+    assert main(["trace", "stats", "x.csv"]) == 70
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "internal error (KeyError" in err[0]
+    with pytest.raises(KeyError):
+        main(["--debug", "trace", "stats", "x.csv"])
+
+
+def test_drops_are_a_table_column_and_counted_by_reason(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,100,10\n0.5,10000000,10\n1,50,5\n")
+    out = tmp_path / "r.json"
+    args = [
+        "replay",
+        "--trace",
+        str(trace),
+        "--policies",
+        "fcfs",
+        "--json",
+        str(out),
+        "--no-mlflow",
+        "--quiet",
+    ]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    header, _, row = captured.out.strip().splitlines()
+    assert header.split()[1:3] == ["done", "dropped"] and row.split()[1:3] == ["2", "1"]
+    assert "fcfs: 1 dropped (1 longer than max_model_len)" in captured.err
+    metrics = json.loads(out.read_text())["policies"]["fcfs"]
+    assert metrics["dropped"] == 1 and metrics["dropped_by_reason"] == {"longer than max_model_len": 1}

@@ -142,10 +142,13 @@ def make_requests(rows):
     max_running=1,
     kv_blocks=30,
 )
+# Regression: at a 1-token budget a prefill chunk of 1 token looked like a decode step, and the
+# fast path advanced it as a decode run (tokens generated from a prompt not yet computed).
+@example(rows=[(0.0, 5, 4, "x"), (0.0, 3, 6, "x")], policy="fcfs", budget=1, max_running=2, kv_blocks=30)
 @given(
     rows=request_lists,
     policy=st.sampled_from(tuple(POLICIES)),
-    budget=st.integers(16, 512),
+    budget=st.one_of(st.integers(1, 3), st.integers(16, 512)),
     max_running=st.integers(1, 12),
     kv_blocks=st.integers(30, 80),
 )

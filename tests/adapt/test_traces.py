@@ -188,3 +188,97 @@ def test_take_and_head_keep_columns_aligned(tmp_path):
     sub = trace.take(np.array([2, 0]))
     assert sub.prompt_tokens.tolist() == [5, 1] and sub.output_tokens.tolist() == [6, 2]
     assert len(trace.head(2)) == 2
+
+
+AZURE = "arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,10,5\n1.5,20,7\n"
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_byte_order_mark_and_crlf_keep_the_timestamps(tmp_path, gz):
+    """A BOM glued onto `arrived_at` used to hide the timestamp column (read as a lengths CSV,
+    replayed with Poisson arrivals instead of the trace's)."""
+    data = ("\ufeff" + AZURE.replace("\n", "\r\n")).encode("utf-8")
+    path = tmp_path / ("bom.csv.gz" if gz else "bom.csv")
+    path.write_bytes(gzip.compress(data) if gz else data)
+    trace = load_trace(path)
+    assert trace.report.format == "azure"
+    assert trace.arrival_s.tolist() == [0.0, 1.5] and trace.prompt_tokens.tolist() == [10, 20]
+
+
+def test_byte_order_mark_on_jsonl(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"timestamp": 0, "input_length": 3, "output_length": 2}\r\n')
+    assert load_trace(path).prompt_tokens.tolist() == [3]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        (
+            "huge.csv",
+            "arrived_at,num_prefill_tokens,num_decode_tokens\n0,1e20,5\n",
+            ":2: field 'num_prefill_tokens'",
+        ),
+        ("inf.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,inf\n", "finite"),
+        (
+            "t.csv",
+            "arrived_at,num_prefill_tokens,num_decode_tokens\n0,1,1\n1e300,10,5\n",
+            ":3: field 'arrived_at'",
+        ),
+        ("tnan.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\nnan,10,5\n", "field 'arrived_at'"),
+        (
+            "hash.jsonl",
+            '{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": 7}\n',
+            ":1: field 'hash_ids': expected a list of integers",
+        ),
+        (
+            "bool.jsonl",
+            '{"timestamp": 0, "input_length": true, "output_length": 1}\n',
+            "field 'input_length'",
+        ),
+        ("digits.jsonl", '{"timestamp": 0, "input_length": ' + "9" * 5000 + ', "output_length": 1}\n', ":1:"),
+        ("ms.jsonl", '{"timestamp": 1e300, "input_length": 1, "output_length": 1}\n', "field 'timestamp'"),
+        (
+            "skipped.csv",
+            "arrived_at,num_prefill_tokens,num_decode_tokens\n0,0,5\n1,3,0\n",
+            "no usable rows: all 2 skipped",
+        ),
+        ("nul.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0,1,1\n1,2\x00,3\n", ":3:"),
+        (
+            "alp.jsonl",
+            '{"instruction": "hi", "output_tokens": 100000000000000000000}\n',
+            "field 'output_tokens'",
+        ),
+        (
+            "log.jsonl",
+            '{"request_id": "a", "outcome": "dropped", "arrival_s": NaN, "prompt_tokens": 1,'
+            ' "output_tokens": 0, "first_token_s": null, "finish_s": null}\n',
+            ":1: field 'arrival_s'",
+        ),
+    ],
+)
+def test_out_of_range_and_wrongly_typed_values_name_file_line_and_field(tmp_path, name, content, message):
+    path = write(tmp_path / name, content)
+    with pytest.raises(TraceError) as err:
+        load_trace(path)
+    assert message in str(err.value) and str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_gzip_is_a_trace_error(tmp_path, damage):
+    data = bytearray(gzip.compress(AZURE.encode() * 50))
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        data = data[: len(data) // 2]
+    path = tmp_path / "a.csv.gz"
+    path.write_bytes(bytes(data))
+    with pytest.raises(TraceError, match=r"a\.csv\.gz: cannot read"):
+        load_trace(path)
+
+
+def test_cli_on_a_file_whose_rows_are_all_skipped(tmp_path, capsys):
+    path = write(tmp_path / "zero.csv", "num_prefill_tokens,num_decode_tokens\n5,0\n")
+    assert main(["trace", "stats", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "zero.csv: no usable rows" in err[0]

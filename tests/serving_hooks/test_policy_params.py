@@ -1,0 +1,51 @@
+import pytest
+
+from serving_hooks.policies import POLICIES, make_policy, make_policy_from_spec
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        # a budget of 0 used to become the engine's 2048 (`x or default`), 1.5 reached the engine as is
+        ("sarathi:token_budget=0", "token_budget: expected an integer in [1, inf), got 0"),
+        ("sarathi:token_budget=1.5", "token_budget: expected an integer in [1, inf), got 1.5"),
+        ("slai-fixed:offset=NaN", "offset: expected a finite number in [0, inf), got nan"),
+        ("slai-fixed:offset=Infinity", "offset: expected a finite number"),
+        ("slai:offset=-1", "offset: expected a finite number in [0, inf)"),
+        ("slai-fixed:max_active=0", "max_active: expected an integer in [1, inf)"),  # through **kwargs
+        ("jitserve:quantile=1", "quantile: expected a finite number in (0, 1)"),
+        ("jitserve:fairness=2", "fairness: expected a finite number in [0, 1]"),
+        ("sagesched:learn_online=1", "learn_online: expected true or false"),
+        ("fastserve:levels=true", "levels: expected an integer"),
+        ("sarathi:order=3", "order: expected a string"),
+        ("ltr:sigma=-0.5", "sigma: expected a finite number in [0, inf)"),
+        ("sarathi:budget=5", "unexpected keyword argument 'budget'"),
+    ],
+)
+def test_bad_spec_values_are_one_line_naming_the_parameter(spec, message):
+    with pytest.raises(ValueError) as err:
+        make_policy_from_spec(spec)
+    assert message in str(err.value) and spec in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "sarathi:token_budget=8",
+        "sarathi:order=spf",
+        "slai-fixed:offset=5",
+        "slai-fixed:offset=0",
+        "jitserve:waiting_time_s=null",
+        "jitserve:batch_size=null",
+        "jitserve:fairness=0.5",
+        "sagesched:preempt_on_flip=true",
+    ],
+)
+def test_valid_specs_still_build(spec):
+    assert make_policy_from_spec(spec) is not None
+
+
+def test_every_policy_builds_with_its_defaults():
+    for name in POLICIES:
+        make_policy(name)
