@@ -245,6 +245,7 @@ def run_quickstart(
     factories = train_components(out, fast)
     leaderboard: dict[str, dict[str, float | None]] = {}
     dropped: dict[str, dict[str, float]] = {}
+    settings: dict[str, dict[str, int]] = {}
     plots: list[Path] = []
     everything: dict[str, Any] = {}
     print(
@@ -255,16 +256,18 @@ def run_quickstart(
         spec = WORKLOADS[workload]
         rate, num = sizes[fast]
         setup = ReplaySetup(spec.build(rate, num, 0), spec.info(rate, num, 0), spec.model, spec.gpu, spec.tp)
+        config = EngineConfig(token_budget=spec.token_budget)
+        settings[workload] = {"token_budget": config.token_budget, "max_running": config.max_running}
         print(
             f"[{index}/{len(SIZES)}] {workload}: {num:,} requests at {rate} req/s"
-            f" on {spec.model} / {spec.tp} x {spec.gpu}",
+            f" on {spec.model} / {spec.tp} x {spec.gpu}, every policy at token budget {config.token_budget}",
             file=sys.stderr,
         )
         results: dict[str, ReplayResult] = {}
         metrics: dict[str, dict[str, Any]] = {}
         for policy in policies:
             build = factories.get(policy) or (lambda spec=policy: make_policy_from_spec(spec))
-            results[policy] = replay_policy(setup, build, label=policy, progress=True)
+            results[policy] = replay_policy(setup, build, label=policy, progress=True, config=config)
             metrics[policy] = results[policy].metrics()
             if mlflow:
                 log_to_mlflow("quickstart", setup.workload, policy, metrics[policy])
@@ -274,9 +277,15 @@ def run_quickstart(
             p: m["dropped"] / m["num_requests"] for p, m in metrics.items() if m["num_requests"]
         }
         plots.append(_cdf_plot(results, workload, out))
-        everything[workload] = {"workload": setup.workload, "policies": metrics}
+        everything[workload] = {"workload": setup.workload, "engine": settings[workload], "policies": metrics}
     (out / "results.json").write_text(json.dumps(everything, indent=2) + "\n")
-    table = format_leaderboard(leaderboard, dropped)
+    own_budgets = {
+        p: m["token_budget"]
+        for w, data in everything.items()
+        for p, m in data["policies"].items()
+        if m["token_budget"] != settings[w]["token_budget"]
+    }
+    table = format_settings(settings, own_budgets) + "\n\n" + format_leaderboard(leaderboard, dropped)
     report = out / "report.md"
     report.write_text(_report(table, plots, fast))
     print()
@@ -307,6 +316,16 @@ def run_quickstart(
         print("        table:  .venv/bin/adapt compare --experiment quickstart --metric ttlt_mean")
     print(f"done in {time.perf_counter() - started:.0f} s")
     return 0
+
+
+def format_settings(settings: dict[str, dict[str, int]], budgets: dict[str, int]) -> str:
+    """The engine settings every policy ran under, per workload, and the policies that ran under a
+    budget of their own somewhere (`budgets`: policy -> its budget)."""
+    per_workload = ", ".join(f"{w} {s['token_budget']}" for w, s in settings.items())
+    own = ", ".join(f"{p} {b}" for p, b in budgets.items())
+    line = f"Engine settings, the same for every policy: token budget per workload: {per_workload}"
+    line += f"; max running {next(iter(settings.values()))['max_running']}."
+    return line + (f" Policies with their own budget: {own}." if own else "")
 
 
 def format_leaderboard(

@@ -59,7 +59,10 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         help="tensor-parallel degree, dividing the model's heads (default: the workload's)",
     )
     parser.add_argument(
-        "--token-budget", type=COUNT, default=2048, help="max tokens per step (vLLM max_num_batched_tokens)"
+        "--token-budget",
+        type=COUNT,
+        help="max tokens per step for every policy (vLLM max_num_batched_tokens; default: the workload's"
+        " engine setting, 2048 for a trace); a policy with its own (sarathi) keeps it",
     )
     parser.add_argument(
         "--max-running", type=COUNT, default=256, help="max running sequences (vLLM max_num_seqs)"
@@ -184,12 +187,15 @@ def run_replay_command(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UsageError(f"--policies: {exc}") from exc
     setup = build_setup(args)
+    budget = _given(args.token_budget, setup.workload.get("token_budget", EngineConfig.token_budget))
+    setup.workload.update(token_budget=budget, max_running=args.max_running)
     print(
         f"replaying {len(setup.requests):,} requests ({setup.workload.get('name')}) on {setup.model} /"
-        f" {setup.tp} x {setup.gpu}, {args.replicas} replica(s): {', '.join(policies)}",
+        f" {setup.tp} x {setup.gpu}, {args.replicas} replica(s), every policy at token budget {budget} and"
+        f" max running {args.max_running}: {', '.join(policies)}",
         file=sys.stderr,
     )
-    config = EngineConfig(token_budget=args.token_budget, max_running=args.max_running)
+    config = EngineConfig(token_budget=budget, max_running=args.max_running)
     cost = None
     if args.cost_model != "roofline":
         from adapt.registry import Registry

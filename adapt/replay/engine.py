@@ -603,7 +603,9 @@ class ReplayEngine:
                 progress(self.recorder.done_count - last)
                 last = self.recorder.done_count
         self.drop_unreleased()
-        return self.recorder.result(time.perf_counter() - wall_start)
+        result = self.recorder.result(time.perf_counter() - wall_start)
+        result.engine_settings = {"token_budget": self.token_budget, "max_running": self.config.max_running}
+        return result
 
 
 class _WaitingView(Sequence[RequestState]):

@@ -71,7 +71,9 @@ class ReplayResult:
     sim_wall_s: float
     kv_timeline: tuple[np.ndarray, np.ndarray]
     preemptions: int
-    extra: dict[str, Any] = field(default_factory=dict)
+    # What the engine ran under (token budget, max running): a comparison is fair only when these
+    # match across policies, or differ where a policy declares its own (sarathi's 512).
+    engine_settings: dict[str, Any] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, Any]:
         """DESIGN.md section 7 METRICS, plus `by_class` when requests carry labels."""
@@ -79,6 +81,7 @@ class ReplayResult:
         result["preemptions"] = self.preemptions
         result["sim_wall_s"] = self.sim_wall_s
         result["steps"] = self.steps
+        result.update(self.engine_settings)
         labels = sorted({r.label for r in self.records if r.label is not None})
         if labels:
             result["by_class"] = {
@@ -103,6 +106,7 @@ class ReplayResult:
             sim_wall_s=sim_wall_s,
             kv_timeline=results[0].kv_timeline,
             preemptions=sum(r.preemptions for r in results),
+            engine_settings=results[0].engine_settings,
         )
 
     def write_request_log(self, path: str | Path) -> Path:

@@ -32,7 +32,9 @@ finish during the frame. Admission control drops requests never scheduled within
 The batch size B caps the running requests: a smaller batch decodes faster, which is what lets
 the admitted requests meet TBTs and deadlines under overload. Its default, 48, was the best of
 32/48/64 on `jitserve-mix` (llama-3-8b / A100, 2.0-3.0 req/s, seed 0); `None` means the engine's
-`max_running`. Like Sarathi-Serve, JITServe runs chunked prefill with a 512-token budget.
+`max_running`. JITServe runs under the engine's token budget, as every policy does in a comparison
+(each workload sets one for all policies: `WorkloadSpec.token_budget`); `token_budget=N` gives it its
+own, which the leaderboard then shows beside its name.
 
 The arithmetic lives in `serving_hooks.policies.gmax` over numpy columns; this module keeps the
 per-request state (bounds, sub-deadlines, the admission order) up to date.
@@ -84,7 +86,7 @@ class JITServe(Policy):
         prefill_tokens_per_s: float = 20000.0,
         fairness: float = 0.0,
         refine_every: int = 50,
-        token_budget: int | None = 512,
+        token_budget: int | None = None,
         seed: int = 0,
     ) -> None:
         if frame_steps < 1 or refine_every < 1:

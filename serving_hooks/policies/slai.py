@@ -19,7 +19,9 @@ the head of its queue that fit in the free KV blocks, while KV usage is below `r
 that under KV pressure the decodes that free memory run) and gives non-critical decodes the rest
 -- the same plan in replay and live. Under KV pressure the
 engine evicts the last of these (the decode with the most slack) first.
-A decode without a TBT target is never critical (LST = +inf). `offset` is a number (`slai-fixed`)
+A decode without a TBT target is never critical (LST = +inf). The token budget is the engine's, as
+for every policy in a comparison (`token_budget=N` gives SLAI its own; the paper runs Sarathi-Serve's
+512). `offset` is a number (`slai-fixed`)
 or a function of KV-cache usage (`slai`: the `slai-offset` component, by default the paper's rule:
 5 below 96% usage, 10 above).
 """
@@ -53,7 +55,7 @@ class SLAI(PriorityPolicy):
         offset: float | dict[str, list[float]] | Callable[[float], float] | None = None,
         prefill_order: str = "spf",
         paying_first: bool = False,
-        token_budget: int = 512,
+        token_budget: int | None = None,
         max_active: int = 128,
         decode_limit: int = 128,
         reserve_below: float = 0.9,

@@ -175,7 +175,7 @@ def test_engine_invariants_and_fast_path_agree(rows, policy, budget, max_running
                 # Completed exactly once, with exactly its output tokens.
                 assert engine.completions[request.request_id] == request.output_tokens
                 assert request.arrival_s <= record.first_token_s <= record.finish_s
-            else:
+            elif record.dropped != "admission control":  # jitserve's, by design (never silent)
                 assert request.prompt_tokens + request.output_tokens > kv_blocks * 16
         assert len(records) == len(requests)
         results.append(result.metrics())
