@@ -47,7 +47,7 @@ def test_an_unphysical_cost_model_is_never_registered_or_promoted(registry, dura
     champion = train_cost_model(registry, timed(step_log(0.1)), promote_if_better=True)
     assert champion.promoted
     junk = timed(step_log(0.1, seed=1)).assign(duration_s=duration)
-    with pytest.raises(ComponentError, match="implausible.*candidate not registered"):
+    with pytest.raises(ComponentError, match=r"implausible.*candidate not registered"):
         train_cost_model(registry, junk, promote_if_better=True)
     assert [v.version for v in registry.versions("cost-model")] == [1]
     assert registry.resolve("cost-model") == 1
@@ -78,7 +78,7 @@ def alpaca_rows(instructions: int) -> list[dict]:
 def test_qrf_length_refuses_a_three_row_file_and_prompt_less_data(registry, tmp_path):
     three = tmp_path / "three.jsonl"
     three.write_text("".join(json.dumps(r) + "\n" for r in alpaca_rows(3)[::24][:3]))
-    with pytest.raises(ValueError, match="qrf-length: training part has [0-3] distinct prompts; needs at least"):
+    with pytest.raises(ValueError, match=r"qrf-length: training part has [0-3] distinct prompts; needs at"):
         train_qrf_length(registry, three, promote_if_better=True)
     few = tmp_path / "few.jsonl"
     few.write_text("".join(json.dumps(r) + "\n" for r in alpaca_rows(6)))
@@ -110,7 +110,7 @@ def test_a_bound_far_from_its_quantile_is_refused(registry):
     missed = bound.evaluate(longer)
     assert missed["coverage_error"] > 0.5
     gate = Gate("coverage_error", lower_is_better=True)
-    with pytest.raises(ComponentError, match="misses its quantile 0.95 by 0.9.*candidate not registered"):
+    with pytest.raises(ComponentError, match=r"misses its quantile 0\.95 by 0\.9.*candidate not registered"):
         register_and_gate(registry, bound, missed, None, gate, promote_if_better=True)
     assert registry.names() == []
     assert register_and_gate(registry, bound, metrics, None, gate, promote_if_better=True).promoted
