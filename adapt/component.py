@@ -38,6 +38,11 @@ class ComponentError(ValueError):
     """A component artifact that must not be served: unsafe, corrupted, or failing validation."""
 
 
+class ArtifactMismatch(ComponentError):
+    """Files on disk that differ from the checksums recorded when they were written: a copy
+    damaged or altered since (a fresh copy from the store may be intact)."""
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -256,7 +261,7 @@ def verify_artifacts(directory: Path, expected_manifest_sha256: str | None = Non
     if not manifest_path.is_file():
         raise ComponentError(f"{directory}: no {MANIFEST}; refusing an artifact without checksums")
     if expected_manifest_sha256 is not None and sha256_file(manifest_path) != expected_manifest_sha256:
-        raise ComponentError(f"{directory}: {MANIFEST} does not match the checksum recorded at log time")
+        raise ArtifactMismatch(f"{directory}: {MANIFEST} does not match the checksum recorded at log time")
     manifest: dict[str, str] = json.loads(manifest_path.read_text())
     present = {
         str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST
@@ -268,12 +273,12 @@ def verify_artifacts(directory: Path, expected_manifest_sha256: str | None = Non
         )
     if present != set(manifest):
         extra, missing = sorted(present - set(manifest)), sorted(set(manifest) - present)
-        raise ComponentError(
+        raise ArtifactMismatch(
             f"{directory}: files differ from the manifest (extra {extra}, missing {missing})"
         )
     for name, digest in manifest.items():
         if sha256_file(directory / name) != digest:
-            raise ComponentError(f"{directory}: checksum mismatch for {name}")
+            raise ArtifactMismatch(f"{directory}: checksum mismatch for {name}")
     return manifest
 
 

@@ -125,3 +125,18 @@ def test_schedule_rejects_a_bad_cron(tmp_path, capsys):
         == 2
     )
     assert "invalid cron expression" in capsys.readouterr().err
+
+
+def test_the_retrain_lock_is_per_store_not_per_data_directory(tmp_path, capsys):
+    """Two retrains of one store from two data directories used to hold two different locks (one
+    beside each directory) and registered the same data twice."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    uri = f"sqlite:///{tmp_path / 'r.db'}"
+    with Registry(uri, cache_dir=tmp_path / "c").store_lock("retrain"):  # a retrain reading `first`
+        assert main(["--tracking-uri", uri, "retrain", "--once", "--data-dir", str(second)]) == 75
+        assert "r.db.retrain.lock: another retrain holds this store" in capsys.readouterr().err
+        other = f"sqlite:///{tmp_path / 'other.db'}"
+        assert main(["--tracking-uri", other, "retrain", "--once", "--data-dir", str(second)]) == 0
+    assert main(["--tracking-uri", uri, "retrain", "--once", "--data-dir", str(second)]) == 0
