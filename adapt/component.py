@@ -22,8 +22,10 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
@@ -34,6 +36,11 @@ HEADER = "component.json"
 
 class ComponentError(ValueError):
     """A component artifact that must not be served: unsafe, corrupted, or failing validation."""
+
+
+class ArtifactMismatch(ComponentError):
+    """Files on disk that differ from the checksums recorded when they were written: a copy
+    damaged or altered since (a fresh copy from the store may be intact)."""
 
 
 def sha256_file(path: Path) -> str:
@@ -59,8 +66,10 @@ class LearnedComponent(ABC):
     """Base class of every learned part of a scheduler.
 
     Subclasses set `name` (the registered-model name), `schema_version`, `primary_metric` and
-    `lower_is_better` (what the champion/challenger gate compares), and implement the five
-    methods. `get_params`/`set_params` read the `__init__` signature, so `__init__` must only
+    `lower_is_better` (what the champion/challenger gate compares), `least_data` and `data_unit`
+    (the least training data a fit means anything on, counted by `data_size`), and implement the
+    five methods; `check_metrics` adds their own plausibility bounds to the gate.
+    `get_params`/`set_params` read the `__init__` signature, so `__init__` must only
     store its arguments under their own names: the header `save` writes, `read_component` and
     `sklearn.base.clone` all rebuild a component from `get_params()`. They are written here rather
     than inherited from `sklearn.base.BaseEstimator`, whose import (~1.3 s) every command, test
@@ -72,6 +81,8 @@ class LearnedComponent(ABC):
     schema_version: ClassVar[int] = 1
     primary_metric: ClassVar[str] = ""
     lower_is_better: ClassVar[bool] = True
+    least_data: ClassVar[int] = 1
+    data_unit: ClassVar[str] = "rows"
 
     @classmethod
     def _param_names(cls) -> list[str]:
@@ -133,6 +144,25 @@ class LearnedComponent(ABC):
     @metadata.setter
     def metadata(self, value: dict[str, Any]) -> None:
         self._metadata = value
+
+    def data_size(self, data: Any) -> int:
+        """How much training data `data` holds, in `data_unit`s."""
+        return len(data)
+
+    def require_data(self, data: Any, *, least: int | None = None, part: str = "training data") -> None:
+        """Refuse `data` holding fewer than `least` (default `least_data`) `data_unit`s, in one
+        line: a model fitted (or a gate scored) on less would be registered on no evidence."""
+        need = self.least_data if least is None else least
+        have = self.data_size(data)
+        if have < need:
+            raise ValueError(f"{self.name}: {part} has {have} {self.data_unit}; needs at least {need}")
+
+    def check_metrics(self, metrics: Mapping[str, float | None]) -> None:
+        """Refuse held-out metrics no working model would score (the pipelines' gate asks before
+        registering): here, any NaN or infinite one. Components add their physical bounds."""
+        bad = sorted(k for k, v in metrics.items() if v is not None and not math.isfinite(float(v)))
+        if bad:
+            raise ComponentError(f"{self.name}: held-out metric(s) not finite: {', '.join(bad)}")
 
     @abstractmethod
     def fit(self, data: Any) -> Self: ...
@@ -231,7 +261,7 @@ def verify_artifacts(directory: Path, expected_manifest_sha256: str | None = Non
     if not manifest_path.is_file():
         raise ComponentError(f"{directory}: no {MANIFEST}; refusing an artifact without checksums")
     if expected_manifest_sha256 is not None and sha256_file(manifest_path) != expected_manifest_sha256:
-        raise ComponentError(f"{directory}: {MANIFEST} does not match the checksum recorded at log time")
+        raise ArtifactMismatch(f"{directory}: {MANIFEST} does not match the checksum recorded at log time")
     manifest: dict[str, str] = json.loads(manifest_path.read_text())
     present = {
         str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST
@@ -243,12 +273,12 @@ def verify_artifacts(directory: Path, expected_manifest_sha256: str | None = Non
         )
     if present != set(manifest):
         extra, missing = sorted(present - set(manifest)), sorted(set(manifest) - present)
-        raise ComponentError(
+        raise ArtifactMismatch(
             f"{directory}: files differ from the manifest (extra {extra}, missing {missing})"
         )
     for name, digest in manifest.items():
         if sha256_file(directory / name) != digest:
-            raise ComponentError(f"{directory}: checksum mismatch for {name}")
+            raise ArtifactMismatch(f"{directory}: checksum mismatch for {name}")
     return manifest
 
 

@@ -7,7 +7,10 @@ component's canaries), then swaps one reference -- an atomic store in CPython --
 block and, after the first successful load, never see None. A version that fails any of those
 steps is refused: the old one keeps serving, the refusal is logged and counted, and the slot does
 not retry that version until the alias moves again. While the registry is unreachable the slot
-backs off exponentially (up to `max_backoff_s`) and keeps serving.
+backs off exponentially (up to `max_backoff_s`) and keeps serving. Before each poll it asks the
+registry whether its sqlite file was replaced underneath it (a restore from backup), which would
+otherwise keep it reading the old file forever; if so the registry reconnects and the slot counts
+it (`reconnects`).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class Slot:
         self.swaps = 0
         self.failed_swaps = 0
         self.registry_errors = 0
+        self.reconnects = 0
         self.events: list[SwapEvent] = []
 
     # ----------------------------------------------------------------- readers
@@ -96,6 +100,7 @@ class Slot:
             "swaps": self.swaps,
             "failed_swaps": self.failed_swaps,
             "registry_errors": self.registry_errors,
+            "reconnects": self.reconnects,
         }
 
     # ------------------------------------------------------------------ control
@@ -130,6 +135,8 @@ class Slot:
         """Check the alias once and swap if it moved. Returns True when a new version went live.
         Raises only when the registry itself cannot be reached."""
         with self._lock:
+            if self.registry.reconnect_if_replaced():
+                self.reconnects += 1
             target = self.registry.resolve(self.name, self.alias, missing_ok=True)
             if target != self._last_target:
                 self._refused.clear()  # the alias moved: a refused version may be retried later

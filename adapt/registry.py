@@ -6,22 +6,42 @@ an MLflow pyfunc model ("models from code": `adapt/pyfunc_model.py`, no pickle) 
 the component directory; the SHA-256 of its manifest is a version tag, checked on every load.
 Loading resolves an alias to a version number first, so a concurrent promotion can never mix two
 versions' files.
+
+Robustness: a download is verified against the recorded checksums before it enters the cache, so a
+damaged store never leaves a damaged cache entry behind (repair the store and the next load is
+fine), and a cache entry damaged later is downloaded again once. A long-lived registry notices when
+its sqlite file is replaced underneath it (a restore from backup: a new inode) and reconnects
+(`reconnect_if_replaced`). `store_lock` is an exclusive lock on the store itself, for jobs that
+must not run twice against one store (`adapt retrain`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
+import os
 import shutil
+import socket
 import subprocess
 import tempfile
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from adapt import tracking
-from adapt.component import LearnedComponent, manifest_digest, read_component, write_component
+from adapt.component import (
+    ArtifactMismatch,
+    ComponentError,
+    LearnedComponent,
+    manifest_digest,
+    read_component,
+    verify_artifacts,
+    write_component,
+)
 
 log = logging.getLogger("adapt.registry")
 
@@ -29,10 +49,15 @@ CHAMPION, CHALLENGER, PREVIOUS = "champion", "challenger", "previous"
 COMPONENTS_EXPERIMENT = "components"
 PYFUNC_MODEL_FILE = Path(__file__).with_name("pyfunc_model.py")
 HISTORY_TAG = "adapt.champion_history"
+LOCK_PREFIX = "adapt-lock."  # registered models that are locks on a server-backed store, not models
 
 
 class RegistryError(RuntimeError):
     """A registry operation that cannot be done (unknown model, no alias, nothing to roll back)."""
+
+
+class StoreLocked(RegistryError):
+    """Another process holds this store's lock (`Registry.store_lock`)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +103,95 @@ class Registry:
         self.tracking_uri = tracking.tracking_uri(tracking_uri)
         self.client = tracking.client(self.tracking_uri)
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir(self.tracking_uri)
+        embedded = tracking.is_embedded(self.tracking_uri)
+        self._store_file = Path(self.tracking_uri.removeprefix("sqlite:///")) if embedded else None
+        self._store_identity = self._identity()
+
+    # ------------------------------------------------------------- connection
+    def _identity(self) -> tuple[int, int] | None:
+        """(device, inode) of the sqlite file: a restore that replaces the file changes it, while
+        ordinary writes (which change its mtime) do not. None for a server-backed store."""
+        if self._store_file is None:
+            return None
+        try:
+            stat = os.stat(self._store_file)
+        except FileNotFoundError:
+            raise RegistryError(f"{self._store_file}: the store's database file is gone") from None
+        return stat.st_dev, stat.st_ino
+
+    def reconnect_if_replaced(self) -> bool:
+        """Reconnect when the sqlite file was replaced since this registry connected (MLflow's
+        pooled connections would go on reading the old, deleted file and never see a later
+        promotion); True when it did. A server-backed store needs nothing: every request is a
+        new HTTP call, so a restarted server is seen at the next one."""
+        identity = self._identity()
+        if identity == self._store_identity:
+            return False
+        tracking.dispose_connections(self.tracking_uri)
+        self.client = tracking.client(self.tracking_uri)
+        self._store_identity = identity
+        log.warning("%s: the store's database file was replaced; reconnected", self._store_file)
+        return True
+
+    @contextlib.contextmanager
+    def store_lock(self, purpose: str, stale_after_s: float = 6 * 3600) -> Iterator[None]:
+        """Hold an exclusive, non-blocking lock named `purpose` on this store, or raise StoreLocked.
+
+        A sqlite store: `flock` on `<db>.<purpose>.lock` beside the database, whatever directory
+        the job runs from (released by the OS if the holder dies). A server-backed store has no
+        file to lock, and MLflow's API no compare-and-set; what it does have is a unique name per
+        registered model, enforced by the server's database. So the lock is a registered model
+        `adapt-lock.<purpose>`: creating it is the atomic test-and-set (a second creator fails),
+        deleting it releases it. A holder that died leaves it behind; one older than
+        `stale_after_s` is taken over -- the one window where two could both hold it is two
+        processes taking over the same stale lock at once."""
+        if self._store_file is not None:
+            path = self._store_file.with_name(f"{self._store_file.name}.{purpose}.lock")
+            with open(path, "w") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise StoreLocked(f"{path}: another {purpose} holds this store") from None
+                yield
+            return
+        with self._model_lock(purpose, stale_after_s):
+            yield
+
+    @contextlib.contextmanager
+    def _model_lock(self, purpose: str, stale_after_s: float) -> Iterator[None]:
+        """The server-backed form of `store_lock` (any store works; tests use sqlite)."""
+        from mlflow.exceptions import MlflowException
+
+        name = f"{LOCK_PREFIX}{purpose}"
+        holder = f"{socket.gethostname()}:{os.getpid()}:{time.time():.3f}"
+
+        def take() -> None:
+            self.client.create_registered_model(name, tags={"holder": holder, "since": str(time.time())})
+
+        try:
+            take()
+        except MlflowException:
+            try:
+                held = self.client.get_registered_model(name).tags
+            except MlflowException:  # released meanwhile: as good as stale
+                held = {}
+            if time.time() - float(held.get("since", 0.0)) < stale_after_s:
+                raise StoreLocked(
+                    f"{self.tracking_uri}: another {purpose} holds this store ({held.get('holder')})"
+                ) from None
+            log.warning("%s: taking over the stale %s lock of %s", name, purpose, held.get("holder"))
+            with contextlib.suppress(MlflowException):
+                self.client.delete_registered_model(name)
+            try:
+                take()
+            except MlflowException:
+                raise StoreLocked(f"{self.tracking_uri}: another {purpose} took this store first") from None
+        try:
+            yield
+        finally:
+            with contextlib.suppress(MlflowException):
+                if self.client.get_registered_model(name).tags.get("holder") == holder:
+                    self.client.delete_registered_model(name)
 
     # ------------------------------------------------------------------ write
     def log(
@@ -227,7 +341,8 @@ class Registry:
         return None if version is None else self.load(name, version=version)
 
     def download(self, name: str, version: int) -> tuple[Path, str]:
-        """Local directory of a version's component files (cached), and its recorded manifest digest."""
+        """Local directory of a version's component files (cached), and its recorded manifest
+        digest. A fresh download enters the cache only once it matches that digest."""
         import mlflow
 
         mv = self._version(name, version)
@@ -238,16 +353,34 @@ class Registry:
         target = self.cache_dir / name / f"v{version}-{digest[:16]}"
         if not (target / "component").is_dir():
             staging = Path(tempfile.mkdtemp(prefix="adapt-dl-", dir=self._mkcache()))
-            mlflow.set_tracking_uri(self.tracking_uri)
-            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(staging)))
-            found = next(local.rglob("component.json"), None)
-            if found is None:
-                raise RegistryError(f"{name} v{version}: no component files in {mv.source}")
-            target.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(OSError):  # another process cached it first
-                found.parent.rename(target / "component")
-            shutil.rmtree(staging, ignore_errors=True)
+            try:
+                mlflow.set_tracking_uri(self.tracking_uri)
+                local = Path(
+                    mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(staging))
+                )
+                found = next(local.rglob("component.json"), None)
+                if found is None:
+                    raise RegistryError(f"{name} v{version}: no component files in {mv.source}")
+                try:
+                    verify_artifacts(found.parent, digest)
+                except ComponentError as exc:
+                    raise type(exc)(
+                        f"{name} v{version}: the store's copy ({mv.source}) fails verification, not"
+                        f" cached: {str(exc).removeprefix(f'{found.parent}: ')}"
+                    ) from None
+                target.mkdir(parents=True, exist_ok=True)
+                with contextlib.suppress(OSError):  # another process cached it first
+                    found.parent.rename(target / "component")
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
         return target / "component", digest
+
+    def _evict(self, entry: Path) -> None:
+        """Remove a cache entry: renamed away first, so no reader finds it half deleted."""
+        doomed = Path(tempfile.mkdtemp(prefix="adapt-evict-", dir=self._mkcache()))
+        with contextlib.suppress(OSError):  # another process evicted it first
+            entry.rename(doomed / "entry")
+        shutil.rmtree(doomed, ignore_errors=True)
 
     def _mkcache(self) -> Path:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -260,7 +393,13 @@ class Registry:
                 raise RegistryError("load: give an alias or a version")
             version = self.resolve(name, alias)
         directory, digest = self.download(name, int(version))  # type: ignore[arg-type]
-        component = read_component(directory, digest)
+        try:
+            component = read_component(directory, digest)
+        except ArtifactMismatch as exc:  # the cached copy changed since it was verified: fetch it again
+            log.warning("%s v%s: cached copy damaged (%s); downloading it again", name, version, exc)
+            self._evict(directory.parent)
+            directory, digest = self.download(name, int(version))  # type: ignore[arg-type]
+            component = read_component(directory, digest)
         component.metadata["registry_version"] = int(version)  # type: ignore[arg-type]
         return component
 
@@ -288,7 +427,10 @@ class Registry:
         return infos
 
     def names(self) -> list[str]:
-        return sorted(m.name for m in self.client.search_registered_models())
+        """Registered components (not the locks `store_lock` keeps on a server-backed store)."""
+        return sorted(
+            m.name for m in self.client.search_registered_models() if not m.name.startswith(LOCK_PREFIX)
+        )
 
 
 def _flat_params(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:

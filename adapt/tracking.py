@@ -54,6 +54,20 @@ def ensure_experiment(client, name: str, uri: str) -> str:
         return existing.experiment_id
 
 
+def dispose_connections(uri: str) -> None:
+    """Close the database connections MLflow pools for `uri`, so the next query opens the database
+    anew (e.g. a sqlite file replaced by a restore). MLflow keeps one SQLAlchemy engine per URI and
+    process, shared by every client, in its stores' `_engine_map`: a fresh MlflowClient alone
+    would keep reading the old file."""
+    from mlflow.store.model_registry.sqlalchemy_store import SqlAlchemyStore as RegistryStore
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore as TrackingStore
+
+    for store in (TrackingStore, RegistryStore):
+        engine = getattr(store, "_engine_map", {}).get(uri)
+        if engine is not None:
+            engine.dispose()
+
+
 def client(uri: str | None = None):
     """An MlflowClient on the resolved URI. For a local sqlite store, the directory is created on
     first use and the schema is created/migrated under an exclusive file lock, so two processes

@@ -2,8 +2,10 @@
 
 The step log (CSV, JSONL or parquet with the columns of `adapt.steplog.STEP_LOG_COLUMNS`)
 is split by time -- the first 80% of steps train, the last 20% test -- so the held-out error is an
-honest forecast. The candidate is logged and registered; with `--promote-if-better` it becomes the
-champion only if its held-out MAPE beats the champion's on the same steps by `margin`.
+honest forecast; at least `FittedCostModel.least_data` (20) steps must train and `LEAST_TEST` (10)
+be held out, so a log of fewer than 50 steps is refused. The candidate is logged and registered;
+with `--promote-if-better` it becomes the champion only if its held-out MAPE beats the champion's
+on the same steps by `margin`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from adapt.traces import TraceError
 from pipelines.outcome import TrainOutcome
 from pipelines.runner import PipelineSpec, Split, run_pipeline
 from predictors.cost_model import FittedCostModel
+
+LEAST_TEST = 10
 
 if TYPE_CHECKING:  # pandas loads when a step log is read, not when the CLI builds its parser
     import pandas as pd
@@ -72,7 +76,9 @@ def train_cost_model(
         window = {"source": source, "train_steps": cut, "test_steps": len(steps) - cut}
         return Split(steps.iloc[:cut], steps.iloc[cut:], window)
 
-    spec = PipelineSpec("cost-model", "mape", lower_is_better=True, build=FittedCostModel, split=split)
+    spec = PipelineSpec(
+        "cost-model", "mape", lower_is_better=True, build=FittedCostModel, split=split, least_test=LEAST_TEST
+    )
     return run_pipeline(
         spec,
         registry,

@@ -22,7 +22,7 @@ from adapt.traces import Trace
 from pipelines.outcome import TrainOutcome
 from pipelines.replay_checks import jitserve_goodput
 from pipelines.runner import PipelineSpec, Split, run_pipeline
-from pipelines.semantic_history import instruction_window, load_prompt_responses
+from pipelines.semantic_history import LEAST_TEST_PROMPTS, instruction_window, load_prompt_responses
 from predictors.pattern_graph import PatternGraph
 from predictors.qrf_length import QrfLength
 
@@ -65,6 +65,7 @@ def train_qrf_length(
         evaluate_champion=evaluate_champion,
         replay=jitserve_goodput("qrf"),
         replay_metric="replay_goodput_tokens",
+        least_test=LEAST_TEST_PROMPTS,
     )
     return run_pipeline(
         spec,

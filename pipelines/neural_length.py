@@ -16,7 +16,7 @@ from adapt.traces import Trace
 from pipelines.outcome import TrainOutcome
 from pipelines.replay_checks import jitserve_goodput
 from pipelines.runner import PipelineSpec, run_pipeline
-from pipelines.semantic_history import instruction_window, load_prompt_responses
+from pipelines.semantic_history import LEAST_TEST_PROMPTS, instruction_window, load_prompt_responses
 from predictors.neural_length import NeuralLength, training_hash
 
 
@@ -51,6 +51,7 @@ def train_neural_length(
         training_hash=training_hash,  # checked before a minute of training
         replay=jitserve_goodput("qrf"),
         replay_metric="replay_goodput_tokens",
+        least_test=LEAST_TEST_PROMPTS,
     )
     return run_pipeline(
         spec,

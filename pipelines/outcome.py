@@ -1,8 +1,11 @@
 """What every training pipeline returns, and the one champion/challenger gate they all pass.
 
 Every way a version reaches the registry -- `run_pipeline`, the SLAI and EWSJF tuners, the online
-EWSJF tuner, `adapt retrain` -- ends in `register_and_gate` with a `Gate`: the candidate is
-registered, then promoted only if asked to and the gate says it beats the champion scored on the
+EWSJF tuner, `adapt retrain` -- ends in `register_and_gate` with a `Gate`: the candidate must first
+pass its own canaries (`validate`, what a hot-swap slot runs before serving it) and have finite,
+plausible held-out metrics (`check_metrics`: a cost model's step times physical, a bound's coverage
+near its quantile) -- else it is refused and nothing is registered, let alone promoted; then it is
+registered, and promoted only if asked to and the gate says it beats the champion scored on the
 same data.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adapt.component import ComponentError, LearnedComponent
 from adapt.registry import Registry, RegistryError
 
 
@@ -75,9 +79,20 @@ def latest_data_hash(registry: Registry, name: str) -> str | None:
     return versions[-1].tags.get("adapt.data_hash") if versions else None
 
 
+def check_candidate(candidate: LearnedComponent, metrics: dict[str, float]) -> None:
+    """Refuse (ComponentError, one line) a candidate that fails its canaries or whose held-out
+    metrics are not finite and plausible: a model that could never serve is not registered."""
+    try:
+        candidate.validate()
+        candidate.check_metrics(metrics)
+    except Exception as exc:  # a canary that crashes is a refusal too, as when a slot loads it
+        reason = str(exc) if isinstance(exc, ComponentError) else f"{type(exc).__name__}: {exc}"
+        raise ComponentError(f"{reason}; candidate not registered") from exc
+
+
 def register_and_gate(
     registry: Registry,
-    candidate,
+    candidate: LearnedComponent,
     metrics: dict[str, float],
     champion_metrics: dict[str, float] | None,
     gate: Gate,
@@ -86,9 +101,10 @@ def register_and_gate(
     run_id: str | None = None,
     params: dict[str, object] | None = None,
 ) -> TrainOutcome:
-    """Register the candidate (in run `run_id` when training already opened one), then promote it
-    when asked and `gate` passes against the champion's metrics (scored on the same data); the
-    champion stays otherwise."""
+    """Check the candidate (`check_candidate`), register it (in run `run_id` when training already
+    opened one), then promote it when asked and `gate` passes against the champion's metrics
+    (scored on the same data); the champion stays otherwise."""
+    check_candidate(candidate, metrics)
     version = registry.log(candidate, metrics=metrics, run_id=run_id, params=params)
     promoted = promote_if_better and gate.passes(metrics, champion_metrics)
     if promoted:

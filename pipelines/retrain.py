@@ -1,8 +1,9 @@
 """`adapt retrain`: refit every component whose training data moved, gate, promote.
 
 Made for cron, systemd timers and Kubernetes CronJobs:
-- one run at a time per store: an exclusive, non-blocking lock file beside the data; a second
-  concurrent run exits at once with EXIT_LOCKED;
+- one run at a time per store, whatever data directory each reads: an exclusive, non-blocking
+  lock on the store (`Registry.store_lock`: a lock file beside a sqlite database, a lock entry in a
+  server-backed registry); a second concurrent run exits at once with EXIT_LOCKED;
 - idempotent: a candidate whose training-data hash equals the latest registered version's is not
   registered again, so re-running on unchanged data changes nothing;
 - a failure in one component is reported and leaves its champion untouched; the others still run.
@@ -18,7 +19,6 @@ Components tuned on replay (`slai-offset`, EWSJF's Theta) are retrained by `adap
 
 from __future__ import annotations
 
-import fcntl
 import sys
 import time
 from collections.abc import Callable
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from adapt.registry import Registry
+from adapt.registry import Registry, StoreLocked
 from adapt.traces import Trace, load_trace
 from pipelines.cost_model import load_step_log, train_cost_model
 from pipelines.ewsjf import train_ewsjf_meta
@@ -37,8 +37,7 @@ from pipelines.outcome import TrainOutcome
 EXIT_OK, EXIT_FAILED, EXIT_LOCKED = 0, 1, 75  # 75 = EX_TEMPFAIL: try again later
 
 
-class RetrainLocked(RuntimeError):
-    """Another retrain run holds the lock."""
+RetrainLocked = StoreLocked  # another retrain run holds the store's lock
 
 
 @dataclass
@@ -146,19 +145,13 @@ def retrain_once(
     retrainers: dict[str, Retrainer],
     *,
     margin: float = 0.0,
-    lock_path: Path | None = None,
 ) -> list[RetrainResult]:
-    """One pass over `retrainers` (the catalogue's: `pipelines.catalogue.retrainers()`), under an
-    exclusive lock."""
+    """One pass over `retrainers` (the catalogue's: `pipelines.catalogue.retrainers()`), under the
+    store's exclusive retrain lock (RetrainLocked when another run holds it)."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise FileNotFoundError(f"{data_dir}: no such data directory")
-    lock_path = lock_path or data_dir / ".retrain.lock"
-    with open(lock_path, "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RetrainLocked(f"{lock_path}: another retrain is running") from None
+    with registry.store_lock("retrain"):
         results = []
         for name, retrain in retrainers.items():
             print(f"retrain: {name} ...", file=sys.stderr)

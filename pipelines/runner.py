@@ -7,10 +7,13 @@
 A component's pipeline is a `PipelineSpec`: how to split its data, how to build and fit it, how to
 score it and which metric the gate compares, and optionally a replay metric. `run_pipeline` runs the
 steps, prints each with its duration, and records the durations on the version's MLflow run
-(`seconds_<step>`). Nothing is registered before every scoring step has succeeded, and nothing is
-promoted unless the primary metric beats the champion's by `margin` *and* the replay metric (when
-measured) is not worse than the champion's by more than `replay_tolerance` -- so a step that fails,
-or a candidate that scores well offline but schedules worse, leaves the champion untouched.
+(`seconds_<step>`). A split whose training part is smaller than the component's `least_data`, or
+whose held-out part is smaller than the spec's `least_test`, is refused before fitting: a gate
+scored on a handful of rows promotes noise. Nothing is registered before every scoring step has
+succeeded and the candidate has passed `pipelines.outcome.check_candidate`, and nothing is promoted
+unless the primary metric beats the champion's by `margin` *and* the replay metric (when measured)
+is not worse than the champion's by more than `replay_tolerance` -- so a step that fails, or a
+candidate that scores well offline but schedules worse, leaves the champion untouched.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ class PipelineSpec:
     None); by default `candidate.fit(train)`. `evaluate_champion` returns None when the champion
     cannot be scored on this data (then the candidate is compared with nothing). `training_hash`
     lets an unchanged window be skipped before fitting. `replay(registry, component)` returns
-    `replay_metric` for the policy the component drives.
+    `replay_metric` for the policy the component drives. `least_test`: the least held-out data,
+    in the component's `data_unit`, whose scores the gate may trust.
     """
 
     component: str
@@ -59,6 +63,7 @@ class PipelineSpec:
     replay: Callable[[Registry, Any], float] | None = None
     replay_metric: str = ""
     replay_lower_is_better: bool = False
+    least_test: int = 1
 
 
 class _Steps:
@@ -98,6 +103,8 @@ def run_pipeline(
     if skip_unchanged and spec.training_hash is not None and spec.training_hash(split.train) == latest:
         return TrainOutcome(None, False, {}, None)
     candidate = spec.build(**params)
+    candidate.require_data(split.train, part="training part")
+    candidate.require_data(split.test, least=spec.least_test, part="held-out part")
     run_id = None
     with steps.step("fit"):
         if spec.fit is not None:

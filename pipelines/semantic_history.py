@@ -21,6 +21,7 @@ from pipelines.runner import PipelineSpec, Split, run_pipeline
 from predictors.semantic_history import MODES, SemanticHistory
 
 BASELINE_MODES = tuple(m for m in MODES if m != "semantic")
+LEAST_TEST_PROMPTS = 5  # held-out instructions a prompt/response pipeline's gate needs
 
 
 def default_data() -> Path:
@@ -98,6 +99,7 @@ def train_semantic_history(
         replay=sagesched_ttlt,
         replay_metric="replay_ttlt_mean",
         replay_lower_is_better=True,
+        least_test=LEAST_TEST_PROMPTS,
     )
     return run_pipeline(
         spec,

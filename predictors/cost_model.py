@@ -7,8 +7,11 @@ records (the same ones the roofline uses):
     duration = c0 + c1 * tokens + c2 * sampled + c3 * attention_units + c4 * kv_read + c5 * decodes
 
 with non-negative coefficients (non-negative least squares: every feature can only add time), so
-it extrapolates sanely to batches bigger than those seen. Saved as JSON. It offers the cost-model
-interface of the replay engine (`time`, `decode_run_times`, `kv_capacity_tokens`).
+it extrapolates sanely to batches bigger than those seen. Six coefficients need far more than six
+steps to mean anything, so it refuses fewer than `least_data` (20); and a step time is physical only
+when positive and under `MAX_STEP_S` (an hour): a model predicting otherwise on held-out steps or on
+its canaries -- fitted to a log of zeros or of 1e300s -- never reaches the registry. Saved as JSON.
+It offers the cost-model interface of the replay engine (`time`, `decode_run_times`, `kv_capacity_tokens`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from adapt.component import ComponentError, LearnedComponent, data_fingerprint
 from adapt.steplog import STEP_FIELDS, StepBatch, attention_work
 
 FEATURES: tuple[str, ...] = ("intercept", "tokens", "sampled", "attn_units", "kv_read", "num_decodes")
+MAX_STEP_S = 3600.0  # no engine step of any model on any hardware takes an hour
 
 
 def _design(columns: dict[str, Any]) -> np.ndarray:
@@ -45,6 +49,8 @@ class FittedCostModel(LearnedComponent):
     name = "cost-model"
     primary_metric = "mape"
     lower_is_better = True
+    least_data = 20
+    data_unit = "steps"
 
     def __init__(self, kv_capacity: int = 50_000) -> None:
         self.kv_capacity = kv_capacity
@@ -53,10 +59,9 @@ class FittedCostModel(LearnedComponent):
         """`data`: step-log columns (`adapt.steplog.STEP_LOG_COLUMNS`), e.g. a DataFrame or dict."""
         from scipy.optimize import nnls
 
+        self.require_data(data["duration_s"])
         X = _design(data)
         y = np.asarray(data["duration_s"], dtype=np.float64)
-        if len(y) < len(FEATURES):
-            raise ValueError(f"cost-model: need at least {len(FEATURES)} steps to fit, got {len(y)}")
         # Scale columns so NNLS is well conditioned, then unscale the coefficients.
         scale = np.maximum(np.abs(X).max(axis=0), 1e-12)
         coef, _ = nnls(X / scale, y)
@@ -82,7 +87,19 @@ class FittedCostModel(LearnedComponent):
             "median_ape": float(np.median(ape)),
             "r2": float(1 - residual / total) if total > 0 else 1.0,
             "steps": float(len(y)),
+            "predicted_min_s": float(pred.min()),
+            "predicted_max_s": float(pred.max()),
         }
+
+    def check_metrics(self, metrics: dict[str, float | None]) -> None:
+        """Finite metrics, and every held-out step predicted to take a physical time."""
+        super().check_metrics(metrics)
+        low, high = metrics["predicted_min_s"], metrics["predicted_max_s"]
+        if not (low > 0 and high < MAX_STEP_S):  # type: ignore[operator]
+            raise ComponentError(
+                f"cost-model: held-out step times predicted {low:.4g}..{high:.4g} s; a step takes"
+                f" more than 0 and less than {MAX_STEP_S:.0f} s"
+            )
 
     # -------------------------------------------------- replay-engine interface
     def time(self, batch) -> np.ndarray | float:
@@ -126,7 +143,8 @@ class FittedCostModel(LearnedComponent):
             raise ComponentError("cost-model: coefficients must be finite and non-negative")
         small = self.predict({"tokens": 1, "sampled": 1, "num_decodes": 1, "decode_ctx_sum": 100})
         big = self.predict({"tokens": 2048, "sampled": 1, "prefill_attn_units": 2048 * 1024.5})
-        if not (small[0] > 0 and big[0] >= small[0]):
+        if not (0 < small[0] <= big[0] < MAX_STEP_S):
             raise ComponentError(
                 f"cost-model: canary step times {small[0]:.4g}s / {big[0]:.4g}s are implausible"
+                f" (positive, more work not faster, under {MAX_STEP_S:.0f} s)"
             )

@@ -154,6 +154,8 @@ class EwsjfMetaPolicy(LearnedComponent):
     name = "ewsjf-meta-policy"
     primary_metric = "reward"
     lower_is_better = False
+    least_data = 3
+    data_unit = "prompt lengths"
 
     def __init__(
         self,
@@ -186,8 +188,7 @@ class EwsjfMetaPolicy(LearnedComponent):
         """`data`: a window of prompt lengths (array-like)."""
         self._validate_params()
         lengths = np.asarray(data, dtype=np.float64)
-        if len(lengths) < 3:
-            raise ValueError(f"ewsjf-meta-policy: need at least 3 prompt lengths, got {len(lengths)}")
+        self.require_data(lengths)
         if self.partition == "kmeans":
             clusters = kmeans_1d(np.sort(lengths), self.k, self.seed)
         else:

@@ -10,18 +10,26 @@ forest and a quantile network is on equal terms:
   of the fit (`calibration_rows`, `conformal_scales`, `apply_scales`), because a model's own high
   quantile under-covers on prompts it has not seen;
 - scoring: coverage, mean over-estimation and mean bound after 0/50/100/200 tokens, and
-  `coverage_error`, the largest miss of the target quantile (`coverage_metrics`).
+  `coverage_error`, the largest miss of the target quantile (`coverage_metrics`);
+- evidence: both refuse to fit on fewer than `LEAST_PROMPTS` distinct prompts, and the gate refuses
+  a bound whose held-out coverage misses its quantile by more than `COVERAGE_BAND`
+  (`check_coverage`): a "0.95 bound" covering 60% of requests is not one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
+
+from adapt.component import ComponentError
 
 TRAIN_POINTS: tuple[int, ...] = (0, 50, 100, 200, 400)
 EVAL_POINTS: tuple[int, ...] = (0, 50, 100, 200)
 MIN_CALIBRATION_ROWS = 30
+LEAST_PROMPTS = 10
+COVERAGE_BAND = 0.25
 
 
 def refinement_rows(output_tokens: Sequence[int], points: Sequence[int]) -> tuple[np.ndarray, ...]:
@@ -89,3 +97,27 @@ def coverage_metrics(
         abs(metrics[f"coverage_at_{g}"] - quantile) for g in EVAL_POINTS if f"coverage_at_{g}" in metrics
     )
     return metrics
+
+
+class BoundEvidence:
+    """The evidence rules of a bound predictor (a mixin before `LearnedComponent`): fitted on at
+    least LEAST_PROMPTS distinct prompts, registered only with held-out coverage within
+    COVERAGE_BAND of its quantile at every refinement point (`coverage_error` is the largest miss)."""
+
+    name: str
+    quantile: float
+    least_data = LEAST_PROMPTS
+    data_unit = "distinct prompts"
+
+    def data_size(self, data: Any) -> int:
+        """Distinct prompts (0 without prompt texts): what a bound learnt across prompts has seen."""
+        return len(set(data.prompt_text or ()))
+
+    def check_metrics(self, metrics: Mapping[str, float | None]) -> None:
+        super().check_metrics(metrics)  # type: ignore[misc]
+        miss = metrics["coverage_error"]
+        if not miss <= COVERAGE_BAND:  # type: ignore[operator]
+            raise ComponentError(
+                f"{self.name}: held-out coverage misses its quantile {self.quantile} by {miss:.3f}"
+                f" (allowed: {COVERAGE_BAND}); not a {self.quantile} bound"
+            )

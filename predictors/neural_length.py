@@ -28,6 +28,7 @@ from predictors.embedding import DIMENSION, shared_cache
 from predictors.length_bounds import (
     EVAL_POINTS,
     TRAIN_POINTS,
+    BoundEvidence,
     apply_scales,
     calibration_rows,
     conformal_scales,
@@ -40,7 +41,7 @@ SCALING_FILE = "scaling.json"
 NUMERIC_FEATURES = 2  # log1p(prompt tokens), log1p(generated)
 
 
-class NeuralLength(LearnedComponent):
+class NeuralLength(BoundEvidence, LearnedComponent):
     """Upper bound (quantile `quantile`) on the remaining output length (see module docstring)."""
 
     name = "neural-length"
@@ -145,6 +146,7 @@ class NeuralLength(LearnedComponent):
         from predictors.quantile_mlp import train_quantile_net
 
         self._validate_params()
+        self.require_data(data)
         data_hash = training_hash(data)
         calibration = None
         if self.calibration_share > 0:

@@ -52,6 +52,7 @@ class PatternGraph(LearnedComponent):
     name = "pattern-graph"
     primary_metric = "share_error"
     lower_is_better = True
+    data_unit = "programs"
 
     def __init__(
         self,
@@ -149,8 +150,7 @@ class PatternGraph(LearnedComponent):
         """Store the history, clustered with k-medoids when it exceeds `max_graphs`."""
         self._validate_params()
         graphs = [g for g in data if g.stages]
-        if not graphs:
-            raise ValueError("pattern-graph: no programs with stages to fit on")
+        self.require_data(graphs, part="training data (programs with stages)")
         self.vocabulary_ = {}
         encoded = self._encode(graphs)
         if len(graphs) > self.max_graphs:

@@ -36,6 +36,7 @@ from predictors.compiled_forest import CompiledQuantileForest
 from predictors.length_bounds import (
     EVAL_POINTS,
     TRAIN_POINTS,
+    BoundEvidence,
     apply_scales,
     calibration_rows,
     conformal_scales,
@@ -52,7 +53,7 @@ TRUSTED_TYPES = [
 ]
 
 
-class QrfLength(LearnedComponent):
+class QrfLength(BoundEvidence, LearnedComponent):
     """Upper bound (quantile `quantile`) on the remaining output length (see module docstring)."""
 
     name = "qrf-length"
@@ -144,6 +145,7 @@ class QrfLength(LearnedComponent):
         from quantile_forest import RandomForestQuantileRegressor
 
         self._validate_params()
+        self.require_data(data)
         calibration = None
         if self.calibration_share > 0:
             held = calibration_rows(data.prompt_text, self.calibration_share)

@@ -48,6 +48,8 @@ class SemanticHistory(LearnedComponent):
     name = "semantic-history"
     primary_metric = "wasserstein"
     lower_is_better = True
+    least_data = 10
+    data_unit = "distinct prompts"
 
     def __init__(
         self,
@@ -245,6 +247,7 @@ class SemanticHistory(LearnedComponent):
         output lengths (e.g. AlpacaEval); the prior the paper draws from public datasets."""
         self._validate_params()
         texts, prompts, outputs = _columns(data)
+        self.require_data(data)
         texts, prompts, outputs = texts[-self.window :], prompts[-self.window :], outputs[-self.window :]
         print(f"semantic-history: embedding {len(set(texts)):,} distinct prompts", file=sys.stderr)
         embeddings, has_text = embed_prompts(texts)
@@ -256,6 +259,10 @@ class SemanticHistory(LearnedComponent):
             data_hash=data_fingerprint(np.asarray(prompts), np.asarray(outputs), list(texts)),
         )
         return self
+
+    def data_size(self, data: Any) -> int:
+        """Distinct prompts: fewer than ten make every prediction the fallback prior."""
+        return len(set(data.prompt_text or ()))
 
     def evaluate(self, data: Any, exclude_same_prompt: bool = False) -> dict[str, float]:
         """Score predictions for each distinct prompt of `data` against all lengths recorded for it.

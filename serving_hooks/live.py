@@ -113,6 +113,7 @@ class LiveComponents:
             "components": {slot.name: self.applied[a] for a, slot in self.slots.items()},
             "swaps": sum(slot.swaps for slot in slots),
             "failed_swaps": sum(slot.failed_swaps for slot in slots),
+            "reconnects": sum(slot.reconnects for slot in slots),
         }
 
     def _publish(self) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from adapt.component import ComponentError, read_component
 from adapt.hotswap import Slot
-from adapt.registry import Registry, RegistryError
+from adapt.registry import Registry, RegistryError, StoreLocked
 from predictors.cost_model import FittedCostModel
 from serving_hooks.policies.config import PolicyConfig
 from tests.replay_helpers import step_log
@@ -314,3 +314,73 @@ def test_default_cache_lives_beside_an_embedded_store(tmp_path):
     registry.load("policy-config", version=version)
     assert registry.cache_dir == tmp_path / "store" / "model-cache"
     assert list((registry.cache_dir / "policy-config").iterdir())
+
+
+def test_a_corrupt_store_copy_is_not_cached_so_repairing_the_store_fixes_the_load(reg):
+    version = reg.log(PolicyConfig("sarathi", {"token_budget": 256}))
+    header = artifact_dir(reg, "policy-config", version) / "component.json"
+    intact = header.read_bytes()
+    header.write_bytes(intact.replace(b"256", b"257"))
+    with pytest.raises(ComponentError, match=r"the store's copy .* fails verification, not cached"):
+        reg.load("policy-config", version=version)
+    assert not list(reg.cache_dir.rglob("component.json"))
+    header.write_bytes(intact)  # the store is repaired: no cache to delete by hand
+    assert reg.load("policy-config", version=version).params["token_budget"] == 256
+
+
+def test_a_cache_entry_damaged_later_is_downloaded_again(reg):
+    version = reg.log(PolicyConfig("sarathi", {"token_budget": 256}))
+    cached, _ = reg.download("policy-config", version)
+    header = cached / "component.json"
+    header.write_text(header.read_text().replace("256", "257"))
+    assert reg.load("policy-config", version=version).params["token_budget"] == 256
+    assert "256" in (cached / "component.json").read_text()
+
+
+def test_a_slot_reconnects_when_its_store_file_is_replaced(reg, tmp_path):
+    """A restore from backup replaces the sqlite file (a new inode); MLflow's pooled connections
+    kept reading the old, deleted file, so the slot never saw the restored store's champion."""
+    v1 = reg.log(PolicyConfig("fcfs"))
+    v2 = reg.log(PolicyConfig("spf"))
+    reg.promote("policy-config", v1)
+    slot = Slot(reg, "policy-config", interval_s=60)
+    assert slot.swap_now() and slot.version == v1
+    backup = tmp_path / "backup.db"
+    backup.write_bytes((tmp_path / "mlflow.db").read_bytes())
+    Registry(f"sqlite:///{backup}", cache_dir=tmp_path / "cache").promote("policy-config", v2)
+    backup.replace(tmp_path / "mlflow.db")  # restore: champion v2 in the file now in place
+    assert slot.swap_now() and slot.version == v2 and slot.get().policy == "spf"
+    assert slot.status()["reconnects"] == 1
+    assert slot.swap_now() is False and slot.reconnects == 1  # ordinary polls do not reconnect
+    reg.promote("policy-config", v1)  # writes through the new connection
+    assert slot.swap_now() and slot.version == v1 and slot.reconnects == 1
+
+
+def test_store_lock_is_per_store_and_released(tmp_path):
+    uri = f"sqlite:///{tmp_path / 's.db'}"
+    first, second = Registry(uri, cache_dir=tmp_path / "c"), Registry(uri, cache_dir=tmp_path / "c")
+    with first.store_lock("retrain"):
+        locked = r"s\.db\.retrain\.lock: another retrain holds this store"
+        with pytest.raises(StoreLocked, match=locked), second.store_lock("retrain"):
+            pass
+        with second.store_lock("other-job"):  # locks are per purpose
+            pass
+    with second.store_lock("retrain"):
+        pass
+
+
+def test_server_store_lock_is_a_registered_model_with_stale_takeover(tmp_path):
+    """The form `store_lock` takes on a server-backed store (any MLflow store runs it): creating a
+    registered model is the test-and-set, so a second holder is refused; a stale one is taken over;
+    the lock never shows among the components."""
+    uri = f"sqlite:///{tmp_path / 's.db'}"
+    first, second = Registry(uri, cache_dir=tmp_path / "c"), Registry(uri, cache_dir=tmp_path / "c")
+    with first._model_lock("retrain", stale_after_s=3600):
+        with pytest.raises(StoreLocked, match="another retrain holds"), second._model_lock("retrain", 3600):
+            pass
+        assert first.names() == []
+        takeover = second._model_lock("retrain", stale_after_s=0.0)  # the first one looks dead
+        with takeover, pytest.raises(StoreLocked), first._model_lock("retrain", stale_after_s=3600):
+            pass
+    with second._model_lock("retrain", stale_after_s=3600):  # released, by whoever held it last
+        pass
