@@ -165,7 +165,7 @@ def real_requests(out: Path) -> list[dict[str, Any]]:
 def fit_cost_model(out: Path, kv_capacity: int) -> Any:
     import pandas as pd
 
-    from pipelines.cost_model import load_step_log
+    from adapt.steplog import load_step_log
     from predictors.cost_model import FittedCostModel
 
     frame = pd.concat([load_step_log(p) for p in sorted(out.glob("steps-*.jsonl"))], ignore_index=True)

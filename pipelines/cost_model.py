@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from adapt.registry import Registry
-from adapt.steplog import STEP_LOG_COLUMNS
-from adapt.traces import TraceError
+from adapt.steplog import load_step_log
 from pipelines.outcome import TrainOutcome
 from pipelines.runner import PipelineSpec, Split, run_pipeline
 from predictors.cost_model import FittedCostModel
@@ -24,31 +23,6 @@ LEAST_TEST = 10
 
 if TYPE_CHECKING:  # pandas loads when a step log is read, not when the CLI builds its parser
     import pandas as pd
-
-
-def load_step_log(path: str | Path) -> pd.DataFrame:
-    import pandas as pd
-
-    path = Path(path)
-    if not path.is_file():
-        raise TraceError(path, "no such file")
-    suffixes = "".join(path.suffixes)
-    if ".parquet" in suffixes:
-        frame = pd.read_parquet(path)
-    elif ".jsonl" in suffixes:
-        frame = pd.read_json(path, lines=True)
-    else:
-        frame = pd.read_csv(path)
-    required = {"tokens", "duration_s"}
-    missing = required - set(frame.columns)
-    if missing:
-        raise TraceError(path, f"missing column(s) {', '.join(sorted(missing))}", line=1)
-    for column in frame.columns:
-        if column in STEP_LOG_COLUMNS and (frame[column] < 0).any():
-            raise TraceError(path, "negative values", field=column)
-    if "start_s" in frame.columns:
-        frame = frame.sort_values("start_s", kind="stable")
-    return frame.reset_index(drop=True)
 
 
 def train_cost_model(

@@ -57,9 +57,10 @@ def replay_ewsjf(
     spec = WORKLOADS["ewsjf-mixed"]
     cost = roofline(spec.model, spec.gpu, tp=spec.tp)
     policy = EWSJF(meta)
-    metrics = ReplayEngine(policy, cost).run(requests).metrics()
+    metrics = ReplayEngine(policy, cost, spec.engine_config()).run(requests).metrics()
     if baseline_ttft is None:
-        baseline_ttft = ReplayEngine(make_policy("fcfs"), cost).run(requests).metrics()["ttft_mean"]
+        fcfs = ReplayEngine(make_policy("fcfs"), cost, spec.engine_config())
+        baseline_ttft = fcfs.run(requests).metrics()["ttft_mean"]
     terms = policy.layout_report()
     terms["latency"] = metrics["ttft_mean"] / baseline_ttft
     return EwsjfTrial(equation5(terms, weights), terms, metrics)
@@ -69,7 +70,8 @@ def ewsjf_objective(requests, lengths: np.ndarray):
     """Optuna objective over Theta: refit the layout with the trial's alpha on the history window,
     replay `requests`, return (-reward, measured terms)."""
     spec = WORKLOADS["ewsjf-mixed"]
-    baseline = ReplayEngine(make_policy("fcfs"), roofline(spec.model, spec.gpu, tp=spec.tp)).run(requests)
+    cost = roofline(spec.model, spec.gpu, tp=spec.tp)
+    baseline = ReplayEngine(make_policy("fcfs"), cost, spec.engine_config()).run(requests)
     baseline_ttft = baseline.metrics()["ttft_mean"]
 
     def objective(theta: dict[str, float]) -> tuple[float, dict[str, Any]]:
@@ -218,7 +220,8 @@ def online_tune_ewsjf(
     spec = WORKLOADS["ewsjf-mixed"]
     champion = registry.champion("ewsjf-meta-policy") or EwsjfMetaPolicy().fit(history_lengths())
     policy = OnlineEWSJF(champion, window=window, mlflow_experiment="tune-ewsjf-online")
-    ReplayEngine(policy, roofline(spec.model, spec.gpu, tp=spec.tp)).run(spec.build(rate, num_requests, 0))
+    cost = roofline(spec.model, spec.gpu, tp=spec.tp)
+    ReplayEngine(policy, cost, spec.engine_config()).run(spec.build(rate, num_requests, 0))
     history = policy.tuner.history
     if not history:
         raise ValueError(f"online tuning: fewer than {window} requests finished; nothing to compare")

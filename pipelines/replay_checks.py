@@ -24,7 +24,8 @@ def _replay(workload: str, rate: float, policy: Any) -> dict[str, Any]:
 
     spec = WORKLOADS[workload]
     requests = spec.build(rate, REPLAY_JOBS, REPLAY_SEED)
-    return ReplayEngine(policy, roofline(spec.model, spec.gpu, tp=spec.tp)).run(requests).metrics()
+    cost = roofline(spec.model, spec.gpu, tp=spec.tp)
+    return ReplayEngine(policy, cost, spec.engine_config()).run(requests).metrics()
 
 
 def jitserve_goodput(part: str) -> Callable[[Registry, Any], float]:

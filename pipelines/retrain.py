@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from adapt.registry import Registry, StoreLocked
+from adapt.steplog import load_step_log
 from adapt.traces import Trace, load_trace
-from pipelines.cost_model import load_step_log, train_cost_model
+from pipelines.cost_model import train_cost_model
 from pipelines.ewsjf import train_ewsjf_meta
 from pipelines.jitserve import train_pattern_graph
 from pipelines.outcome import TrainOutcome

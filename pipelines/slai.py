@@ -33,7 +33,8 @@ def make_setup(rate: float, num_requests: int, seed: int = 0, paying_share: floa
 
 
 def run(setup: ReplaySetup, policy: Policy, overlap: str = DEFAULT_OVERLAP) -> ReplayResult:
-    engine = ReplayEngine(policy, roofline(setup.model, setup.gpu, tp=setup.tp, overlap=overlap))
+    cost = roofline(setup.model, setup.gpu, tp=setup.tp, overlap=overlap)
+    engine = ReplayEngine(policy, cost, WORKLOADS["slai-tiers"].engine_config())
     return engine.run(setup.requests)
 
 

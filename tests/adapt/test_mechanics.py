@@ -16,7 +16,8 @@ def test_relied_on_by_hand():
     assert relied_on(make_policy("fcfs")) == UNIVERSAL
     assert relied_on(make_policy("vllm-v0")) == [*UNIVERSAL, "token_budget", "prefill_first"]
     assert relied_on(make_policy("sarathi")) == [*UNIVERSAL, "token_budget"]
-    assert relied_on(make_policy("slai")) == [*UNIVERSAL, "token_budget"]
+    assert relied_on(make_policy("slai")) == UNIVERSAL  # the workload's budget, like every policy
+    assert relied_on(make_policy("slai", token_budget=512)) == [*UNIVERSAL, "token_budget"]
     assert relied_on(make_policy("sjf-oracle")) == [*UNIVERSAL, "oracle"]
 
 

@@ -49,8 +49,8 @@ def _post(port, body):
 def _check_logs(directory, expected):
     """The monitor's logs are what the pipelines read: a request log of every request and a step
     log with measured durations (flushed once the engine went idle)."""
+    from adapt.steplog import load_step_log
     from adapt.traces import load_trace
-    from pipelines.cost_model import load_step_log
 
     deadline = time.time() + 30
     while True:
