@@ -231,12 +231,13 @@ def jitserve_mix(
 # Each workload's token budget is the one its best non-oracle baseline did best with, measured by
 # `python -m experiments.engine_settings --seeds 1` (quickstart sizes and rates, held-out seed 1,
 # default cost model): ewsjf-mixed short TTFT fastserve 0.61 s at 2048 vs 2.11 s at 512;
-# azure-conv mean TTLT spf 38.9 s at 512 vs 77.4 s at 2048; sagesched-mix mean TTLT spf 40.6 s at 512 vs 57.2 s; jitserve-mix goodput plas
-# 0.96 M at 512 vs spf 0.93 M at 2048. slai-tiers is the exception: its baselines' median TTFT is
-# better at 2048 (fastserve 0.42 s vs spf 0.62 s at 512), but there no policy keeps the paying
-# tier's P99 TBT under its 0.1 s target (one 2048-token step outlasts it on the RTX 6000 Ada: spf
-# and slai 0.169 s at 2.8 req/s, 400 requests), while at 512 slai does (0.071 s) -- a TBT-SLO
-# workload needs a budget whose step fits its tightest TBT, as Sarathi-Serve and SLAI run it.
+# azure-conv mean TTLT spf 38.9 s at 512 vs 77.4 s at 2048; sagesched-mix mean TTLT spf 40.6 s at
+# 512 vs 57.2 s; jitserve-mix goodput plas 0.96 M at 512 vs spf 0.93 M at 2048. slai-tiers is the
+# exception: its baselines' median TTFT is better at 2048 (fastserve 0.42 s vs spf 0.62 s at 512),
+# but there no policy keeps the paying tier's P99 TBT under its 0.1 s target (one 2048-token step
+# outlasts it on the RTX 6000 Ada: spf and slai 0.169 s at 2.8 req/s, 400 requests), while at 512
+# slai does (0.071 s) -- a TBT-SLO workload needs a budget whose step fits its tightest TBT, as
+# Sarathi-Serve and SLAI run it.
 WORKLOADS: dict[str, WorkloadSpec] = {
     "ewsjf-mixed": WorkloadSpec(
         "ewsjf-mixed",
