@@ -285,7 +285,13 @@ def run_quickstart(
         for p, m in data["policies"].items()
         if m["token_budget"] != settings[w]["token_budget"]
     }
-    table = format_settings(settings, own_budgets) + "\n\n" + format_leaderboard(leaderboard, dropped)
+    table = "\n\n".join(
+        (
+            format_settings(settings, own_budgets),
+            format_leaderboard(leaderboard, dropped),
+            format_guards(everything),
+        )
+    )
     report = out / "report.md"
     report.write_text(_report(table, plots, fast))
     print()
@@ -326,6 +332,36 @@ def format_settings(settings: dict[str, dict[str, int]], budgets: dict[str, int]
     line = f"Engine settings, the same for every policy: token budget per workload: {per_workload}"
     line += f"; max running {next(iter(settings.values()))['max_running']}."
     return line + (f" Policies with their own budget: {own}." if own else "")
+
+
+def guard(metrics: dict[str, Any]) -> tuple[float, float, float | None]:
+    """What a headline cannot hide: the share of requests served, the worst request class's P99
+    TTFT (all requests when there are no classes: starvation shows here), and the worst class's SLO
+    attainment (None without SLOs)."""
+    served = metrics["completed"] / metrics["num_requests"] if metrics["num_requests"] else 0.0
+    classes = list(metrics.get("by_class", {}).values()) or [metrics]
+    ttft = [c["ttft_p99"] for c in classes if c.get("ttft_p99") is not None]
+    attained = [c["slo_attainment"] for c in classes if c.get("slo_attainment") is not None]
+    return served, max(ttft, default=float("nan")), min(attained, default=None)
+
+
+def format_guards(everything: dict[str, Any]) -> str:
+    """Policy x workload: served share / worst class's P99 TTFT / worst class's SLO attainment."""
+    workloads = list(everything)
+    policies = list(next(iter(everything.values()))["policies"])
+    lines = [
+        "Guards (served share / worst class's P99 TTFT in s / worst class's SLO attainment):",
+        "",
+        "| policy | " + " | ".join(workloads) + " |",
+        "|---|" + "---|" * len(workloads),
+    ]
+    for policy in policies:
+        cells = []
+        for w in workloads:
+            served, ttft, attained = guard(everything[w]["policies"][policy])
+            cells.append(f"{served:.0%} / {ttft:.1f} / " + ("-" if attained is None else f"{attained:.2f}"))
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def format_leaderboard(
