@@ -40,6 +40,6 @@ def test_every_policy_decides_identically_in_both_engines(tiny_model, tmp_path, 
     """jitserve's bandit draws from a seeded generator, so it is deterministic too."""
     live, result = _lockstep(tiny_model, tmp_path, policy)
     assert sum(len(step["preempted"]) for step in live) > 0  # the run exercised KV pressure
-    budget = 512 if policy in ("sarathi", "slai", "jitserve") else SETTINGS["token_budget"]
+    budget = 512 if policy == "sarathi" else SETTINGS["token_budget"]  # only sarathi declares its own
     assert max(sum(step["scheduled"].values()) for step in live) <= budget
     assert result.agreement == 1.0, result.describe()
