@@ -101,7 +101,7 @@ def slai_gate(margin: float = 0.0) -> Gate:
 def train_slai_offset(
     registry: Registry,
     *,
-    rate: float = 2.8,
+    rate: float = 2.0,
     num_requests: int = 800,
     trials: int = 20,
     seed: int = 0,
