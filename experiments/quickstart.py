@@ -256,7 +256,7 @@ def run_quickstart(
         spec = WORKLOADS[workload]
         rate, num = sizes[fast]
         setup = ReplaySetup(spec.build(rate, num, 0), spec.info(rate, num, 0), spec.model, spec.gpu, spec.tp)
-        config = EngineConfig(token_budget=spec.token_budget)
+        config = spec.engine_config()
         settings[workload] = {"token_budget": config.token_budget, "max_running": config.max_running}
         print(
             f"[{index}/{len(SIZES)}] {workload}: {num:,} requests at {rate} req/s"
