@@ -84,12 +84,12 @@ def _cdf_plot(results: dict[str, ReplayResult], workload: str, out: Path) -> Pat
 
     fig, axes = figure(2, (11, 4))
     for name, result in results.items():
-        done = [r for r in result.records if r.finish_s is not None]
+        arrival = result.table.column("arrival_s")
         for ax, values in (
-            (axes[0], [r.first_token_s - r.arrival_s for r in done]),
-            (axes[1], [r.finish_s - r.arrival_s for r in done]),
+            (axes[0], result.table.column("first_token_s") - arrival),
+            (axes[1], result.table.column("finish_s") - arrival),
         ):
-            xs = np.sort(values)
+            xs = np.sort(values[~np.isnan(values)])
             ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name)
     for ax, title in zip(axes, ("TTFT", "TTLT"), strict=True):
         ax.set_xscale("log")

@@ -60,7 +60,7 @@ def kv_plot(
             SLAI(offset=tuned),
         ),
     ):
-        times, usage = run(setup, policy, overlap).kv_timeline
+        times, usage = run(setup, policy, overlap, keep_token_times=True).kv_timeline  # type: ignore[misc]
         ax.plot(times, usage * 100, label=label, linewidth=0.8)
     ax.set_xlabel("time (s)")
     ax.set_ylabel("KV-cache usage (%)")

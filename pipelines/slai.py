@@ -6,9 +6,12 @@ tuned policy as a `policy-config` version, so a server can swap to it in one mov
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from adapt.policy import Policy
 from adapt.registry import Registry
@@ -32,9 +35,13 @@ def make_setup(rate: float, num_requests: int, seed: int = 0, paying_share: floa
     return ReplaySetup(requests, spec.info(rate, num_requests, seed), spec.model, spec.gpu, spec.tp)
 
 
-def run(setup: ReplaySetup, policy: Policy, overlap: str = DEFAULT_OVERLAP) -> ReplayResult:
+def run(
+    setup: ReplaySetup, policy: Policy, overlap: str = DEFAULT_OVERLAP, keep_token_times: bool = False
+) -> ReplayResult:
+    """One replay on the slai-tiers engine settings (`keep_token_times`: keep the KV timeline)."""
     cost = roofline(setup.model, setup.gpu, tp=setup.tp, overlap=overlap)
-    engine = ReplayEngine(policy, cost, WORKLOADS["slai-tiers"].engine_config())
+    config = dataclasses.replace(WORKLOADS["slai-tiers"].engine_config(), keep_token_times=keep_token_times)
+    engine = ReplayEngine(policy, cost, config)
     return engine.run(setup.requests)
 
 
@@ -71,13 +78,14 @@ def keep_up_ratio(result: ReplayResult, start: float = 0.2, end: float = 0.8) ->
     """Completions over arrivals inside the middle of the arrival span. A finite trace always
     ends with a drain, so whole-run throughput understates a server that keeps up; in steady
     state the two counts match, and a growing backlog shows as a ratio below 1."""
-    arrivals = sorted(r.arrival_s for r in result.records)
+    arrivals = result.table.column("arrival_s")
     if len(arrivals) < 10:
         return 1.0
-    span = arrivals[-1] - arrivals[0]
-    low, high = arrivals[0] + start * span, arrivals[0] + end * span
-    arrived = sum(1 for t in arrivals if low <= t < high)
-    finished = sum(1 for r in result.records if r.finish_s is not None and low <= r.finish_s < high)
+    first, span = arrivals.min(), arrivals.max() - arrivals.min()
+    low, high = first + start * span, first + end * span
+    arrived = int(np.count_nonzero((low <= arrivals) & (arrivals < high)))
+    finish = result.table.column("finish_s")  # NaN (never inside) for a request not finished
+    finished = int(np.count_nonzero((low <= finish) & (finish < high)))
     return finished / arrived if arrived else 1.0
 
 

@@ -81,6 +81,12 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-mlflow", action="store_true", help="do not log runs to MLflow")
     parser.add_argument("--experiment", default="replay", help="MLflow experiment name")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--keep-token-times",
+        action="store_true",
+        help="keep every TBT sample for exact TBT percentiles (memory grows with the trace; by"
+        " default a sketch within 1e-4 relative, memory bounded by what is in flight)",
+    )
 
 
 def _trace_setup(args: argparse.Namespace) -> ReplaySetup:
@@ -195,7 +201,9 @@ def run_replay_command(args: argparse.Namespace) -> int:
         f" max running {args.max_running}: {', '.join(policies)}",
         file=sys.stderr,
     )
-    config = EngineConfig(token_budget=budget, max_running=args.max_running)
+    config = EngineConfig(
+        token_budget=budget, max_running=args.max_running, keep_token_times=args.keep_token_times
+    )
     cost = None
     if args.cost_model != "roofline":
         from adapt.registry import Registry

@@ -74,5 +74,5 @@ class Cluster:
             engine.drop_unreleased()
         if progress is not None:
             progress(sum(e.recorder.done_count for e in self.engines) - done)
-        results = [engine.recorder.result(0.0) for engine in self.engines]
+        results = [engine.result(0.0) for engine in self.engines]
         return ReplayResult.merge(results, time.perf_counter() - wall_start)

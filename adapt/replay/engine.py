@@ -70,6 +70,9 @@ class EngineConfig:
     async_scheduling: bool = False
     reserve_full_sequence: bool = True
     record_decisions: bool = False
+    # Raw TBT samples and the KV-usage timeline (memory grows with the trace); without them TBT
+    # percentiles come from a sketch within 1e-4 relative (`adapt.replay.sketch`).
+    keep_token_times: bool = False
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_running", "block_size", "max_model_len"):
@@ -106,8 +109,11 @@ class ReplayEngine:
         self.running: list[RequestState] = []
         self._pending: list[Request] = []
         self._pending_pos = 0
+        # True output lengths of the requests in the engine (dropped as each leaves: memory is
+        # bounded by what is in flight).
         self._true_len: dict[str, int] = {}
-        # Compound programs: dependants held until their parents finish (see module doc).
+        # Compound programs: dependants held until their parents finish (see module doc). Only
+        # program members are remembered here.
         self._added: set[str] = set()
         self._finished_s: dict[str, float] = {}
         self._held: dict[str, Request] = {}
@@ -117,7 +123,9 @@ class ReplayEngine:
         # A cluster routes arrivals one at a time; this fence keeps a decode run from jumping past
         # the next arrival routed anywhere (it might come here).
         self.arrival_fence_s = math.inf
-        self.recorder = Recorder(record_steps=self.config.record_steps)
+        self.recorder = Recorder(
+            record_steps=self.config.record_steps, keep_token_times=self.config.keep_token_times
+        )
         # Async scheduling: the last step's sampled requests, delivered after the next is planned.
         self._in_flight: tuple[float, list[RequestState]] | None = None
         self._placeholders: dict[str, int] = defaultdict(int)
@@ -138,7 +146,8 @@ class ReplayEngine:
             return
         if self._pending and request.arrival_s < self._pending[-1].arrival_s:
             raise ValueError(f"{request.request_id}: requests must be added in arrival order")
-        self._added.add(request.request_id)
+        if request.program is not None:
+            self._added.add(request.request_id)
         self._pending.append(request)
 
     def _hold(self, request: Request, parents: Sequence[str]) -> None:
@@ -169,7 +178,7 @@ class ReplayEngine:
 
     def _parent_done(self, parent: str, finished: bool) -> None:
         """A parent finished (or was dropped): release or drop the dependants waiting on it."""
-        if finished:
+        if finished and parent in self._added:
             self._finished_s[parent] = self.now
         for rid in self._dependants.pop(parent, ()):
             if rid not in self._held:
@@ -243,6 +252,7 @@ class ReplayEngine:
         if too_long or self.kv.blocks_for(request.prompt_tokens + request.output_tokens) > self.kv.num_blocks:
             reason = "longer than max_model_len" if too_long else "larger than the whole KV cache"
             self.recorder.dropped(state, self.now, reason)
+            del self._true_len[state.id]
             self._parent_done(state.id, finished=False)
             return
         self.waiting[state.id] = state
@@ -337,6 +347,7 @@ class ReplayEngine:
         for state in plan.drop:
             if self.waiting.pop(state.id, None) is not None:
                 self.recorder.dropped(state, self.now, "admission control")
+                del self._true_len[state.id]
                 self._note_freed(state)
                 self.policy.on_finish(state, self.now)
                 self._parent_done(state.id, finished=False)
@@ -518,6 +529,7 @@ class ReplayEngine:
             self.running.remove(state)
         self.kv.release(state.id)
         self._placeholders.pop(state.id, None)
+        del self._true_len[state.id]
         self._note_freed(state)
         state.finish_s = now
         state.phase = "finished"
@@ -603,7 +615,11 @@ class ReplayEngine:
                 progress(self.recorder.done_count - last)
                 last = self.recorder.done_count
         self.drop_unreleased()
-        result = self.recorder.result(time.perf_counter() - wall_start)
+        return self.result(time.perf_counter() - wall_start)
+
+    def result(self, sim_wall_s: float) -> ReplayResult:
+        """What this replica recorded, with the engine settings it ran under."""
+        result = self.recorder.result(sim_wall_s)
         result.engine_settings = {"token_budget": self.token_budget, "max_running": self.config.max_running}
         return result
 

@@ -12,16 +12,21 @@ A dropped request counts nothing and never attains its SLO; `dropped_by_reason` 
 cause (the engine could not hold it: longer than max_model_len or the whole KV cache; the policy's
 admission control; a parent dropped), so a drop is never only a number.
 
-TBT samples are kept per class as (values, weight) chunks: a run of identical decode steps adds
-one array of step times with the number of requests that decoded in it as the weight.
+Memory is bounded by what is in flight: a request's record lives as an object only while it is
+in the engine, then moves into a columnar `RecordTable` (~80 bytes per request), and TBT samples go
+into a mergeable per-class `QuantileSketch` (percentiles within 1e-4 relative). With
+`keep_token_times` the raw samples are kept too -- (values, weight) chunks, a run of identical
+decode steps adding one array of step times weighted by the number of requests that decoded in it
+-- and TBT percentiles are then exact; so is the KV-usage timeline.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from array import array
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from adapt.policy import RequestState
+from adapt.replay.sketch import QuantileSketch
 from adapt.requests import CompletedRequest
 from adapt.steplog import STEP_FIELDS, StepBatch
 
@@ -61,51 +67,160 @@ class RequestRecord:
     deadline_s: float | None = None
 
 
+class RecordTable:
+    """Requests that left the engine, as columns: a constant ~80 bytes per request instead of an
+    object each, so a million-request replay holds its per-request results in tens of MB. Text
+    columns (label, SLO kind, drop reason, program) are stored as codes into a small vocabulary."""
+
+    _FLOATS = ("arrival_s", "first_token_s", "finish_s", "deadline_s")
+    _INTS = ("prompt_tokens", "output_tokens", "ontime_tokens", "preemptions")
+    _CODED = ("label", "slo_kind", "dropped", "program_id")
+
+    def __init__(self) -> None:
+        self.request_ids: list[str] = []
+        self._floats = {name: array("d") for name in self._FLOATS}
+        self._ints = {name: array("q") for name in self._INTS}
+        self._codes = {name: array("q") for name in self._CODED}
+        self._vocab: dict[str, dict[Any, int]] = {name: {} for name in self._CODED}
+
+    @classmethod
+    def from_records(cls, records: Iterable[RequestRecord]) -> RecordTable:
+        table = cls()
+        for record in records:
+            table.append(record)
+        return table
+
+    def append(self, record: RequestRecord) -> None:
+        self.request_ids.append(record.request_id)
+        for name in self._FLOATS:
+            value = getattr(record, name)
+            self._floats[name].append(math.nan if value is None else value)
+        for name in self._INTS:
+            self._ints[name].append(getattr(record, name))
+        for name in self._CODED:
+            value = getattr(record, name)
+            vocab = self._vocab[name]
+            self._codes[name].append(-1 if value is None else vocab.setdefault(value, len(vocab)))
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def column(self, name: str) -> np.ndarray:
+        """A numeric column (NaN where the record has None), or a coded column's codes (-1: None)."""
+        if name in self._floats:
+            return np.frombuffer(self._floats[name], dtype=np.float64)
+        source = self._ints[name] if name in self._ints else self._codes[name]
+        return np.frombuffer(source, dtype=np.int64)
+
+    def vocabulary(self, name: str) -> list[Any]:
+        """The values of a coded column, indexed by code."""
+        return list(self._vocab[name])
+
+    def select(self, order: np.ndarray) -> RecordTable:
+        """A new table of the rows at `order` (indices), in that order."""
+        table = RecordTable()
+        table.request_ids = [self.request_ids[i] for i in order.tolist()]
+        for name in self._FLOATS:
+            table._floats[name] = array("d", self.column(name)[order].tobytes())
+        for name in self._INTS:
+            table._ints[name] = array("q", self.column(name)[order].tobytes())
+        for name in self._CODED:
+            table._codes[name] = array("q", self.column(name)[order].tobytes())
+            table._vocab[name] = dict(self._vocab[name])
+        return table
+
+    def records(self) -> list[RequestRecord]:
+        """The rows as `RequestRecord`s (for a look at a few requests; costs an object per row)."""
+        columns: dict[str, list[Any]] = {"request_id": self.request_ids}
+        for name in self._FLOATS:
+            columns[name] = [None if math.isnan(v) else v for v in self._floats[name]]
+        for name in self._INTS:
+            columns[name] = list(self._ints[name])
+        for name in self._CODED:
+            vocab = self.vocabulary(name)
+            columns[name] = [None if c < 0 else vocab[c] for c in self._codes[name]]
+        names = list(columns)
+        return [
+            RequestRecord(**dict(zip(names, row, strict=True))) for row in zip(*columns.values(), strict=True)
+        ]
+
+    @classmethod
+    def concat(cls, tables: Sequence[RecordTable]) -> RecordTable:
+        table = cls()
+        for part in tables:
+            table.request_ids.extend(part.request_ids)
+            for name in cls._FLOATS:
+                table._floats[name].extend(part._floats[name])
+            for name in cls._INTS:
+                table._ints[name].extend(part._ints[name])
+            for name in cls._CODED:
+                vocab = part.vocabulary(name)
+                ours = table._vocab[name]
+                remap = [ours.setdefault(value, len(ours)) for value in vocab]
+                table._codes[name].extend(-1 if c < 0 else remap[c] for c in part._codes[name])
+        return table
+
+
 @dataclass
 class ReplayResult:
-    """Everything a replay produced: per-request records, TBT samples, the step log."""
+    """Everything a replay produced: per-request records (columns), TBT sketches per class, and --
+    only when asked for (`EngineConfig.keep_token_times`) -- the raw TBT samples and KV timeline."""
 
-    records: list[RequestRecord]
-    tbt: dict[str | None, list[tuple[np.ndarray, float]]]
+    table: RecordTable
+    tbt: dict[str | None, QuantileSketch]
     steps: int
     sim_wall_s: float
-    kv_timeline: tuple[np.ndarray, np.ndarray]
     preemptions: int
+    kv_timeline: tuple[np.ndarray, np.ndarray] | None = None
+    tbt_samples: dict[str | None, list[tuple[np.ndarray, float]]] | None = None
     # What the engine ran under (token budget, max running): a comparison is fair only when these
     # match across policies, or differ where a policy declares its own (sarathi's 512).
     engine_settings: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def records(self) -> list[RequestRecord]:
+        return self.table.records()
+
     def metrics(self) -> dict[str, Any]:
         """DESIGN.md section 7 METRICS, plus `by_class` when requests carry labels."""
-        result = _aggregate(self.records, self._tbt_for(None), self.makespan_s())
+        makespan = self.makespan_s()
+        result = _aggregate(self.table, self._tbt_percentile(None), makespan)
         result["preemptions"] = self.preemptions
         result["sim_wall_s"] = self.sim_wall_s
         result["steps"] = self.steps
         result.update(self.engine_settings)
-        labels = sorted({r.label for r in self.records if r.label is not None})
+        labels = self.table.vocabulary("label")
         if labels:
+            codes = self.table.column("label")
             result["by_class"] = {
                 label: _aggregate(
-                    [r for r in self.records if r.label == label], self._tbt_for(label), self.makespan_s()
+                    self.table, self._tbt_percentile(label), makespan, codes == labels.index(label)
                 )
-                for label in labels
+                for label in sorted(labels)
             }
         return result
 
     @classmethod
     def merge(cls, results: Sequence[ReplayResult], sim_wall_s: float) -> ReplayResult:
-        """One result for several replicas (the KV timeline is replica 0's)."""
-        tbt: dict[str | None, list[tuple[np.ndarray, float]]] = defaultdict(list)
+        """One result for several replicas (the KV timeline, if kept, is replica 0's)."""
+        tbt: dict[str | None, QuantileSketch] = {}
+        samples: dict[str | None, list[tuple[np.ndarray, float]]] | None = (
+            defaultdict(list) if all(r.tbt_samples is not None for r in results) else None
+        )
         for result in results:
-            for label, chunks in result.tbt.items():
-                tbt[label].extend(chunks)
+            for label, sketch in result.tbt.items():
+                tbt.setdefault(label, QuantileSketch(sketch.relative_accuracy)).merge(sketch)
+            if samples is not None:
+                for label, chunks in (result.tbt_samples or {}).items():
+                    samples[label].extend(chunks)
         return cls(
-            records=[r for result in results for r in result.records],
-            tbt=dict(tbt),
+            table=RecordTable.concat([r.table for r in results]),
+            tbt=tbt,
             steps=sum(r.steps for r in results),
             sim_wall_s=sim_wall_s,
-            kv_timeline=results[0].kv_timeline,
             preemptions=sum(r.preemptions for r in results),
+            kv_timeline=results[0].kv_timeline,
+            tbt_samples=None if samples is None else dict(samples),
             engine_settings=results[0].engine_settings,
         )
 
@@ -129,16 +244,29 @@ class ReplayResult:
         return path
 
     def makespan_s(self) -> float:
-        if not self.records:
+        if not len(self.table):
             return 0.0
-        start = min(r.arrival_s for r in self.records)
-        ends = [r.finish_s for r in self.records if r.finish_s is not None]
-        return (max(ends) - start) if ends else 0.0
+        finish = self.table.column("finish_s")
+        if np.all(np.isnan(finish)):
+            return 0.0
+        return float(np.nanmax(finish) - self.table.column("arrival_s").min())
 
-    def _tbt_for(self, label: str | None) -> list[tuple[np.ndarray, float]]:
-        if label is None:
-            return [chunk for chunks in self.tbt.values() for chunk in chunks]
-        return self.tbt.get(label, [])
+    def _tbt_percentile(self, label: str | None):
+        """q -> TBT percentile of one class (None: all): exact from kept samples, else the sketch."""
+        if self.tbt_samples is not None:
+            chunks = (
+                [c for cs in self.tbt_samples.values() for c in cs]
+                if label is None
+                else self.tbt_samples.get(label, [])
+            )
+            return lambda q: weighted_percentile(chunks, q)
+        if label is not None:
+            sketch = self.tbt.get(label)
+            return lambda q: sketch.quantile(q) if sketch is not None else None
+        merged = QuantileSketch()
+        for sketch in self.tbt.values():
+            merged.merge(sketch)
+        return merged.quantile
 
 
 def weighted_percentile(chunks: Sequence[tuple[np.ndarray, float]], q: float) -> float | None:
@@ -155,108 +283,139 @@ def weighted_percentile(chunks: Sequence[tuple[np.ndarray, float]], q: float) ->
     return float(values[order][min(index, len(values) - 1)])
 
 
-def _stat(values: list[float], q: float | None = None) -> float | None:
-    if not values:
+def _stat(values: np.ndarray, q: float | None = None) -> float | None:
+    if not len(values):
         return None
     return float(np.mean(values)) if q is None else float(np.percentile(values, q))
 
 
-def _attained(record: RequestRecord, program_ok: dict[str, bool]) -> bool:
-    if record.dropped is not None or record.finish_s is None:
-        return False
-    if record.slo_kind == "latency":
-        return record.ontime_tokens == record.output_tokens
-    if record.slo_kind == "deadline":
-        return record.finish_s <= record.arrival_s + (record.deadline_s or math.inf)
-    if record.slo_kind == "compound":
-        return program_ok.get(record.program_id or "", False)
-    return True
+def _program_outcomes(table: RecordTable) -> np.ndarray:
+    """Per program code: True when all its requests finished by first arrival + deadline."""
+    programs = table.column("program_id")
+    compound = (table.column("slo_kind") == _code(table, "slo_kind", "compound")) & (programs >= 0)
+    count = len(table.vocabulary("program_id"))
+    start = np.full(count, math.inf)
+    last = np.full(count, -math.inf)
+    unfinished = np.zeros(count, dtype=bool)
+    deadline = np.full(count, math.inf)
+    ids = programs[compound]
+    finish = table.column("finish_s")[compound]
+    np.minimum.at(start, ids, table.column("arrival_s")[compound])
+    np.maximum.at(last, ids, np.nan_to_num(finish, nan=-math.inf))
+    np.logical_or.at(unfinished, ids, np.isnan(finish))
+    deadline[ids] = np.nan_to_num(table.column("deadline_s")[compound], nan=math.inf)
+    return ~unfinished & (last <= start + deadline)
 
 
-def _good_tokens(record: RequestRecord, attained: bool) -> int:
-    if record.slo_kind == "latency":
-        return record.ontime_tokens if record.dropped is None else 0
-    return record.prompt_tokens + record.output_tokens if attained else 0
+def _code(table: RecordTable, column: str, value: str) -> int:
+    vocabulary = table.vocabulary(column)
+    return vocabulary.index(value) if value in vocabulary else -2
 
 
-def _program_outcomes(records: Sequence[RequestRecord]) -> dict[str, bool]:
-    """A program attains its SLO when all its requests finished by first arrival + deadline."""
-    start: dict[str, float] = {}
-    deadline: dict[str, float] = {}
-    ok: dict[str, bool] = defaultdict(lambda: True)
-    last: dict[str, float] = {}
-    for r in records:
-        if r.slo_kind != "compound" or r.program_id is None:
-            continue
-        start[r.program_id] = min(start.get(r.program_id, math.inf), r.arrival_s)
-        deadline[r.program_id] = r.deadline_s or math.inf
-        if r.finish_s is None:
-            ok[r.program_id] = False
-        else:
-            last[r.program_id] = max(last.get(r.program_id, -math.inf), r.finish_s)
-    return {pid: ok[pid] and last.get(pid, math.inf) <= start[pid] + deadline[pid] for pid in start}
+def _attainment(table: RecordTable) -> np.ndarray:
+    """Per request: did it attain its SLO (see the module doc)?"""
+    kind = table.column("slo_kind")
+    finish = table.column("finish_s")
+    served = (table.column("dropped") < 0) & ~np.isnan(finish)
+    latency = table.column("ontime_tokens") == table.column("output_tokens")
+    deadline = finish <= table.column("arrival_s") + np.nan_to_num(table.column("deadline_s"), nan=math.inf)
+    programs = table.column("program_id")
+    program_ok = _program_outcomes(table)
+    compound = np.zeros(len(table), dtype=bool)
+    has_program = programs >= 0
+    compound[has_program] = program_ok[programs[has_program]]
+    attained = np.where(
+        kind == _code(table, "slo_kind", "latency"),
+        latency,
+        np.where(
+            kind == _code(table, "slo_kind", "deadline"),
+            deadline,
+            np.where(kind == _code(table, "slo_kind", "compound"), compound, True),
+        ),
+    )
+    return served & attained
 
 
-def _drop_causes(records: Sequence[RequestRecord]) -> dict[str, int]:
+def _drop_causes(table: RecordTable, mask: np.ndarray) -> dict[str, int]:
     """Drops counted by cause. A dependant's reason names its parent (`parent p.s0 dropped`); those
     are counted together as `parent dropped`."""
+    reasons = table.vocabulary("dropped")
+    codes = table.column("dropped")[mask]
     causes = Counter(
-        "parent dropped" if r.dropped.startswith("parent ") else r.dropped
-        for r in records
-        if r.dropped is not None
+        "parent dropped" if reasons[c].startswith("parent ") else reasons[c]
+        for c in codes[codes >= 0].tolist()
     )
     return dict(sorted(causes.items()))
 
 
 def _aggregate(
-    records: Sequence[RequestRecord], tbt: list[tuple[np.ndarray, float]], makespan: float
+    table: RecordTable, tbt_percentile, makespan: float, mask: np.ndarray | None = None
 ) -> dict[str, Any]:
-    done = [r for r in records if r.finish_s is not None]
-    ttft = [r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None]
-    ttlt = [r.finish_s - r.arrival_s for r in done]  # type: ignore[operator]
-    program_ok = _program_outcomes(records)
-    attained = [_attained(r, program_ok) for r in records]
-    good_tokens = sum(_good_tokens(r, a) for r, a in zip(records, attained, strict=True))
-    output = sum(r.output_tokens for r in done)
+    """The metrics of the rows in `mask` (all rows if None); `tbt_percentile(q)` gives their TBT."""
+    rows = np.ones(len(table), dtype=bool) if mask is None else mask
+    finish = table.column("finish_s")
+    done = rows & ~np.isnan(finish)
+    arrival = table.column("arrival_s")
+    first = table.column("first_token_s")
+    ttft = (first - arrival)[done & ~np.isnan(first)]
+    ttlt = (finish - arrival)[done]
+    attained = _attainment(table) & rows
+    output = table.column("output_tokens")
+    is_latency = table.column("slo_kind") == _code(table, "slo_kind", "latency")
+    served = table.column("dropped") < 0
+    good = np.where(
+        is_latency,
+        np.where(served, table.column("ontime_tokens"), 0),
+        np.where(attained, table.column("prompt_tokens") + output, 0),
+    )
+    num = int(rows.sum())
+    completed = int(done.sum())
     return {
-        "num_requests": len(records),
-        "completed": len(done),
-        "dropped": sum(1 for r in records if r.dropped is not None),
-        "dropped_by_reason": _drop_causes(records),
+        "num_requests": num,
+        "completed": completed,
+        "dropped": int((rows & ~served).sum()),
+        "dropped_by_reason": _drop_causes(table, rows),
         "ttft_mean": _stat(ttft),
         "ttft_p50": _stat(ttft, 50),
         "ttft_p99": _stat(ttft, 99),
-        "tbt_p50": weighted_percentile(tbt, 50),
-        "tbt_p99": weighted_percentile(tbt, 99),
+        "tbt_p50": tbt_percentile(50),
+        "tbt_p99": tbt_percentile(99),
         "ttlt_mean": _stat(ttlt),
         "ttlt_p50": _stat(ttlt, 50),
         "ttlt_p99": _stat(ttlt, 99),
-        "throughput_rps": len(done) / makespan if makespan > 0 else None,
-        "throughput_tps": output / makespan if makespan > 0 else None,
-        "slo_attainment": sum(attained) / len(records) if records else None,
-        "goodput_tokens": good_tokens,
-        "goodput_requests": sum(attained),
-        "preemptions": sum(r.preemptions for r in records),
+        "throughput_rps": completed / makespan if makespan > 0 else None,
+        "throughput_tps": int(output[done].sum()) / makespan if makespan > 0 else None,
+        "slo_attainment": int(attained.sum()) / num if num else None,
+        "goodput_tokens": int(good[rows].sum()),
+        "goodput_requests": int(attained.sum()),
+        "preemptions": int(table.column("preemptions")[rows].sum()),
         "makespan_s": makespan,
     }
 
 
 class Recorder:
-    """Collects per-request records and samples as the engine reports events."""
+    """Collects per-request records and samples as the engine reports events. A record stays an
+    object while its request is in the engine and moves into the table when it leaves."""
 
-    def __init__(self, record_steps: bool = False) -> None:
-        self._records: dict[str, RequestRecord] = {}
+    def __init__(self, record_steps: bool = False, keep_token_times: bool = False) -> None:
+        self._open: dict[str, RequestRecord] = {}
+        self._order: dict[str, int] = {}
+        self._arrivals = 0
+        self._table = RecordTable()
+        self._sequence = array("q")  # arrival order of the table's rows
         self._step_log: dict[str, list[np.ndarray]] | None = defaultdict(list) if record_steps else None
-        self._tbt_single: dict[str | None, list[float]] = defaultdict(list)
-        self._tbt_runs: dict[str | None, list[tuple[np.ndarray, float]]] = defaultdict(list)
-        self._kv_t: list[float] = []
-        self._kv_u: list[float] = []
+        self._tbt: dict[str | None, QuantileSketch] = defaultdict(QuantileSketch)
+        self._samples: dict[str | None, list[tuple[np.ndarray, float]]] | None = (
+            defaultdict(list) if keep_token_times else None
+        )
+        self._single: dict[str | None, array] = defaultdict(lambda: array("d"))
+        self._kv: tuple[array, array] | None = (array("d"), array("d")) if keep_token_times else None
         self._steps = 0
         self.preemptions = 0
         self.done_count = 0
 
     def arrived(self, state: RequestState, output_tokens: int) -> None:
-        self._records[state.id] = RequestRecord(
+        self._open[state.id] = RequestRecord(
             request_id=state.id,
             label=state.label,
             slo_kind=state.slo.kind,
@@ -266,21 +425,26 @@ class Recorder:
             program_id=state.program.program_id if state.program else None,
             deadline_s=state.slo.deadline_s,
         )
+        self._order[state.id] = self._arrivals
+        self._arrivals += 1
 
     def dropped(self, state: RequestState, now: float, reason: str) -> None:
-        self._records[state.id].dropped = reason
-        self.done_count += 1
+        self._open[state.id].dropped = reason
+        self._close(state.id)
 
     def preempted(self, state: RequestState) -> None:
-        self._records[state.id].preemptions += 1
+        self._open[state.id].preemptions += 1
         self.preemptions += 1
 
     def token(self, state: RequestState, now: float) -> None:
         """One token emitted by a normal step (before the engine bumps tokens_generated)."""
-        record = self._records[state.id]
+        record = self._open[state.id]
         index = state.tokens_generated
         if state.last_token_s is not None and index > 0:
-            self._tbt_single[state.label].append(now - state.last_token_s)
+            gap = now - state.last_token_s
+            self._tbt[state.label].add(gap)
+            if self._samples is not None:
+                self._single[state.label].append(gap)
         if state.slo.kind == "latency" and now <= _on_time_limit(state, index):
             record.ontime_tokens += 1
 
@@ -302,12 +466,13 @@ class Recorder:
             if state.slo.kind == "latency":
                 first = state.tokens_generated
                 limits = np.array([_on_time_limit(state, first + j) for j in range(k)])
-                self._records[state.id].ontime_tokens += int(np.count_nonzero(ends <= limits))
+                self._open[state.id].ontime_tokens += int(np.count_nonzero(ends <= limits))
         for label, count in counts.items():
-            self._tbt_runs[label].append((times, float(count)))
+            self._tbt[label].add_many(times, float(count))
+            if self._samples is not None:
+                self._samples[label].append((times, float(count)))
         self._steps += k
-        self._kv_t.append(float(ends[-1]))
-        self._kv_u.append(kv_usage)
+        self._note_kv(float(ends[-1]), kv_usage)
         if self._step_log is not None:
             n, i = len(running), np.arange(k, dtype=np.float64)
             row = {
@@ -326,12 +491,16 @@ class Recorder:
 
     def step(self, start: float, duration: float, batch: StepBatch, kv_usage: float) -> None:
         self._steps += 1
-        self._kv_t.append(start + duration)
-        self._kv_u.append(kv_usage)
+        self._note_kv(start + duration, kv_usage)
         if self._step_log is not None:
             row = {"start_s": start, **{f: getattr(batch, f) for f in STEP_FIELDS}, "duration_s": duration}
             for name, value in row.items():
                 self._step_log[name].append(np.atleast_1d(np.asarray(value, dtype=np.float64)))
+
+    def _note_kv(self, at: float, usage: float) -> None:
+        if self._kv is not None:
+            self._kv[0].append(at)
+            self._kv[1].append(usage)
 
     def step_log(self) -> dict[str, np.ndarray]:
         """Every step's features and duration, in the format `cost-model` trains on."""
@@ -340,22 +509,38 @@ class Recorder:
         return {name: np.concatenate(chunks) for name, chunks in self._step_log.items()}
 
     def finished(self, state: RequestState) -> None:
-        record = self._records[state.id]
+        record = self._open[state.id]
         record.first_token_s = state.first_token_s
         record.finish_s = state.finish_s
+        self._close(state.id)
+
+    def _close(self, request_id: str) -> None:
+        self._table.append(self._open.pop(request_id))
+        self._sequence.append(self._order.pop(request_id))
         self.done_count += 1
 
     def result(self, sim_wall_s: float) -> ReplayResult:
-        tbt: dict[str | None, list[tuple[np.ndarray, float]]] = defaultdict(list)
-        for label, values in self._tbt_single.items():
-            tbt[label].append((np.asarray(values), 1.0))
-        for label, chunks in self._tbt_runs.items():
-            tbt[label].extend(chunks)
+        """The run so far, rows in arrival order (requests still in the engine included as they are)."""
+        for request_id in list(self._open):
+            self._table.append(self._open.pop(request_id))
+            self._sequence.append(self._order.pop(request_id))
+        order = np.argsort(np.frombuffer(self._sequence, dtype=np.int64), kind="stable")
+        samples = None
+        if self._samples is not None:
+            samples = defaultdict(list)
+            for label, values in self._single.items():
+                samples[label].append((np.asarray(values), 1.0))
+            for label, chunks in self._samples.items():
+                samples[label].extend(chunks)
+            samples = dict(samples)
         return ReplayResult(
-            records=list(self._records.values()),
-            tbt=dict(tbt),
+            table=self._table.select(order),
+            tbt=dict(self._tbt),
             steps=self._steps,
             sim_wall_s=sim_wall_s,
-            kv_timeline=(np.asarray(self._kv_t), np.asarray(self._kv_u)),
             preemptions=self.preemptions,
+            kv_timeline=None
+            if self._kv is None
+            else tuple(np.frombuffer(a, dtype=np.float64) for a in self._kv),
+            tbt_samples=samples,
         )

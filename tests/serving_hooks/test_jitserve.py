@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from adapt.policy import EngineView, RequestState
 from adapt.programs import ProgramGraph, StageNode
 from adapt.replay.engine import EngineConfig
-from adapt.replay.metrics import RequestRecord, _aggregate
+from adapt.replay.metrics import RecordTable, RequestRecord, _aggregate
 from adapt.requests import SLO, ProgramRef, Request
 from adapt.workloads.compound import generate_graphs, generate_programs, program_requests
 from predictors.pattern_graph import PatternGraph
@@ -289,7 +289,7 @@ def test_compound_goodput_counts_only_programs_done_by_their_deadline():
         record("b0", "b", 4.0),
         record("b1", "b", 11.0, start=5.0),
     ]  # program b: 11 > 10
-    metrics = _aggregate(records, [], 11.0)
+    metrics = _aggregate(RecordTable.from_records(records), lambda q: None, 11.0)
     assert metrics["goodput_tokens"] == 30 and metrics["goodput_requests"] == 2
 
 
