@@ -58,8 +58,8 @@ def _train_cost_model(registry: Registry, o: TrainOptions) -> TrainOutcome:
 def _train_slai_offset(registry: Registry, o: TrainOptions) -> TrainOutcome:
     return slai.train_slai_offset(
         registry,
-        rate=o.rate or 2.8,
-        num_requests=o.num_requests or 800,
+        rate=slai.TUNE_RATE if o.rate is None else o.rate,
+        num_requests=slai.TUNE_REQUESTS if o.num_requests is None else o.num_requests,
         trials=o.trials,
         overlap=o.overlap,
         promote_if_better=o.promote_if_better,

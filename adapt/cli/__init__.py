@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from adapt.cli.usage import COUNT, POSITIVE, RATE, Parser, UsageError, integer, number
+from adapt.cli.usage import COUNT, POSITIVE, RATE, Parser, UsageError, given, integer, number
 from adapt.traces import FORMATS, load_trace, trace_stats
 
 MARGIN = number(0.0, low_open=False)  # a relative improvement a candidate must show
@@ -180,9 +180,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.trace or args.workload not in (None, workload):
         raise UsageError(f"tune {args.policy}: only --workload {workload} is supported")
 
-    def given(value: Any, default: Any) -> Any:  # a flag not given, not a falsy one
-        return default if value is None else value
-
     if args.policy == "ewsjf" and args.online:
         from pipelines.ewsjf import online_tune_ewsjf
 
@@ -200,12 +197,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
             storage=args.storage,
         )
     else:
-        from pipelines.slai import train_slai_offset
+        from pipelines.slai import TUNE_RATE, TUNE_REQUESTS, train_slai_offset
 
         outcome = train_slai_offset(
             _registry(args),
-            rate=given(args.rate, 2.8),
-            num_requests=given(args.num_requests, 800),
+            rate=given(args.rate, TUNE_RATE),
+            num_requests=given(args.num_requests, TUNE_REQUESTS),
             trials=args.trials,
             overlap=args.overlap,
             promote_if_better=True,
@@ -354,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
         " schedules worse is not promoted)",
     )
     train.add_argument("--margin", type=MARGIN, default=0.0, help="relative improvement required to promote")
-    train.add_argument("--rate", type=RATE, help="slai-offset: arrival rate to tune at (default 2.8)")
+    train.add_argument("--rate", type=RATE, help="slai-offset: arrival rate to tune at (default 2.0)")
     train.add_argument("--num-requests", type=COUNT, help="slai-offset: requests per replay (default 800)")
     train.add_argument("--trials", type=COUNT, default=20, help="slai-offset: Optuna trials")
     add_overlap_argument(train, help=SLAI_OVERLAP_HELP)

@@ -7,13 +7,13 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from adapt.cli.usage import COUNT, DURATION, RATE, SEED, UsageError
+from adapt.cli.usage import COUNT, DURATION, RATE, SEED, UsageError, given
 from adapt.replay.cluster import ROUTERS
-from adapt.replay.cost import GPUS, MODELS, ModelSpec, add_overlap_argument
+from adapt.replay.cost import GPUS, MODELS, add_overlap_argument
 from adapt.replay.engine import EngineConfig
 from adapt.replay.runner import ReplaySetup, log_to_mlflow, replay_policy
 from adapt.traces import load_trace
@@ -21,7 +21,6 @@ from adapt.workloads import WORKLOADS, get_workload
 from adapt.workloads.builders import build_requests, poisson_arrivals, scale_to_rate
 from serving_hooks.policies import POLICIES, make_policy_from_spec, parse_policy_spec
 
-T = TypeVar("T")
 # A generated workload is built in memory before it replays; more than this is a typo, not a study.
 MAX_GENERATED = 10_000_000
 TABLE_COLUMNS = (
@@ -105,15 +104,15 @@ def _trace_setup(args: argparse.Namespace) -> ReplaySetup:
     return ReplaySetup(
         requests,
         info,
-        _given(args.model, "llama-2-13b"),
-        _given(args.gpu, "a100-80g"),
-        _given(args.tp, 1),
+        given(args.model, "llama-2-13b"),
+        given(args.gpu, "a100-80g"),
+        given(args.tp, 1),
     )
 
 
 def _workload_setup(args: argparse.Namespace) -> ReplaySetup:
     spec = get_workload(args.workload)
-    rate = _given(args.rate, spec.rate)
+    rate = given(args.rate, spec.rate)
     if args.num_requests is not None:
         wanted: float = args.num_requests
     else:
@@ -127,26 +126,14 @@ def _workload_setup(args: argparse.Namespace) -> ReplaySetup:
     requests = spec.build(rate, num, args.seed)
     info = spec.info(rate, num, args.seed)
     return ReplaySetup(
-        requests, info, _given(args.model, spec.model), _given(args.gpu, spec.gpu), _given(args.tp, spec.tp)
+        requests, info, given(args.model, spec.model), given(args.gpu, spec.gpu), given(args.tp, spec.tp)
     )
-
-
-def _given(value: T | None, default: T) -> T:
-    """The flag's value unless it was not given (a 0 is a value, not a missing flag)."""
-    return default if value is None else value
-
-
-def _splits(spec: ModelSpec, tp: int) -> bool:
-    """vLLM's rule: the attention heads split evenly over the TP group, and the KV heads either
-    split evenly or are replicated a whole number of times."""
-    kv_ok = spec.kv_heads % tp == 0 if tp <= spec.kv_heads else tp % spec.kv_heads == 0
-    return spec.heads % tp == 0 and kv_ok
 
 
 def check_tp(model: str, tp: int) -> None:
     spec = MODELS[model]
-    if not _splits(spec, tp):
-        valid = ", ".join(str(d) for d in range(1, spec.heads + 1) if _splits(spec, d))
+    if not spec.splits_over(tp):
+        valid = ", ".join(str(d) for d in range(1, spec.heads + 1) if spec.splits_over(d))
         raise UsageError(
             f"--tp: {model} has {spec.heads} attention heads and {spec.kv_heads} KV heads, which {tp}"
             f" GPUs cannot split evenly; expected one of {valid}"
@@ -193,7 +180,7 @@ def run_replay_command(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UsageError(f"--policies: {exc}") from exc
     setup = build_setup(args)
-    budget = _given(args.token_budget, setup.workload.get("token_budget", EngineConfig.token_budget))
+    budget = given(args.token_budget, setup.workload.get("token_budget", EngineConfig.token_budget))
     setup.workload.update(token_budget=budget, max_running=args.max_running)
     print(
         f"replaying {len(setup.requests):,} requests ({setup.workload.get('name')}) on {setup.model} /"

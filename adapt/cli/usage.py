@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
-from typing import NoReturn
+from typing import NoReturn, TypeVar
+
+T = TypeVar("T")
 
 
 class UsageError(ValueError):
@@ -62,6 +64,11 @@ def number(
         return value
 
     return parse
+
+
+def given(value: T | None, default: T) -> T:
+    """The flag's value unless it was not given (a 0 is a value, not a missing flag)."""
+    return default if value is None else value
 
 
 def _bounds(low: int, high: int | None) -> str:

@@ -67,6 +67,12 @@ class ModelSpec:
     def q_dim(self) -> int:
         return self.heads * self.head_dim
 
+    def splits_over(self, tp: int) -> bool:
+        """vLLM's rule: the attention heads split evenly over the TP group, and the KV heads either
+        split evenly or are replicated a whole number of times."""
+        kv_ok = self.kv_heads % tp == 0 if tp <= self.kv_heads else tp % self.kv_heads == 0
+        return self.heads % tp == 0 and kv_ok
+
     @property
     def layer_params(self) -> int:
         """Linear weights of one decoder layer: q,o (hidden x q_dim), k,v (hidden x kv_dim), and a
