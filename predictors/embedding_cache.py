@@ -124,7 +124,7 @@ class DiskEmbeddingCache:
         self,
         directory: str | Path,
         max_entries: int = DEFAULT_MAX_ENTRIES,
-        busy_timeout_s: float = 30.0,
+        busy_timeout_s: float = 5.0,
         touch_after_s: float = 3600.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
