@@ -153,18 +153,18 @@ def build_setup(args: argparse.Namespace) -> ReplaySetup:
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     width = max(12, *(len(name) + 1 for name in results))
-    header = f"{'policy':<{width}}" + "".join(f"{title:>13}" for _, title in TABLE_COLUMNS)
+    header = f"{'policy':<{width}}" + "".join(f"{title:>14}" for _, title in TABLE_COLUMNS)
     lines = [header, "-" * len(header)]
     for name, metrics in results.items():
         cells = []
         for key, _ in TABLE_COLUMNS:
             value = metrics.get(key)
             if value is None:
-                cells.append(f"{'-':>13}")
+                cells.append(f"{'-':>14}")
             elif isinstance(value, float):
-                cells.append(f"{value:>13.3f}")
+                cells.append(f"{value:>14.3f}")
             else:
-                cells.append(f"{value:>13,}")
+                cells.append(f"{value:>14,}")
         lines.append(f"{name:<{width}}" + "".join(cells))
     return "\n".join(lines)
 
