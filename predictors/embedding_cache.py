@@ -40,7 +40,7 @@ import sqlite3
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +71,21 @@ def content_key(model_id: str, text: str) -> bytes:
     digest.update(model)
     digest.update(text.encode("utf-8", "surrogatepass"))  # a lone surrogate is still a key
     return digest.digest()
+
+
+@contextlib.contextmanager
+def _immediate_transaction(connection: sqlite3.Connection) -> Iterator[None]:
+    """A write transaction that takes the write lock at once (waiting up to the busy timeout), so
+    two writers never deadlock upgrading from read to write; rolled back on any error."""
+    connection.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        connection.execute("COMMIT")
+    except BaseException:
+        if connection.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                connection.execute("ROLLBACK")
+        raise
 
 
 def _checksum(blob: bytes) -> bytes:
@@ -237,8 +252,7 @@ class DiskEmbeddingCache:
     def _initialise(self, connection: sqlite3.Connection) -> None:
         """Create the schema once, and recount the rows (this process's writes then keep the count,
         under the same transactions, so the bound never needs a full scan)."""
-        connection.execute("BEGIN IMMEDIATE")
-        try:
+        with _immediate_transaction(connection):
             # A rowid table: a 1.5 KB row fits in a page there, where a WITHOUT ROWID table spills
             # each into overflow pages (measured: 4.7 KB a row on disk and 10x slower writes).
             connection.execute(
@@ -254,12 +268,6 @@ class DiskEmbeddingCache:
                 raise _Corrupt(f"schema {row[0]!r}, expected {SCHEMA_VERSION!r}")
             (count,) = connection.execute("SELECT count(*) FROM vectors").fetchone()
             connection.execute("INSERT OR REPLACE INTO meta VALUES ('count', ?)", (str(count),))
-            connection.execute("COMMIT")
-        except BaseException:
-            if connection.in_transaction:
-                with contextlib.suppress(sqlite3.Error):
-                    connection.execute("ROLLBACK")
-            raise
 
     def _get_many(self, keys: list[bytes], dimension: int) -> dict[bytes, np.ndarray]:
         connection = self._conn()
@@ -317,8 +325,7 @@ class DiskEmbeddingCache:
         delete: Sequence[bytes] = (),
     ) -> None:
         """One transaction: delete damaged rows, refresh last use, insert, then evict past the bound."""
-        connection.execute("BEGIN IMMEDIATE")
-        try:
+        with _immediate_transaction(connection):
             change = 0
             if delete:
                 cursor = connection.executemany("DELETE FROM vectors WHERE key = ?", [(k,) for k in delete])
@@ -343,12 +350,6 @@ class DiskEmbeddingCache:
                 )
                 count -= cursor.rowcount
             connection.execute("UPDATE meta SET value = ? WHERE name = 'count'", (str(max(count, 0)),))
-            connection.execute("COMMIT")
-        except BaseException:
-            if connection.in_transaction:
-                with contextlib.suppress(sqlite3.Error):
-                    connection.execute("ROLLBACK")
-            raise
 
     @staticmethod
     def _stored_count(connection: sqlite3.Connection) -> int:
