@@ -25,13 +25,14 @@ from typing import Any
 
 import pandas as pd
 
+from adapt.parallel import default_jobs
 from adapt.plots import figure, save
-from adapt.policy import Policy
-from adapt.registry import Registry
+from adapt.registry import CHAMPION, Registry
+from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.cost import roofline
 from adapt.replay.engine import EngineConfig, ReplayEngine
 from adapt.replay.metrics import ReplayResult
-from adapt.replay.runner import ReplaySetup, log_to_mlflow, replay_policy
+from adapt.replay.runner import ReplaySetup, log_to_mlflow
 from adapt.workloads import WORKLOADS
 from pipelines.cost_model import train_cost_model
 from pipelines.ewsjf import tune_ewsjf
@@ -39,11 +40,7 @@ from pipelines.jitserve import train_pattern_graph, train_qrf_length
 from pipelines.neural_length import train_neural_length
 from pipelines.semantic_history import train_semantic_history
 from pipelines.slai import train_slai_offset
-from serving_hooks.policies import POLICIES, make_policy_from_spec
-from serving_hooks.policies.ewsjf import EWSJF
-from serving_hooks.policies.jitserve import JITServe
-from serving_hooks.policies.sagesched import SageSched
-from serving_hooks.policies.slai import SLAI
+from serving_hooks.policies import POLICIES, PolicySpec
 
 
 @dataclass(frozen=True)
@@ -203,26 +200,30 @@ TRAINING: dict[str, TrainingStep] = {
 }
 
 
-def train_components(out: Path, fast: bool) -> dict[str, Callable[[], Policy]]:
-    """Step 1: train, register and promote each component; returns policy factories that use the
-    registered champions."""
+def train_components(out: Path, fast: bool) -> dict[str, str]:
+    """Step 1: train, register and promote each component; returns, per learned policy, the spec
+    that runs it with the registered champions pinned by version (`jitserve:qrf=v3:patterns=v2`), so
+    every replay -- in this process or a worker -- uses the same versions."""
     registry = Registry()
     for index, (name, step) in enumerate(TRAINING.items(), start=1):
         print(f"[train {index}/{len(TRAINING)}] {name}: {step.describe}", file=sys.stderr)
+        started = time.perf_counter()
         step.run(registry, out, fast)
-    factories: dict[str, Callable[[], Policy]] = {}
-    qrf, patterns = registry.load("qrf-length"), registry.load("pattern-graph")
-    factories["jitserve"] = lambda: JITServe(qrf=qrf, patterns=patterns)
-    history = registry.load("semantic-history")
-    factories["sagesched"] = lambda: SageSched(history=history)
-    offset = registry.champion("slai-offset")
-    if offset is not None:
-        factories["slai"] = lambda: SLAI(offset=offset)
+        print(f"  ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+
+    def pinned(component: str) -> str:
+        return f"v{registry.resolve(component, CHAMPION)}"
+
+    specs = {
+        "jitserve": f"jitserve:qrf={pinned('qrf-length')}:patterns={pinned('pattern-graph')}",
+        "sagesched": f"sagesched:history={pinned('semantic-history')}",
+        "ewsjf": f"ewsjf:meta={pinned('ewsjf-meta-policy')}",
+    }
+    if registry.resolve("slai-offset", CHAMPION, missing_ok=True) is not None:
+        specs["slai"] = f"slai:offset={pinned('slai-offset')}"
     else:
         print("  no feasible slai-offset champion yet: slai runs the paper's rule", file=sys.stderr)
-    meta = registry.load("ewsjf-meta-policy")
-    factories["ewsjf"] = lambda: EWSJF(meta)
-    return factories
+    return specs
 
 
 def _print_bound(name: str, outcome: Any) -> None:
@@ -236,41 +237,60 @@ def _print_bound(name: str, outcome: Any) -> None:
 
 
 def run_quickstart(
-    *, fast: bool = False, out_dir: str = "reports/quickstart", mlflow: bool = True, serve: bool = False
+    *,
+    fast: bool = False,
+    out_dir: str = "reports/quickstart",
+    mlflow: bool = True,
+    serve: bool = False,
+    jobs: int | None = None,
 ) -> int:
+    """The main job; `jobs` processes replay the policy x workload cells (default: every core)."""
     started = time.perf_counter()
+    jobs = default_jobs() if jobs is None else jobs
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     policies = list(POLICIES)
-    factories = train_components(out, fast)
+    specs = train_components(out, fast)
     leaderboard: dict[str, dict[str, float | None]] = {}
     dropped: dict[str, dict[str, float]] = {}
     settings: dict[str, dict[str, int]] = {}
     plots: list[Path] = []
     everything: dict[str, Any] = {}
-    print(
-        f"adapt quickstart{' --fast' if fast else ''}: {len(policies)} policies x {len(SIZES)} workloads",
-        file=sys.stderr,
-    )
-    for index, (workload, sizes) in enumerate(SIZES.items(), start=1):
+    setups: dict[str, ReplaySetup] = {}
+    cells: list[ReplayCell] = []
+    for workload, sizes in SIZES.items():
         spec = WORKLOADS[workload]
         rate, num = sizes[fast]
-        setup = ReplaySetup(spec.build(rate, num, 0), spec.info(rate, num, 0), spec.model, spec.gpu, spec.tp)
+        setups[workload] = ReplaySetup(
+            spec.build(rate, num, 0), spec.info(rate, num, 0), spec.model, spec.gpu, spec.tp
+        )
         config = spec.engine_config()
         settings[workload] = {"token_budget": config.token_budget, "max_running": config.max_running}
         print(
-            f"[{index}/{len(SIZES)}] {workload}: {num:,} requests at {rate} req/s"
-            f" on {spec.model} / {spec.tp} x {spec.gpu}, every policy at token budget {config.token_budget}",
+            f"  {workload}: {num:,} requests at {rate} req/s on {spec.model} / {spec.tp} x {spec.gpu},"
+            f" every policy at token budget {config.token_budget}",
             file=sys.stderr,
         )
-        results: dict[str, ReplayResult] = {}
-        metrics: dict[str, dict[str, Any]] = {}
-        for policy in policies:
-            build = factories.get(policy) or (lambda spec=policy: make_policy_from_spec(spec))
-            results[policy] = replay_policy(setup, build, label=policy, progress=True, config=config)
-            metrics[policy] = results[policy].metrics()
-            if mlflow:
-                log_to_mlflow("quickstart", setup.workload, policy, metrics[policy])
+        cells += [
+            ReplayCell(
+                (workload, p), f"{workload}:{p}", setups[workload], PolicySpec(specs.get(p, p)), config
+            )
+            for p in policies
+        ]
+    print(
+        f"[replay] {len(policies)} policies x {len(SIZES)} workloads = {len(cells)} replays"
+        f" on {jobs} process(es)",
+        file=sys.stderr,
+    )
+    replay_started = time.perf_counter()
+    replayed = dict(zip((cell.key for cell in cells), replay_cells(cells, jobs=jobs), strict=True))
+    print(f"  (replays: {time.perf_counter() - replay_started:.0f} s)", file=sys.stderr)
+    for workload, setup in setups.items():
+        results = {p: replayed[workload, p] for p in policies}
+        metrics = {p: result.metrics() for p, result in results.items()}
+        if mlflow:
+            for policy, values in metrics.items():
+                log_to_mlflow("quickstart", setup.workload, policy, values)
         headline = HEADLINES[workload]
         leaderboard[workload] = {p: headline.value(m) for p, m in metrics.items()}
         dropped[workload] = {

@@ -17,7 +17,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from adapt.cli.usage import COUNT, POSITIVE, RATE, Parser, UsageError, given, integer, number
+from adapt.cli.usage import (
+    COUNT,
+    POSITIVE,
+    RATE,
+    Parser,
+    UsageError,
+    add_jobs_argument,
+    given,
+    integer,
+    number,
+)
 from adapt.traces import FORMATS, load_trace, trace_stats
 
 MARGIN = number(0.0, low_open=False)  # a relative improvement a candidate must show
@@ -69,7 +79,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_quickstart(args: argparse.Namespace) -> int:
     from experiments.quickstart import run_quickstart
 
-    return run_quickstart(fast=args.fast, out_dir=args.out, serve=args.serve)
+    return run_quickstart(fast=args.fast, out_dir=args.out, serve=args.serve, jobs=args.jobs)
 
 
 def _registry(args: argparse.Namespace):
@@ -454,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="then start adapt serve on a tiny model, drive load, promote a component live",
     )
+    add_jobs_argument(quick)
     quick.set_defaults(func=cmd_quickstart)
     return parser
 

@@ -11,15 +11,16 @@ from typing import Any
 
 import numpy as np
 
-from adapt.cli.usage import COUNT, DURATION, RATE, SEED, UsageError, given
+from adapt.cli.usage import COUNT, DURATION, RATE, SEED, UsageError, add_jobs_argument, given
+from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.cluster import ROUTERS
 from adapt.replay.cost import GPUS, MODELS, add_overlap_argument
 from adapt.replay.engine import EngineConfig
-from adapt.replay.runner import ReplaySetup, log_to_mlflow, replay_policy
+from adapt.replay.runner import ReplaySetup, log_to_mlflow
 from adapt.traces import load_trace
 from adapt.workloads import WORKLOADS, get_workload
 from adapt.workloads.builders import build_requests, poisson_arrivals, scale_to_rate
-from serving_hooks.policies import POLICIES, make_policy_from_spec, parse_policy_spec
+from serving_hooks.policies import POLICIES, PolicySpec, make_policy_from_spec, parse_policy_spec
 
 # A generated workload is built in memory before it replays; more than this is a typo, not a study.
 MAX_GENERATED = 10_000_000
@@ -80,6 +81,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-mlflow", action="store_true", help="do not log runs to MLflow")
     parser.add_argument("--experiment", default="replay", help="MLflow experiment name")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_jobs_argument(parser)
     parser.add_argument(
         "--keep-token-times",
         action="store_true",
@@ -202,21 +204,19 @@ def run_replay_command(args: argparse.Namespace) -> int:
         setup.workload["cost_model"] = f"cost-model v{cost.metadata['registry_version']}"
     else:  # which roofline form, so that runs replayed under different ones are told apart
         setup.workload.update(decode_attention=args.decode_attention, overlap=args.overlap)
+    options = {
+        "replicas": args.replicas,
+        "router": args.router,
+        "decode_attention": args.decode_attention,
+        "overlap": args.overlap,
+        "seed": args.seed,
+    }
+    cells = [
+        ReplayCell(policy, policy, setup, PolicySpec(policy), config, cost, options) for policy in policies
+    ]
+    replayed = replay_cells(cells, jobs=args.jobs, progress=not args.quiet)
     results: dict[str, dict[str, Any]] = {}
-    for policy in policies:
-        result = replay_policy(
-            setup,
-            lambda spec=policy: make_policy_from_spec(spec),
-            label=policy,
-            config=config,
-            cost=cost,
-            replicas=args.replicas,
-            router=args.router,
-            decode_attention=args.decode_attention,
-            overlap=args.overlap,
-            seed=args.seed,
-            progress=not args.quiet,
-        )
+    for policy, result in zip(policies, replayed, strict=True):
         results[policy] = result.metrics()
         if not args.no_mlflow:
             log_to_mlflow(args.experiment, setup.workload, policy, results[policy])

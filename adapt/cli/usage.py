@@ -85,3 +85,17 @@ RATE = number(1e-6, 1e9, low_open=False, says="> 0, at least 1e-06 and below 1e+
 DURATION = number(0.0, 1e10, says="> 0 and below 1e+10")
 COUNT = integer()
 SEED = integer(0)
+
+
+def add_jobs_argument(parser: argparse.ArgumentParser) -> None:
+    """`--jobs N`: independent replays on N processes (default: every core the process may use);
+    results are the same for any N."""
+    from adapt.parallel import default_jobs
+
+    parser.add_argument(
+        "--jobs",
+        type=COUNT,
+        default=default_jobs(),
+        help="independent replays run on N processes; results do not depend on N (default: every"
+        " core, %(default)s here)",
+    )

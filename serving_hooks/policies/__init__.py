@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from adapt.mechanics import UnsupportedPolicy, check_policy
 from adapt.policy import Policy
-from adapt.registry import load_reference
+from adapt.registry import Registry, load_reference
+from adapt.tracking import tracking_uri
 from serving_hooks.policies.baselines import (
     EDF,
     FCFS,
@@ -106,3 +109,34 @@ def make_policy_from_spec(spec: str) -> Policy:
         return make_policy(name, **params)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"policy {spec!r}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A policy factory that pickles: the spec string a user types (`jitserve:qrf=v3:patterns=v2`),
+    so a replay cell can cross to a worker process and build its policy there.
+
+    Components pinned to a version (`vN`) are loaded once per process and store, then handed to
+    every policy built from them: a version never changes, and policies copy what they update
+    (SageSched its history window). Aliases are resolved afresh each time (they move)."""
+
+    spec: str
+
+    def __call__(self) -> Policy:
+        name, params = parse_policy_spec(self.spec)
+        for attribute, component in getattr(POLICIES[name], "components", {}).items():
+            reference = params.get(attribute)
+            if isinstance(reference, str) and reference[:1] == "v" and reference[1:].isdigit():
+                params[attribute] = _pinned_component(tracking_uri(), component, int(reference[1:]))
+        try:
+            return make_policy(name, **params)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"policy {self.spec!r}: {exc}") from exc
+
+    def __str__(self) -> str:
+        return self.spec
+
+
+@functools.lru_cache(maxsize=8)
+def _pinned_component(store: str, component: str, version: int) -> Any:
+    return Registry(store).load(component, version=version)
