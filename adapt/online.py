@@ -16,7 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from adapt.parallel import run_cells
+
 Objective = Callable[[dict[str, float]], tuple[float, dict[str, Any]]]
+# Trials asked before any is told: what lets a batch run on several cores. Fixed, not the number
+# of processes, so that a study's trials and result are the same on any machine.
+TRIAL_BATCH = 4
 
 
 @dataclass
@@ -38,10 +43,14 @@ def tune(
     sampler: str = "tpe",
     mlflow_experiment: str | None = None,
     progress: bool = True,
+    jobs: int = 1,
 ) -> TuneResult:
     """Minimise `objective(params) -> (value, metrics)` over a box `space` in `n_trials` trials.
 
     `warm_start` points (e.g. the current champion, or a paper's defaults) are evaluated first.
+    Trials are asked `TRIAL_BATCH` at a time and evaluated on up to `jobs` processes (the
+    objective must then pickle: a module-level function or a dataclass with `__call__`), then told
+    together; the batch does not depend on `jobs`, so neither does the result.
     """
     import optuna
 
@@ -60,20 +69,23 @@ def tune(
         study.enqueue_trial({k: v for k, v in point.items() if k in space}, skip_if_exists=True)
     logger = _TrialLogger(mlflow_experiment, name) if mlflow_experiment else None
     history = []
-    for index in range(n_trials):
-        trial = study.ask()
-        params = {key: trial.suggest_float(key, low, high) for key, (low, high) in space.items()}
-        value, metrics = objective(params)
-        study.tell(trial, value)
-        history.append((params, value, metrics))
-        if logger is not None:
-            logger.log(index, params, value, metrics)
-        if progress:
-            shown = ", ".join(f"{k}={v:.3g}" for k, v in params.items())
-            print(
-                f"  trial {index + 1}/{n_trials}: {value:.4g}  ({shown})  best {study.best_value:.4g}",
-                file=sys.stderr,
-            )
+    for first in range(0, n_trials, TRIAL_BATCH):
+        trials = [study.ask() for _ in range(min(TRIAL_BATCH, n_trials - first))]
+        points = [{key: t.suggest_float(key, *bounds) for key, bounds in space.items()} for t in trials]
+        outcomes = run_cells(objective, points, jobs=jobs, progress=False)
+        for index, (trial, params, (value, metrics)) in enumerate(
+            zip(trials, points, outcomes, strict=True), start=first
+        ):
+            study.tell(trial, value)
+            history.append((params, value, metrics))
+            if logger is not None:
+                logger.log(index, params, value, metrics)
+            if progress:
+                shown = ", ".join(f"{k}={v:.3g}" for k, v in params.items())
+                print(
+                    f"  trial {index + 1}/{n_trials}: {value:.4g}  ({shown})  best {study.best_value:.4g}",
+                    file=sys.stderr,
+                )
     return TuneResult(dict(study.best_params), float(study.best_value), history)
 
 

@@ -33,10 +33,6 @@ WORKER_THREADS = {
 }
 
 
-class CellError(RuntimeError):
-    """A cell that raised in a worker, named, so a failure in one of 80 replays says which one."""
-
-
 def default_jobs() -> int:
     """The cores this process may run on (the affinity mask, which containers narrow)."""
     try:
@@ -66,7 +62,8 @@ def run_cells(
     `cost` estimates an item's run time: the dearest start first, so a long cell does not start
     last and leave the other cores idle. `on_result` sees each result as it arrives (in completion
     order; the returned list is in item order). With one job, or one item, everything runs in this
-    process: no pool, same results."""
+    process: no pool, same results. A cell's exception reaches the caller as itself (re-raised
+    from the worker), with a note naming the cell, so a failure in one of 80 replays says which."""
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"jobs: expected at least 1, got {jobs}")
@@ -87,7 +84,8 @@ def run_cells(
                     try:
                         results[index] = future.result()
                     except Exception as exc:
-                        raise CellError(f"{describe(items[index])}: {type(exc).__name__}: {exc}") from exc
+                        exc.add_note(f"in cell {describe(items[index])}")
+                        raise
                     if on_result is not None:
                         on_result(items[index], results[index])
                     bar(describe(items[index]))
@@ -109,7 +107,8 @@ def _run_here(
     try:
         result = function(item)
     except Exception as exc:
-        raise CellError(f"{describe(item)}: {type(exc).__name__}: {exc}") from exc
+        exc.add_note(f"in cell {describe(item)}")
+        raise
     if on_result is not None:
         on_result(item, result)
     return result

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sys
 import time
@@ -25,7 +27,7 @@ from typing import Any
 
 import pandas as pd
 
-from adapt.parallel import default_jobs
+from adapt.parallel import default_jobs, run_cells
 from adapt.plots import figure, save
 from adapt.registry import CHAMPION, Registry
 from adapt.replay.cells import ReplayCell, replay_cells
@@ -171,45 +173,78 @@ def _train_pattern_graph(registry: Registry, out: Path, fast: bool) -> None:
 
 @dataclass(frozen=True)
 class TrainingStep:
-    """How the quickstart trains one catalogue component: settings sized for a demo run."""
+    """How the quickstart trains one catalogue component: settings sized for a demo run.
+    `typical_s` (seconds on a 2-core machine, --fast) only orders the steps: longest first."""
 
     describe: str
     run: Callable[[Registry, Path, bool], None]
+    typical_s: float
 
 
 # Steps for components of `pipelines.catalogue.CATALOGUE`, in its order (a test keeps them so); a new
 # component joins the quickstart by adding its step here.
 TRAINING: dict[str, TrainingStep] = {
     "cost-model": TrainingStep(
-        "step log of a replayed Azure trace slice -> fit -> register", _train_cost_model
+        "step log of a replayed Azure trace slice -> fit -> register", _train_cost_model, 2
     ),
-    "slai-offset": TrainingStep("Optuna on replay of slai-tiers -> register -> gate", _train_slai_offset),
+    "slai-offset": TrainingStep("Optuna on replay of slai-tiers -> register -> gate", _train_slai_offset, 8),
     "ewsjf-meta-policy": TrainingStep(
-        "Refine-and-Prune + Bayesian meta-optimiser on replay", _train_ewsjf_meta
+        "Refine-and-Prune + Bayesian meta-optimiser on replay", _train_ewsjf_meta, 5
     ),
     "semantic-history": TrainingStep(
-        "embed AlpacaEval prompts -> FAISS window -> held-out score", _train_semantic_history
+        "embed AlpacaEval prompts -> FAISS window -> held-out score", _train_semantic_history, 10
     ),
     "qrf-length": TrainingStep(
-        "quantile forest on the AlpacaEval train split -> coverage", _train_qrf_length
+        "quantile forest on the AlpacaEval train split -> coverage", _train_qrf_length, 24
     ),
     "neural-length": TrainingStep(
-        "Lightning quantile MLP over MiniLM embeddings, the same split", _train_neural_length
+        "Lightning quantile MLP over MiniLM embeddings, the same split", _train_neural_length, 15
     ),
-    "pattern-graph": TrainingStep("k-medoids over generated compound programs", _train_pattern_graph),
+    "pattern-graph": TrainingStep("k-medoids over generated compound programs", _train_pattern_graph, 2),
 }
 
 
-def train_components(out: Path, fast: bool) -> dict[str, str]:
-    """Step 1: train, register and promote each component; returns, per learned policy, the spec
-    that runs it with the registered champions pinned by version (`jitserve:qrf=v3:patterns=v2`), so
-    every replay -- in this process or a worker -- uses the same versions."""
-    registry = Registry()
-    for index, (name, step) in enumerate(TRAINING.items(), start=1):
-        print(f"[train {index}/{len(TRAINING)}] {name}: {step.describe}", file=sys.stderr)
-        started = time.perf_counter()
-        step.run(registry, out, fast)
-        print(f"  ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+@dataclass(frozen=True)
+class TrainingCell:
+    """One training step as a cell for `run_cells`: the components are independent, so they
+    train side by side, each registering its own versions in the shared store."""
+
+    name: str
+    out: Path
+    fast: bool
+
+
+def train_one(cell: TrainingCell) -> tuple[str, float]:
+    """Run one training step; returns its progress output and its seconds. The output is held
+    and printed whole when the step ends, so steps running side by side do not interleave."""
+    step = TRAINING[cell.name]
+    buffer = io.StringIO()
+    started = time.perf_counter()
+    with contextlib.redirect_stderr(buffer):
+        print(f"[train] {cell.name}: {step.describe}", file=sys.stderr)
+        step.run(Registry(), cell.out, cell.fast)
+    return buffer.getvalue(), time.perf_counter() - started
+
+
+def train_components(out: Path, fast: bool, jobs: int) -> dict[str, str]:
+    """Step 1: train, register and promote each component (on `jobs` processes); returns, per
+    learned policy, the spec that runs it with the registered champions pinned by version
+    (`jitserve:qrf=v3:patterns=v2`), so every replay -- here or in a worker -- uses the same ones."""
+    registry = Registry()  # creates the store before the workers share it
+
+    def report(cell: TrainingCell, outcome: tuple[str, float]) -> None:
+        text, seconds = outcome
+        print(f"{text.rstrip()}\n  ({cell.name}: {seconds:.0f} s)", file=sys.stderr)
+
+    print(f"[train] {len(TRAINING)} components on {min(jobs, len(TRAINING))} process(es)", file=sys.stderr)
+    run_cells(
+        train_one,
+        [TrainingCell(name, out, fast) for name in TRAINING],
+        jobs=jobs,
+        describe=lambda cell: cell.name,
+        cost=lambda cell: TRAINING[cell.name].typical_s,
+        on_result=report,
+    )
 
     def pinned(component: str) -> str:
         return f"v{registry.resolve(component, CHAMPION)}"
@@ -250,7 +285,7 @@ def run_quickstart(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     policies = list(POLICIES)
-    specs = train_components(out, fast)
+    specs = train_components(out, fast, jobs)
     leaderboard: dict[str, dict[str, float | None]] = {}
     dropped: dict[str, dict[str, float]] = {}
     settings: dict[str, dict[str, int]] = {}

@@ -28,7 +28,7 @@ from typing import Any
 from adapt.plots import figure, save
 from adapt.policy import Policy
 from adapt.replay.cost import DEFAULT_OVERLAP, add_overlap_argument
-from pipelines.slai import SLOS, make_setup, replay_objective, run, summarise
+from pipelines.slai import SLOS, ReplayObjective, make_setup, run, summarise
 from predictors.slai_offset import SlaiOffset
 from serving_hooks.policies import make_policy
 from serving_hooks.policies.slai import SLAI
@@ -143,7 +143,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     print(f"tuning slai-offset at {args.tune_rate} req/s ({args.trials} trials)", file=sys.stderr)
-    objective = replay_objective(args.tune_rate, args.requests, overlap=args.overlap)
+    objective = ReplayObjective(args.tune_rate, args.requests, overlap=args.overlap)
     tuned = SlaiOffset().fit(objective, n_trials=args.trials)
     print(f"tuned offset: thresholds {tuned.thresholds_}, levels {tuned.levels_}", file=sys.stderr)
 

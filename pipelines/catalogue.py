@@ -32,6 +32,7 @@ class TrainOptions:
     num_requests: int | None = None
     trials: int = 20
     overlap: str = DEFAULT_OVERLAP
+    jobs: int = 1
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ def _train_slai_offset(registry: Registry, o: TrainOptions) -> TrainOutcome:
         overlap=o.overlap,
         promote_if_better=o.promote_if_better,
         margin=o.margin,
+        jobs=o.jobs,
     )
 
 

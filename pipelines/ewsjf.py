@@ -27,6 +27,7 @@ from adapt.plots import figure, save
 from adapt.registry import Registry
 from adapt.replay.cost import roofline
 from adapt.replay.engine import ReplayEngine
+from adapt.requests import Request
 from adapt.workloads import WORKLOADS
 from pipelines.outcome import Gate, TrainOutcome, latest_data_hash, register_and_gate
 from predictors.ewsjf_meta import REWARD_WEIGHTS, THETA_SPACE, EwsjfMetaPolicy, equation5
@@ -66,17 +67,18 @@ def replay_ewsjf(
     return EwsjfTrial(equation5(terms, weights), terms, metrics)
 
 
-def ewsjf_objective(requests, lengths: np.ndarray):
+@dataclass(frozen=True)
+class EwsjfObjective:
     """Optuna objective over Theta: refit the layout with the trial's alpha on the history window,
-    replay `requests`, return (-reward, measured terms)."""
-    spec = WORKLOADS["ewsjf-mixed"]
-    cost = roofline(spec.model, spec.gpu, tp=spec.tp)
-    baseline = ReplayEngine(make_policy("fcfs"), cost, spec.engine_config()).run(requests)
-    baseline_ttft = baseline.metrics()["ttft_mean"]
+    replay `requests`, return (-reward, measured terms). Plain data, so it pickles to a worker."""
 
-    def objective(theta: dict[str, float]) -> tuple[float, dict[str, Any]]:
-        meta = EwsjfMetaPolicy(**theta).fit(lengths)
-        trial = replay_ewsjf(meta, requests, baseline_ttft=baseline_ttft)
+    requests: list[Request]
+    lengths: np.ndarray
+    baseline_ttft: float
+
+    def __call__(self, theta: dict[str, float]) -> tuple[float, dict[str, Any]]:
+        meta = EwsjfMetaPolicy(**theta).fit(self.lengths)
+        trial = replay_ewsjf(meta, self.requests, baseline_ttft=self.baseline_ttft)
         short = trial.metrics.get("by_class", {}).get("short", {})
         return -trial.reward, {
             "reward": trial.reward,
@@ -84,7 +86,13 @@ def ewsjf_objective(requests, lengths: np.ndarray):
             "short_ttft_mean": short.get("ttft_mean"),
         }
 
-    return objective
+
+def ewsjf_objective(requests: list[Request], lengths: np.ndarray) -> EwsjfObjective:
+    """The objective for these requests, its latency term relative to FCFS on them."""
+    spec = WORKLOADS["ewsjf-mixed"]
+    cost = roofline(spec.model, spec.gpu, tp=spec.tp)
+    baseline = ReplayEngine(make_policy("fcfs"), cost, spec.engine_config()).run(requests)
+    return EwsjfObjective(requests, lengths, baseline.metrics()["ttft_mean"])
 
 
 def train_ewsjf_meta(
@@ -131,6 +139,7 @@ def tune_ewsjf(
     storage: str | None = None,
     experiment: str = "tune-ewsjf",
     margin: float = 0.0,
+    jobs: int = 1,
 ) -> TrainOutcome:
     """Bayesian optimisation of Theta on replay of ewsjf-mixed, warm-started from the champion's
     Theta and the defaults. The best trial is registered and promoted if its reward beats the
@@ -156,6 +165,7 @@ def tune_ewsjf(
         name="ewsjf",
         storage=storage,
         mlflow_experiment=experiment,
+        jobs=jobs,
     )
     best = EwsjfMetaPolicy(**result.params).fit(lengths)
     best.metadata["data_window"] = {

@@ -7,8 +7,8 @@ tuned policy as a `policy-config` version, so a server can swap to it in one mov
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -89,16 +89,25 @@ def keep_up_ratio(result: ReplayResult, start: float = 0.2, end: float = 0.8) ->
     return finished / arrived if arrived else 1.0
 
 
-def replay_objective(
-    rate: float, num_requests: int, seed: int = 0, overlap: str = DEFAULT_OVERLAP
-) -> Callable[[SlaiOffset], dict[str, Any]]:
-    """What `SlaiOffset.fit` optimises: replay SLAI (SPF) with a candidate offset."""
-    setup = make_setup(rate, num_requests, seed)
+@dataclasses.dataclass(frozen=True)
+class ReplayObjective:
+    """What `SlaiOffset.fit` optimises: replay SLAI (SPF) with a candidate offset on slai-tiers.
+    Plain data, so it pickles to a worker that evaluates a batch of trials; the requests are
+    built once per process."""
 
-    def evaluate(offset: SlaiOffset) -> dict[str, Any]:
-        return summarise(run(setup, SLAI(offset=offset), overlap), SLOS)
+    rate: float
+    num_requests: int
+    seed: int = 0
+    overlap: str = DEFAULT_OVERLAP
 
-    return evaluate
+    def __call__(self, offset: SlaiOffset) -> dict[str, Any]:
+        setup = _cached_setup(self.rate, self.num_requests, self.seed)
+        return summarise(run(setup, SLAI(offset=offset), self.overlap), SLOS)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_setup(rate: float, num_requests: int, seed: int) -> ReplaySetup:
+    return make_setup(rate, num_requests, seed)
 
 
 def slai_gate(margin: float = 0.0) -> Gate:
@@ -122,13 +131,14 @@ def train_slai_offset(
     promote_if_better: bool = False,
     margin: float = 0.0,
     with_policy_config: bool = False,
+    jobs: int = 1,
 ) -> TrainOutcome:
-    objective = replay_objective(rate, num_requests, seed, overlap)
+    objective = ReplayObjective(rate, num_requests, seed, overlap)
     print(
         f"tuning slai-offset on slai-tiers at {rate} req/s, {num_requests} requests, {trials} trials",
         file=sys.stderr,
     )
-    candidate = SlaiOffset().fit(objective, n_trials=trials, seed=seed)
+    candidate = SlaiOffset().fit(objective, n_trials=trials, seed=seed, jobs=jobs)
     candidate.metadata["data_window"] = {
         "workload": "slai-tiers",
         "rate": rate,

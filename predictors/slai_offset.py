@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
@@ -57,22 +58,22 @@ class SlaiOffset(LearnedComponent):
         thresholds, levels = self._rule()
         return float(levels[bisect.bisect_right(thresholds, kv_usage)])
 
-    def fit(self, data: Callable[[SlaiOffset], dict[str, Any]], n_trials: int = 20, seed: int = 0) -> Self:
+    def fit(
+        self, data: Callable[[SlaiOffset], dict[str, Any]], n_trials: int = 20, seed: int = 0, jobs: int = 1
+    ) -> Self:
         """Tune a two-level rule with Optuna. `data` evaluates a candidate offset (a replay of the
         target workload) and returns its metrics including `feasible` (all tiers' P99 TBT within
         SLO and the load kept up with), `tbt_excess` (how far from feasible) and `ttft_p50`; see
-        `experiments.slai_study.replay_objective`."""
+        `pipelines.slai.ReplayObjective`. `jobs` > 1 evaluates trials side by side (`data` must
+        then pickle); the tuned rule is the same for any `jobs`."""
         from adapt.online import tune
 
-        def objective(params: dict[str, float]) -> tuple[float, dict[str, Any]]:
-            candidate = SlaiOffset([params["threshold"]], [params["low"], params["low"] + params["extra"]])
-            metrics = data(candidate)
-            penalty = 0.0 if metrics["feasible"] else 1e3 * (1 + metrics["tbt_excess"])
-            return metrics["ttft_p50"] + penalty, metrics
-
+        objective = _OffsetTrial(data)
         space = {"threshold": (0.5, 0.99), "low": (0.0, 15.0), "extra": (0.0, 20.0)}
         paper = {"threshold": 0.96, "low": 5.0, "extra": 5.0}
-        best = tune(objective, space, n_trials=n_trials, seed=seed, warm_start=[paper], name="slai-offset")
+        best = tune(
+            objective, space, n_trials=n_trials, seed=seed, warm_start=[paper], name="slai-offset", jobs=jobs
+        )
         self.thresholds_ = [best.params["threshold"]]
         self.levels_ = [best.params["low"], best.params["low"] + best.params["extra"]]
         self.metadata.update(tuning={"trials": n_trials, "best_value": best.value, "seed": seed})
@@ -106,3 +107,17 @@ class SlaiOffset(LearnedComponent):
 
     def describe(self) -> str:
         return json.dumps(self.rule())
+
+
+@dataclass(frozen=True)
+class _OffsetTrial:
+    """One Optuna trial's objective: the candidate rule's median TTFT, plus a penalty that puts
+    every infeasible rule behind every feasible one (and nearer-feasible ones first)."""
+
+    data: Callable[[SlaiOffset], dict[str, Any]]
+
+    def __call__(self, params: dict[str, float]) -> tuple[float, dict[str, Any]]:
+        candidate = SlaiOffset([params["threshold"]], [params["low"], params["low"] + params["extra"]])
+        metrics = self.data(candidate)
+        penalty = 0.0 if metrics["feasible"] else 1e3 * (1 + metrics["tbt_excess"])
+        return metrics["ttft_p50"] + penalty, metrics

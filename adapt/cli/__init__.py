@@ -205,6 +205,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             num_requests=given(args.num_requests, 1500),
             trials=args.trials,
             storage=args.storage,
+            jobs=args.jobs,
         )
     else:
         from pipelines.slai import TUNE_RATE, TUNE_REQUESTS, train_slai_offset
@@ -217,6 +218,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             overlap=args.overlap,
             promote_if_better=True,
             with_policy_config=True,
+            jobs=args.jobs,
         )
     _print_outcome("ewsjf-meta-policy" if args.policy == "ewsjf" else "slai-offset", outcome)
     return 0
@@ -365,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--num-requests", type=COUNT, help="slai-offset: requests per replay (default 800)")
     train.add_argument("--trials", type=COUNT, default=20, help="slai-offset: Optuna trials")
     add_overlap_argument(train, help=SLAI_OVERLAP_HELP)
+    add_jobs_argument(train)
     train.set_defaults(func=cmd_train)
 
     evaluate = sub.add_parser("evaluate", help="score a registered component on any data file")
@@ -393,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="ewsjf: tune the scoring weights online, one trial per window of finished requests",
     )
+    add_jobs_argument(tune)
     tune.set_defaults(func=cmd_tune)
 
     retrain = sub.add_parser("retrain", help="refit components whose data moved; gate; promote")

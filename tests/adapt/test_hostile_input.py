@@ -373,13 +373,14 @@ POLICY_SPECS = st.builds(
 @pytest.fixture
 def quick_replay(monkeypatch):
     """The replay itself runs on the first 3 requests: the flags are what is under test."""
-    real = cli_replay.replay_policy
+    real = cli_replay.build_setup
 
-    def replay(setup, *args, **kwargs):
+    def build_setup(args):
+        setup = real(args)
         setup.requests = setup.requests[:3]
-        return real(setup, *args, **kwargs)
+        return setup
 
-    monkeypatch.setattr(cli_replay, "replay_policy", replay)
+    monkeypatch.setattr(cli_replay, "build_setup", build_setup)
 
 
 @settings(
@@ -398,7 +399,17 @@ def quick_replay(monkeypatch):
     policy=POLICY_SPECS,
 )
 def test_replay_flags_are_one_line_and_exit_2_or_a_replay(quick_replay, capsys, flags, policy):
-    argv = ["replay", "--workload", "slai-tiers", "--no-mlflow", "--quiet", "--policies", policy]
+    argv = [
+        "replay",
+        "--workload",
+        "slai-tiers",
+        "--no-mlflow",
+        "--quiet",
+        "--jobs",
+        "1",
+        "--policies",
+        policy,
+    ]
     for flag, text in flags.items():
         argv += [f"{flag}={text}"]  # `=` so that "-1" is a value, not a flag
     code = main(argv)
