@@ -2,7 +2,7 @@
 
     .venv/bin/python -m experiments.jitserve_study [--rates 2.0,2.5,3.0] [--requests 1500]
                                                     [--seeds 0,1,2] [--components fit|champion]
-                                                    [--ablations] [--out reports/jitserve]
+                                                    [--ablations] [--jobs N] [--out reports/jitserve]
 
 Replays, at each rate and seed, `fcfs`, `sarathi` (512-token chunks), `edf`, `edf` with a 512-token
 budget, `plas`, `ltr` (noisy oracle: true length x lognormal(0, 0.5)), `ltr+qrf` (ranked by the
@@ -17,18 +17,20 @@ Writes `jitserve_study.json` and `.md` to --out and prints the table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import sys
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from adapt.parallel import default_jobs
 from adapt.policy import Policy, RequestState
-from adapt.replay.cost import DEFAULT_OVERLAP, add_overlap_argument, roofline
-from adapt.replay.engine import ReplayEngine
+from adapt.replay.cells import ReplayCell, replay_cells
+from adapt.replay.cost import DEFAULT_OVERLAP, add_overlap_argument
+from adapt.replay.runner import ReplaySetup
 from adapt.traces import load_trace
 from adapt.workloads import WORKLOADS, bundled, jitserve_mix
 from serving_hooks.policies import make_policy
@@ -56,21 +58,23 @@ def load_components(spec: str) -> tuple[Any, Any]:
     return load_reference("qrf-length", spec), load_reference("pattern-graph", spec)
 
 
-def qrf_median(qrf: Any) -> Callable[[RequestState], float]:
-    """LTR's point prediction from the same forest: its median (q = 0.5) on arrival."""
+@dataclass(frozen=True)
+class QrfMedian:
+    """LTR's point prediction from the same forest: its median (q = 0.5) on arrival. A class, not
+    a closure, so the policy pickles to a replay worker."""
 
-    def predict(request: RequestState) -> float:
+    qrf: Any
+
+    def __call__(self, request: RequestState) -> float:
         text = request.prompt_text or ""
-        return float(qrf.predict_bound([request.prompt_tokens], [text], [0], [""], quantile=0.5)[0])
-
-    return predict
+        return float(self.qrf.predict_bound([request.prompt_tokens], [text], [0], [""], quantile=0.5)[0])
 
 
 def ablations(qrf: Any, patterns: Any) -> dict[str, Callable[[], Policy]]:
     """`jitserve` with one part switched off at a time (`--ablations`)."""
 
     def jit(**params: Any) -> Callable[[], Policy]:
-        return lambda: make_policy("jitserve", **{"qrf": qrf, "patterns": patterns, **params})
+        return functools.partial(make_policy, "jitserve", **{"qrf": qrf, "patterns": patterns, **params})
 
     return {
         "ablation: fixed cutoff p = 0.95": jit(cutoffs=(0.95,)),
@@ -82,22 +86,25 @@ def ablations(qrf: Any, patterns: Any) -> dict[str, Callable[[], Policy]]:
     }
 
 
-def policies(qrf: Any, patterns: Any) -> dict[str, Callable[[], Policy]]:
-    def edf_512() -> Policy:
-        policy = make_policy("edf")
-        policy.token_budget = 512
-        return policy
+def edf_512() -> Policy:
+    """EDF with Sarathi-Serve's 512-token chunks: the deadline-aware baseline at JITServe's budget."""
+    policy = make_policy("edf")
+    policy.token_budget = 512
+    return policy
 
+
+def policies(qrf: Any, patterns: Any) -> dict[str, Callable[[], Policy]]:
+    """The baselines and jitserve: picklable factories, so each replay builds its own instance."""
     return {
-        "fcfs": lambda: make_policy("fcfs"),
-        "sarathi": lambda: make_policy("sarathi"),
-        "edf": lambda: make_policy("edf"),
+        "fcfs": functools.partial(make_policy, "fcfs"),
+        "sarathi": functools.partial(make_policy, "sarathi"),
+        "edf": functools.partial(make_policy, "edf"),
         "edf (512-token budget)": edf_512,
-        "plas": lambda: make_policy("plas"),
-        "ltr(noisy oracle)": lambda: make_policy("ltr"),
-        "ltr+qrf": lambda: make_policy("ltr", predict=qrf_median(qrf)),
-        "jitserve": lambda: make_policy("jitserve", qrf=qrf, patterns=patterns),
-        "jitserve-oracle": lambda: make_policy("jitserve-oracle"),
+        "plas": functools.partial(make_policy, "plas"),
+        "ltr(noisy oracle)": functools.partial(make_policy, "ltr"),
+        "ltr+qrf": functools.partial(make_policy, "ltr", predict=QrfMedian(qrf)),
+        "jitserve": functools.partial(make_policy, "jitserve", qrf=qrf, patterns=patterns),
+        "jitserve-oracle": functools.partial(make_policy, "jitserve-oracle"),
     }
 
 
@@ -109,39 +116,39 @@ def run_study(
     patterns: Any,
     with_ablations: bool = False,
     overlap: str = DEFAULT_OVERLAP,
+    jobs: int | None = None,
 ) -> dict[str, Any]:
+    """Every policy (and ablation) at every rate and seed, on `jobs` processes."""
     spec = WORKLOADS["jitserve-mix"]
-    cost = roofline(spec.model, spec.gpu, tp=spec.tp, overlap=overlap)
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    cells = []
     for rate in rates:
         for seed in seeds:
             requests = jitserve_mix(rate, num_requests, seed)
+            setup = ReplaySetup(requests, spec.info(rate, num_requests, seed), spec.model, spec.gpu, spec.tp)
             variants = policies(qrf, patterns)
             if with_ablations:
                 variants.update(ablations(qrf, patterns))
-            for label, make in variants.items():
-                started = time.perf_counter()
-                metrics = ReplayEngine(make(), cost).run(requests).metrics()
-                by_class = metrics.get("by_class", {})
-                runs.setdefault(label, {}).setdefault(str(rate), []).append(
-                    {
-                        "seed": seed,
-                        "goodput_tokens": metrics["goodput_tokens"],
-                        "slo_attainment": metrics["slo_attainment"],
-                        "dropped": metrics["dropped"],
-                        "by_class": {
-                            k: {"slo_attainment": v["slo_attainment"], "goodput_tokens": v["goodput_tokens"]}
-                            for k, v in by_class.items()
-                        },
-                    }
+            for label, build in variants.items():
+                name = f"{rate} req/s seed {seed} {label}"
+                cells.append(
+                    ReplayCell((label, rate, seed), name, setup, build, options={"overlap": overlap})
                 )
-                print(
-                    f"  {rate:>4} req/s seed {seed}  {label:<24} goodput {metrics['goodput_tokens']:>10,}"
-                    f"  attained {metrics['slo_attainment']:.3f}  dropped {metrics['dropped']:>5}"
-                    f"  ({time.perf_counter() - started:.1f} s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for cell, result in zip(cells, replay_cells(cells, jobs=jobs), strict=True):
+        label, rate, seed = cell.key
+        metrics = result.metrics()
+        runs.setdefault(label, {}).setdefault(str(rate), []).append(
+            {
+                "seed": seed,
+                "goodput_tokens": metrics["goodput_tokens"],
+                "slo_attainment": metrics["slo_attainment"],
+                "dropped": metrics["dropped"],
+                "by_class": {
+                    k: {"slo_attainment": v["slo_attainment"], "goodput_tokens": v["goodput_tokens"]}
+                    for k, v in metrics.get("by_class", {}).items()
+                },
+            }
+        )
     table = {
         label: {
             rate: float(np.mean([r["goodput_tokens"] for r in per_seed]))
@@ -200,6 +207,7 @@ def main() -> None:
     parser.add_argument("--components", default="fit", help="fit (bundled data), champion, or vN")
     parser.add_argument("--ablations", action="store_true", help="also run jitserve with parts switched off")
     add_overlap_argument(parser)
+    parser.add_argument("--jobs", type=int, default=default_jobs(), help="replays side by side")
     parser.add_argument("--out", default="reports/jitserve")
     args = parser.parse_args()
     out = Path(args.out)
@@ -213,6 +221,7 @@ def main() -> None:
         patterns,
         args.ablations,
         args.overlap,
+        args.jobs,
     )
     (out / "jitserve_study.json").write_text(json.dumps(study, indent=2))
     text = markdown(study)

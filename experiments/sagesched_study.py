@@ -2,7 +2,7 @@
 
     .venv/bin/python -m experiments.sagesched_study [--rates 3.0,3.25,3.5] [--requests 2000]
                                                      [--seeds 0,1,2] [--token-budget 2048]
-                                                     [--history fit|champion|vN] [--out DIR]
+                                                     [--history fit|champion|vN] [--jobs N] [--out DIR]
 
 Replays, at each rate, the baselines `fcfs`, `ltr`, `trail`, `fastserve`, `sjf-oracle` and
 `sagesched`, plus the paper's ablations: the predictor (semantic vs length-only history vs a point
@@ -23,24 +23,26 @@ recompute preemptions dominate from 3 req/s) and Sarathi-Serve's 512 (`--token-b
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from adapt.parallel import default_jobs
 from adapt.policy import Policy
 from adapt.registry import load_reference
-from adapt.replay.cost import DEFAULT_OVERLAP, add_overlap_argument, roofline
-from adapt.replay.engine import EngineConfig, ReplayEngine
+from adapt.replay.cells import ReplayCell, replay_cells
+from adapt.replay.cost import DEFAULT_OVERLAP, add_overlap_argument
+from adapt.replay.engine import EngineConfig
+from adapt.replay.runner import ReplaySetup
 from adapt.traces import load_trace, split_by_instruction
 from adapt.workloads import WORKLOADS, bundled, sagesched_mix
 from predictors.semantic_history import SemanticHistory
 from serving_hooks.policies import make_policy
-from serving_hooks.policies.sagesched import history_length_predictor
+from serving_hooks.policies.sagesched import HistoryLengthPredictor
 
 NON_ORACLE = ("fcfs", "ltr+history", "trail+history", "fastserve", "sagesched")
 
@@ -58,19 +60,20 @@ def load_history(spec: str) -> SemanticHistory:
 
 
 def policies(history: SemanticHistory) -> dict[str, Callable[[], Policy]]:
-    """Every policy and ablation of the study, each a fresh instance per replay."""
+    """Every policy and ablation of the study: picklable factories (a replay worker builds its
+    own fresh instance, as a serial run would)."""
 
     def sage(**params: Any) -> Callable[[], Policy]:
-        return lambda: make_policy("sagesched", history=history, **params)
+        return functools.partial(make_policy, "sagesched", history=history, **params)
 
     return {
-        "fcfs": lambda: make_policy("fcfs"),
-        "ltr(noisy oracle)": lambda: make_policy("ltr"),
-        "ltr+history": lambda: make_policy("ltr", predict=history_length_predictor(history)),
-        "trail(noisy oracle)": lambda: make_policy("trail"),
-        "trail+history": lambda: make_policy("trail", predict=history_length_predictor(history)),
-        "fastserve": lambda: make_policy("fastserve"),
-        "sjf-oracle": lambda: make_policy("sjf-oracle"),
+        "fcfs": functools.partial(make_policy, "fcfs"),
+        "ltr(noisy oracle)": functools.partial(make_policy, "ltr"),
+        "ltr+history": functools.partial(with_history_prediction, "ltr", history),
+        "trail(noisy oracle)": functools.partial(make_policy, "trail"),
+        "trail+history": functools.partial(with_history_prediction, "trail", history),
+        "fastserve": functools.partial(make_policy, "fastserve"),
+        "sjf-oracle": functools.partial(make_policy, "sjf-oracle"),
         "sagesched": sage(),
         "ablation: length-only history": sage(history_mode="length"),
         "ablation: point prediction": sage(history_mode="point"),
@@ -84,6 +87,11 @@ def policies(history: SemanticHistory) -> dict[str, Callable[[], Policy]]:
     }
 
 
+def with_history_prediction(name: str, history: SemanticHistory) -> Policy:
+    """A point-based baseline predicting lengths from the semantic history (its own copy)."""
+    return make_policy(name, predict=HistoryLengthPredictor(history))
+
+
 def run_study(
     rates: list[float],
     num_requests: int,
@@ -91,36 +99,36 @@ def run_study(
     seeds: list[int],
     token_budget: int = EngineConfig.token_budget,
     overlap: str = DEFAULT_OVERLAP,
+    jobs: int | None = None,
 ) -> dict[str, Any]:
-    """Every policy at every rate on the same requests per seed; the table holds the mean over
-    seeds (near saturation one seed's order of arrivals swings a policy's mean TTLT by 20-40%)."""
+    """Every policy at every rate on the same requests per seed, on `jobs` processes; the table
+    holds the mean over seeds (near saturation one seed's order of arrivals swings a policy's mean
+    TTLT by 20-40%)."""
     spec = WORKLOADS["sagesched-mix"]
-    cost = roofline(spec.model, spec.gpu, tp=spec.tp, overlap=overlap)
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    config = EngineConfig(token_budget=token_budget)
+    cells = []
     for rate in rates:
         for seed in seeds:
             requests = sagesched_mix(rate, num_requests, seed)
-            for label, make in policies(history).items():
-                started = time.perf_counter()
-                engine = ReplayEngine(make(), cost, EngineConfig(token_budget=token_budget))
-                metrics = engine.run(requests).metrics()
-                runs.setdefault(label, {}).setdefault(str(rate), []).append(
-                    {
-                        "seed": seed,
-                        "ttlt_mean": metrics["ttlt_mean"],
-                        "ttft_p50": metrics["ttft_p50"],
-                        "preemptions": metrics["preemptions"],
-                        "by_class_ttlt_mean": {
-                            k: v.get("ttlt_mean") for k, v in metrics.get("by_class", {}).items()
-                        },
-                    }
+            setup = ReplaySetup(requests, spec.info(rate, num_requests, seed), spec.model, spec.gpu, spec.tp)
+            for label, build in policies(history).items():
+                name = f"{rate} req/s seed {seed} {label}"
+                cells.append(
+                    ReplayCell((label, rate, seed), name, setup, build, config, options={"overlap": overlap})
                 )
-                print(
-                    f"  {rate:>5} req/s seed {seed}  {label:<36} mean TTLT {metrics['ttlt_mean']:8.2f} s"
-                    f"  ({time.perf_counter() - started:.1f} s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for cell, result in zip(cells, replay_cells(cells, jobs=jobs), strict=True):
+        label, rate, seed = cell.key
+        metrics = result.metrics()
+        runs.setdefault(label, {}).setdefault(str(rate), []).append(
+            {
+                "seed": seed,
+                "ttlt_mean": metrics["ttlt_mean"],
+                "ttft_p50": metrics["ttft_p50"],
+                "preemptions": metrics["preemptions"],
+                "by_class_ttlt_mean": {k: v.get("ttlt_mean") for k, v in metrics.get("by_class", {}).items()},
+            }
+        )
     table = {
         label: {
             rate: float(np.mean([r["ttlt_mean"] for r in per_seed])) for rate, per_seed in by_rate.items()
@@ -160,6 +168,7 @@ def main() -> None:
         help="engine tokens per step (vLLM max_num_batched_tokens; 512 is Sarathi-Serve's chunk)",
     )
     add_overlap_argument(parser)
+    parser.add_argument("--jobs", type=int, default=default_jobs(), help="replays side by side")
     parser.add_argument("--out", default="reports/sagesched")
     args = parser.parse_args()
     out = Path(args.out)
@@ -167,7 +176,7 @@ def main() -> None:
     history = load_history(args.history)
     rates = [float(r) for r in args.rates.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
-    study = run_study(rates, args.requests, history, seeds, args.token_budget, args.overlap)
+    study = run_study(rates, args.requests, history, seeds, args.token_budget, args.overlap, args.jobs)
     study["history"] = {**history.get_params(), "size": history.size, **history.metadata}
     (out / "sagesched_study.json").write_text(json.dumps(study, indent=2, default=str))
     text = markdown(study)

@@ -27,7 +27,7 @@ refresh), `uniform_mix=0.2` (predictions mixed 1:4 with a uniform distribution).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -293,26 +293,28 @@ def resolve_history(history: Any):
     )
 
 
-def history_length_predictor(history: Any, bucket: int = 200) -> Callable[[RequestState], float]:
+class HistoryLengthPredictor:
     """A point predictor of the total output length from a `semantic-history`, for the point-based
     baselines (`ltr`, `trail`) in place of their noisy oracle: the mean of the predicted
     distribution conditioned on the tokens generated so far (E[S | S > g]; g + bucket past the
-    support), so TRAIL's refinement sees the same information SageSched's refresh does."""
-    history = resolve_history(history)
+    support), so TRAIL's refinement sees the same information SageSched's refresh does. A class,
+    not a closure, so a policy built with it pickles to a replay worker."""
 
-    def predict(request: RequestState) -> float:
+    def __init__(self, history: Any, bucket: int = 200) -> None:
+        self.history = resolve_history(history)
+        self.bucket = bucket
+
+    def __call__(self, request: RequestState) -> float:
         from predictors.semantic_history import embed_prompts
 
         if "point_distribution" not in request.cache:
             embeddings, has_text = embed_prompts([request.prompt_text])
-            request.cache["point_distribution"] = history.predict_embedded(
+            request.cache["point_distribution"] = self.history.predict_embedded(
                 [request.prompt_tokens], embeddings, has_text
             )[0]
         distribution: LengthDistribution = request.cache["point_distribution"]
         above = distribution.support > request.tokens_generated
         if not above.any():
-            return float(request.tokens_generated + bucket)
+            return float(request.tokens_generated + self.bucket)
         probs = distribution.probs[above]
         return float(distribution.support[above] @ probs / probs.sum())
-
-    return predict
