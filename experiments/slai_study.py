@@ -1,7 +1,7 @@
 """SLAI study (issue: SLAI with a learned dynamic offset), reproducing the paper's section 7 setup.
 
     .venv/bin/python -m experiments.slai_study [--requests N] [--trials N] [--tune-rate R]
-        [--overlap step|operator] [--rates R,R,...] [--out DIR]
+        [--overlap step|operator] [--rates R,R,...] [--seeds S,S,...] [--jobs N] [--out DIR]
 
 1. Tunes the `slai-offset` component with Optuna on replay of `slai-tiers` at `--tune-rate`:
    minimise median TTFT subject to P99 TBT <= SLO for both tiers (paying 0.1 s, free 0.5 s).
@@ -19,15 +19,19 @@ step, where a decode's KV read is free inside a compute-bound 512-token batch (s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from adapt.parallel import default_jobs
 from adapt.plots import figure, save
 from adapt.policy import Policy
+from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.cost import DEFAULT_OVERLAP, add_overlap_argument
+from adapt.workloads import WORKLOADS
 from pipelines.slai import SLOS, ReplayObjective, make_setup, run, summarise
 from predictors.slai_offset import SlaiOffset
 from serving_hooks.policies import make_policy
@@ -37,13 +41,14 @@ RATES = (0.2, 0.4, 0.8, 1.2, 1.6, 2.0, 2.4, 2.8, 3.2)
 
 
 def policies(tuned: SlaiOffset) -> dict[str, Callable[[], Policy]]:
+    """Picklable factories, so each replay (here or in a worker) builds its own instance."""
     return {
-        "sarathi-fcfs": lambda: make_policy("sarathi"),
-        "sarathi-spf": lambda: make_policy("sarathi", order="spf"),
-        "vllm-v0": lambda: make_policy("vllm-v0"),
-        "slai-fixed(10)": lambda: make_policy("slai-fixed"),
-        "slai(paper rule)": lambda: make_policy("slai"),
-        "slai(tuned)": lambda: SLAI(offset=tuned),
+        "sarathi-fcfs": functools.partial(make_policy, "sarathi"),
+        "sarathi-spf": functools.partial(make_policy, "sarathi", order="spf"),
+        "vllm-v0": functools.partial(make_policy, "vllm-v0"),
+        "slai-fixed(10)": functools.partial(make_policy, "slai-fixed"),
+        "slai(paper rule)": functools.partial(make_policy, "slai"),
+        "slai(tuned)": functools.partial(SLAI, offset=tuned),
     }
 
 
@@ -73,16 +78,30 @@ def kv_plot(
 
 
 def sweep(
-    rates: list[float], num_requests: int, seed: int, tuned: SlaiOffset, overlap: str
-) -> dict[str, dict[float, dict[str, Any]]]:
-    """Every policy at every rate on one seed's trace: policy -> rate -> summary."""
-    table: dict[str, dict[float, dict[str, Any]]] = {}
-    for rate in rates:
-        setup = make_setup(rate, num_requests, seed)
-        for name, build in policies(tuned).items():
-            table.setdefault(name, {})[rate] = summarise(run(setup, build(), overlap), SLOS)
-        print(f"  seed {seed}: rate {rate} done", file=sys.stderr)
-    return table
+    rates: list[float], num_requests: int, seeds: list[int], tuned: SlaiOffset, overlap: str, jobs: int
+) -> dict[int, dict[str, dict[float, dict[str, Any]]]]:
+    """Every policy at every rate on each seed's trace, on `jobs` processes:
+    seed -> policy -> rate -> summary."""
+    config = WORKLOADS["slai-tiers"].engine_config()
+    cells = [
+        ReplayCell(
+            (seed, name, rate),
+            f"seed {seed} {rate} req/s {name}",
+            setup,
+            build,
+            config,
+            options={"overlap": overlap},
+        )
+        for seed in seeds
+        for rate in rates
+        for setup in (make_setup(rate, num_requests, seed),)
+        for name, build in policies(tuned).items()
+    ]
+    tables: dict[int, dict[str, dict[float, dict[str, Any]]]] = {seed: {} for seed in seeds}
+    for cell, result in zip(cells, replay_cells(cells, jobs=jobs), strict=True):
+        seed, name, rate = cell.key
+        tables[seed].setdefault(name, {})[rate] = summarise(result, SLOS)
+    return tables
 
 
 def capacity(row: dict[float, dict[str, Any]]) -> float:
@@ -137,6 +156,7 @@ def main() -> None:
         help="traces to sweep; the offset is tuned on seed 0 only, the rest are held out",
     )
     add_overlap_argument(parser)
+    parser.add_argument("--jobs", type=int, default=default_jobs(), help="replays side by side")
     parser.add_argument("--out", default="reports/slai")
     args = parser.parse_args()
     out = Path(args.out)
@@ -144,12 +164,12 @@ def main() -> None:
 
     print(f"tuning slai-offset at {args.tune_rate} req/s ({args.trials} trials)", file=sys.stderr)
     objective = ReplayObjective(args.tune_rate, args.requests, overlap=args.overlap)
-    tuned = SlaiOffset().fit(objective, n_trials=args.trials)
+    tuned = SlaiOffset().fit(objective, n_trials=args.trials, jobs=args.jobs)
     print(f"tuned offset: thresholds {tuned.thresholds_}, levels {tuned.levels_}", file=sys.stderr)
 
     rates = [float(r) for r in args.rates.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
-    tables = {seed: sweep(rates, args.requests, seed, tuned, args.overlap) for seed in seeds}
+    tables = sweep(rates, args.requests, seeds, tuned, args.overlap, args.jobs)
     headlines = []
     for seed, table in tables.items():
         print_table(seed, table, rates)
