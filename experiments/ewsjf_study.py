@@ -1,6 +1,6 @@
 """EWSJF study (issue: EWSJF), after the paper's section 6 on its mixed workload.
 
-    .venv/bin/python -m experiments.ewsjf_study [--requests N] [--trials N] [--out DIR]
+    .venv/bin/python -m experiments.ewsjf_study [--requests N] [--trials N] [--jobs N] [--out DIR]
 
 1. Tunes Theta with the Bayesian meta-optimiser (Optuna, reward of equation 5) on replay of
    `ewsjf-mixed` at 40 req/s, layouts refit by Refine-and-Prune on a separate history window.
@@ -14,13 +14,16 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
 
 from adapt.online import tune
+from adapt.parallel import default_jobs
+from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.cost import add_overlap_argument
-from adapt.replay.runner import ReplaySetup, replay_policy
+from adapt.replay.runner import ReplaySetup
 from adapt.workloads import WORKLOADS
 from pipelines.ewsjf import ewsjf_objective, history_lengths
 from predictors.ewsjf_meta import THETA_SPACE, EwsjfMetaPolicy
@@ -46,6 +49,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--trials", type=int, default=20)
     add_overlap_argument(parser)
+    parser.add_argument("--jobs", type=int, default=default_jobs(), help="replays and trials side by side")
     parser.add_argument("--out", default="reports/ewsjf")
     parser.add_argument(
         "--decode-attention",
@@ -67,6 +71,7 @@ def main() -> None:
         n_trials=args.trials,
         warm_start=[EwsjfMetaPolicy().get_params()],
         name="ewsjf-study",
+        jobs=args.jobs,
     )
     tuned = EwsjfMetaPolicy(**result.params).fit(lengths)
     rewards = [h[2]["reward"] for h in result.history]
@@ -77,24 +82,24 @@ def main() -> None:
     )
 
     variants = {
-        "fcfs": lambda: make_policy("fcfs"),
-        "spf": lambda: make_policy("spf"),
-        "ewsjf(default)": lambda: EWSJF(),
-        "ewsjf(tuned)": lambda: EWSJF(tuned),
+        "fcfs": functools.partial(make_policy, "fcfs"),
+        "spf": functools.partial(make_policy, "spf"),
+        "ewsjf(default)": EWSJF,
+        "ewsjf(tuned)": functools.partial(EWSJF, tuned),
     }
+    options = {"decode_attention": args.decode_attention, "overlap": args.overlap}
+    cells = [
+        ReplayCell((name, rate), f"{rate} req/s {name}", setup, factory, options=options)
+        for rate in RATES
+        for setup in (
+            ReplaySetup(spec.build(float(rate), args.requests, 0), {}, spec.model, spec.gpu, spec.tp),
+        )
+        for name, factory in variants.items()
+    ]
     table: dict[str, dict[int, dict]] = {}
-    for rate in RATES:
-        setup = ReplaySetup(spec.build(float(rate), args.requests, 0), {}, spec.model, spec.gpu, spec.tp)
-        for name, factory in variants.items():
-            metrics = replay_policy(
-                setup,
-                factory,
-                label=name,
-                decode_attention=args.decode_attention,
-                overlap=args.overlap,
-            ).metrics()
-            table.setdefault(name, {})[rate] = row(metrics)
-        print(f"  rate {rate} done", file=sys.stderr)
+    for cell, replayed in zip(cells, replay_cells(cells, jobs=args.jobs), strict=True):
+        name, rate = cell.key
+        table.setdefault(name, {})[rate] = row(replayed.metrics())
 
     print("tokens/s | short mean TTFT s | long P99 TTFT s | long done/total")
     print(f"{'policy':<16}" + "".join(f"{r:>34}" for r in RATES))
@@ -112,23 +117,20 @@ def main() -> None:
         f"\nqueue-count study at {top} req/s (tuned weights):"
         " queues, tokens/s, short mean TTFT, long P99 TTFT"
     )
-    study = {}
-    for label, meta in [
+    layouts = [
         *[
             (f"k-means {k}", EwsjfMetaPolicy(**{**tuned.get_params(), "partition": "kmeans", "k": k}))
             for k in (5, 10, 30)
         ],
         ("refine-and-prune", EwsjfMetaPolicy(**tuned.get_params())),
-    ]:
-        meta.fit(lengths)
-        metrics = replay_policy(
-            setup,
-            lambda m=meta: EWSJF(m),
-            label=label,
-            decode_attention=args.decode_attention,
-            overlap=args.overlap,
-        ).metrics()
-        study[label] = {"queues": len(meta.queues_), **row(metrics)}
+    ]
+    cells = [
+        ReplayCell(label, label, setup, functools.partial(EWSJF, meta.fit(lengths)), options=options)
+        for label, meta in layouts
+    ]
+    study = {}
+    for (label, meta), replayed in zip(layouts, replay_cells(cells, jobs=args.jobs), strict=True):
+        study[label] = {"queues": len(meta.queues_), **row(replayed.metrics())}
         s = study[label]
         print(
             f"  {label:<18} {s['queues']:>3}  {s['tokens_per_s']:.0f}  {s['short_ttft_mean']:.2f}"
