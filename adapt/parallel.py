@@ -55,8 +55,11 @@ def run_cells(
     cost: Callable[[Item], float] | None = None,
     progress: bool = True,
     on_result: Callable[[Item, Result], None] | None = None,
+    ray: str | None = None,
 ) -> list[Result]:
-    """`[function(item) for item in items]`, on up to `jobs` processes (default: every core).
+    """`[function(item) for item in items]`, on up to `jobs` processes (default: every core), or
+    as Ray tasks when `ray` names a cluster (`local`: start a Ray runtime on this machine with
+    `jobs` CPUs; otherwise an address such as `auto` or `ray://head:10001`).
 
     `function` and the items must pickle (a module-level function; dataclasses of plain data).
     `cost` estimates an item's run time: the dearest start first, so a long cell does not start
@@ -67,9 +70,11 @@ def run_cells(
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"jobs: expected at least 1, got {jobs}")
+    order = sorted(range(len(items)), key=lambda i: -cost(items[i])) if cost else list(range(len(items)))
+    if ray is not None:
+        return _run_on_ray(function, items, order, ray, jobs, describe, progress, on_result)
     if jobs == 1 or len(items) <= 1:
         return [_run_here(function, item, describe, on_result) for item in items]
-    order = sorted(range(len(items)), key=lambda i: -cost(items[i])) if cost else list(range(len(items)))
     results: dict[int, Result] = {}
     bar = _progress_bar(len(items), f"{len(items)} cells on {min(jobs, len(items))} processes", progress)
     context = multiprocessing.get_context("spawn")
@@ -96,6 +101,60 @@ def run_cells(
         finally:
             bar(None)
     return [results[i] for i in range(len(items))]
+
+
+def _run_on_ray(
+    function: Callable[[Item], Result],
+    items: Sequence[Item],
+    order: list[int],
+    address: str,
+    jobs: int,
+    describe: Callable[[Item], str],
+    progress: bool,
+    on_result: Callable[[Item, Result], None] | None,
+) -> list[Result]:
+    """The same cells as Ray tasks (one CPU each): the function and items travel to the workers
+    as they would to a process pool, and the results come back in item order. A runtime this
+    call starts stays up for the rest of the process (Ray shuts it down at exit), so a second
+    sweep does not pay the start-up again."""
+    import ray
+
+    if not ray.is_initialized():
+        if address == "local":
+            ray.init(num_cpus=jobs, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        else:
+            ray.init(address=address, logging_level="ERROR")
+    remote = ray.remote(num_cpus=1)(_apply)
+    shared = ray.put(function)  # sent to the object store once, not with every task
+    index_of = {remote.remote(shared, items[i]): i for i in order}
+    pending = list(index_of)
+    results: dict[int, Result] = {}
+    bar = _progress_bar(len(items), f"{len(items)} cells on Ray", progress)
+    try:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            index = index_of[done[0]]
+            try:
+                results[index] = ray.get(done[0])
+            except Exception as exc:
+                exc.add_note(f"in cell {describe(items[index])}")
+                raise
+            if on_result is not None:
+                on_result(items[index], results[index])
+            bar(describe(items[index]))
+    except BaseException:
+        for ref in pending:
+            ray.cancel(ref)
+        raise
+    finally:
+        bar(None)
+    return [results[i] for i in range(len(items))]
+
+
+def _apply(function: Callable[[Item], Result], item: Item) -> Result:
+    """What a Ray task runs: Ray's decorator takes only plain functions, and a cell function may be
+    any picklable callable (a partial, an objective dataclass)."""
+    return function(item)
 
 
 def _run_here(

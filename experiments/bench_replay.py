@@ -9,13 +9,15 @@
 2. A synthetic trace of N requests (default 200,000: Azure lengths resampled, Poisson arrivals at
    the rate llama-2-7b on one H100 sustains) (target: under 2 minutes).
 3. The decode-run fast path on and off on the first 3,000 Azure requests (same run, ratio).
-4. Every core: every policy on the first 3,000 Azure requests, serially and on `--jobs` processes
-   (`adapt.replay.cells`), wall seconds of each and whether every metric is identical.
+4. Every core: 48 cells -- every policy on three slices of 1,000 Azure requests -- serially, on
+   `--jobs` processes and, with `--ray [ADDRESS]`, as Ray tasks (`adapt.replay.cells`): wall
+   seconds of each and whether every metric is identical to the serial run's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -44,6 +46,12 @@ def _replay(requests, model: str, gpu: str, skip: bool = True, policy: str = "fc
     return wall, result.metrics()
 
 
+def _rebased(requests: list) -> list:
+    """A slice of the trace with its arrivals shifted to start at zero (a replay of its own)."""
+    first = requests[0].arrival_s
+    return [dataclasses.replace(r, arrival_s=r.arrival_s - first) for r in requests]
+
+
 def _report(name: str, requests, wall: float, metrics: dict) -> None:
     simulated = max(r.arrival_s for r in requests) if requests else 0.0
     print(
@@ -59,6 +67,9 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(("fcfs", *LEARNED)), help="policies on the hour")
     parser.add_argument("--json", metavar="OUT", help="write the figures as JSON here")
     parser.add_argument("--jobs", type=int, default=default_jobs(), help="processes for section 4")
+    parser.add_argument(
+        "--ray", nargs="?", const="local", metavar="ADDRESS", help="section 4 on Ray too (default: local)"
+    )
     args = parser.parse_args()
 
     azure = load_trace(bundled("azure_conv_2023.csv.gz"))
@@ -91,15 +102,24 @@ def main() -> None:
         f" mean TTLT {fast['ttlt_mean']:.4f} vs {slow['ttlt_mean']:.4f})"
     )
 
-    setup = ReplaySetup(head, {"name": "azure-conv-3000"}, "llama-2-13b", "a100-80g", 1)
-    cells = [ReplayCell(p, p, setup, PolicySpec(p)) for p in POLICIES]
-    parallel = compare_serial_parallel(cells, args.jobs)
+    cells = []
+    for start in (0, 1000, 2000):
+        piece = _rebased(requests[start : start + 1000])
+        setup = ReplaySetup(piece, {"name": f"azure-conv-{start}"}, "llama-2-13b", "a100-80g", 1)
+        cells += [ReplayCell((start, p), f"{start}:{p}", setup, PolicySpec(p)) for p in POLICIES]
+    parallel = compare_serial_parallel(cells, args.jobs, args.ray)
     figures["parallel"] = parallel
-    print(
-        f"every core, {len(cells)} policies on azure first 3,000: serial {parallel['serial_s']:.1f} s,"
-        f" {parallel['jobs']} processes {parallel['parallel_s']:.1f} s ({parallel['speedup']}x);"
-        f" identical results: {parallel['identical']}"
+    line = (
+        f"every core, {len(cells)} cells ({len(POLICIES)} policies x 3 slices of 1,000 Azure requests):"
+        f" serial {parallel['serial_s']:.1f} s, {parallel['jobs']} processes {parallel['parallel_s']:.1f} s"
+        f" ({parallel['speedup']}x), identical: {parallel['identical']}"
     )
+    if args.ray:
+        line += (
+            f"; Ray {parallel['ray_s']:.1f} s after {parallel['ray_start_s']:.1f} s start-up,"
+            f" identical: {parallel['ray_identical']}"
+        )
+    print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
 

@@ -1,6 +1,7 @@
 """EWSJF study (issue: EWSJF), after the paper's section 6 on its mixed workload.
 
-    .venv/bin/python -m experiments.ewsjf_study [--requests N] [--trials N] [--jobs N] [--out DIR]
+    .venv/bin/python -m experiments.ewsjf_study [--requests N] [--trials N] [--jobs N]
+                                                [--ray [ADDRESS]] [--out DIR]
 
 1. Tunes Theta with the Bayesian meta-optimiser (Optuna, reward of equation 5) on replay of
    `ewsjf-mixed` at 40 req/s, layouts refit by Refine-and-Prune on a separate history window.
@@ -19,8 +20,8 @@ import json
 import sys
 from pathlib import Path
 
+from adapt.cli.usage import add_parallel_arguments
 from adapt.online import tune
-from adapt.parallel import default_jobs
 from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.cost import add_overlap_argument
 from adapt.replay.runner import ReplaySetup
@@ -49,7 +50,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--trials", type=int, default=20)
     add_overlap_argument(parser)
-    parser.add_argument("--jobs", type=int, default=default_jobs(), help="replays and trials side by side")
+    add_parallel_arguments(parser)
     parser.add_argument("--out", default="reports/ewsjf")
     parser.add_argument(
         "--decode-attention",
@@ -97,7 +98,7 @@ def main() -> None:
         for name, factory in variants.items()
     ]
     table: dict[str, dict[int, dict]] = {}
-    for cell, replayed in zip(cells, replay_cells(cells, jobs=args.jobs), strict=True):
+    for cell, replayed in zip(cells, replay_cells(cells, jobs=args.jobs, ray=args.ray), strict=True):
         name, rate = cell.key
         table.setdefault(name, {})[rate] = row(replayed.metrics())
 
@@ -129,7 +130,9 @@ def main() -> None:
         for label, meta in layouts
     ]
     study = {}
-    for (label, meta), replayed in zip(layouts, replay_cells(cells, jobs=args.jobs), strict=True):
+    for (label, meta), replayed in zip(
+        layouts, replay_cells(cells, jobs=args.jobs, ray=args.ray), strict=True
+    ):
         study[label] = {"queues": len(meta.queues_), **row(replayed.metrics())}
         s = study[label]
         print(

@@ -2,7 +2,8 @@
 
     .venv/bin/python -m experiments.jitserve_study [--rates 2.0,2.5,3.0] [--requests 1500]
                                                     [--seeds 0,1,2] [--components fit|champion]
-                                                    [--ablations] [--jobs N] [--out reports/jitserve]
+                                                    [--ablations] [--jobs N] [--ray [ADDRESS]]
+                                                    [--out reports/jitserve]
 
 Replays, at each rate and seed, `fcfs`, `sarathi` (512-token chunks), `edf`, `edf` with a 512-token
 budget, `plas`, `ltr` (noisy oracle: true length x lognormal(0, 0.5)), `ltr+qrf` (ranked by the
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from adapt.parallel import default_jobs
+from adapt.cli.usage import add_parallel_arguments
 from adapt.policy import Policy, RequestState
 from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.cost import DEFAULT_OVERLAP, add_overlap_argument
@@ -117,6 +118,7 @@ def run_study(
     with_ablations: bool = False,
     overlap: str = DEFAULT_OVERLAP,
     jobs: int | None = None,
+    ray: str | None = None,
 ) -> dict[str, Any]:
     """Every policy (and ablation) at every rate and seed, on `jobs` processes."""
     spec = WORKLOADS["jitserve-mix"]
@@ -134,7 +136,7 @@ def run_study(
                     ReplayCell((label, rate, seed), name, setup, build, options={"overlap": overlap})
                 )
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for cell, result in zip(cells, replay_cells(cells, jobs=jobs), strict=True):
+    for cell, result in zip(cells, replay_cells(cells, jobs=jobs, ray=ray), strict=True):
         label, rate, seed = cell.key
         metrics = result.metrics()
         runs.setdefault(label, {}).setdefault(str(rate), []).append(
@@ -207,7 +209,7 @@ def main() -> None:
     parser.add_argument("--components", default="fit", help="fit (bundled data), champion, or vN")
     parser.add_argument("--ablations", action="store_true", help="also run jitserve with parts switched off")
     add_overlap_argument(parser)
-    parser.add_argument("--jobs", type=int, default=default_jobs(), help="replays side by side")
+    add_parallel_arguments(parser)
     parser.add_argument("--out", default="reports/jitserve")
     args = parser.parse_args()
     out = Path(args.out)
@@ -222,6 +224,7 @@ def main() -> None:
         args.ablations,
         args.overlap,
         args.jobs,
+        args.ray,
     )
     (out / "jitserve_study.json").write_text(json.dumps(study, indent=2))
     text = markdown(study)

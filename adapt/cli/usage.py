@@ -87,9 +87,10 @@ COUNT = integer()
 SEED = integer(0)
 
 
-def add_jobs_argument(parser: argparse.ArgumentParser) -> None:
+def add_parallel_arguments(parser: argparse.ArgumentParser, *, ray: bool = True) -> None:
     """`--jobs N`: independent replays on N processes (default: every core the process may use);
-    results are the same for any N."""
+    `--ray [ADDRESS]`: as Ray tasks instead, on a local runtime or an existing cluster. Results are
+    the same either way and for any N."""
     from adapt.parallel import default_jobs
 
     parser.add_argument(
@@ -99,3 +100,12 @@ def add_jobs_argument(parser: argparse.ArgumentParser) -> None:
         help="independent replays run on N processes; results do not depend on N (default: every"
         " core, %(default)s here)",
     )
+    if ray:
+        parser.add_argument(
+            "--ray",
+            nargs="?",
+            const="local",
+            metavar="ADDRESS",
+            help="run the replays as Ray tasks: on a local Ray runtime with --jobs CPUs (no ADDRESS),"
+            " or on the cluster at ADDRESS (auto, ray://head:10001)",
+        )

@@ -56,10 +56,12 @@ def replay_cells(
     jobs: int | None = None,
     progress: bool = True,
     on_result: Callable[[ReplayCell, ReplayResult], None] | None = None,
+    ray: str | None = None,
 ) -> list[ReplayResult]:
     """Every cell's result, in the cells' order, replayed on up to `jobs` processes (default:
-    every core). With one job they run here one after another, with the per-replay progress bar."""
-    if jobs == 1:
+    every core), or as Ray tasks (`ray`: see `run_cells`). With one job and no Ray they run here
+    one after another, with the per-replay progress bar."""
+    if jobs == 1 and ray is None:
         cells = [_with_progress(cell, progress) for cell in cells]
     return run_cells(
         run_cell,
@@ -69,6 +71,7 @@ def replay_cells(
         cost=ReplayCell.size,
         progress=progress,
         on_result=on_result,
+        ray=ray,
     )
 
 
@@ -84,28 +87,41 @@ def _with_progress(cell: ReplayCell, progress: bool) -> ReplayCell:
     )
 
 
-def compare_serial_parallel(cells: Sequence[ReplayCell], jobs: int) -> dict[str, Any]:
-    """Run the cells serially and on `jobs` processes; wall seconds of each and whether every
-    cell's metrics are identical (compared as JSON, so a NaN equals a NaN)."""
+def compare_serial_parallel(cells: Sequence[ReplayCell], jobs: int, ray: str | None = None) -> dict[str, Any]:
+    """Run the cells serially and on `jobs` processes (and as Ray tasks on `ray`, if given); wall
+    seconds of each and whether every cell's metrics are identical to the serial run's (compared
+    as JSON, so a NaN equals a NaN). Ray's start-up is timed apart from its run."""
     import time
 
-    started = time.perf_counter()
-    serial = replay_cells(cells, jobs=1, progress=False)
-    serial_s = time.perf_counter() - started
-    started = time.perf_counter()
-    parallel = replay_cells(cells, jobs=jobs, progress=False)
-    parallel_s = time.perf_counter() - started
-    identical = all(
-        _as_json(a.metrics()) == _as_json(b.metrics()) for a, b in zip(serial, parallel, strict=True)
-    )
-    return {
+    def timed(**how: Any) -> tuple[float, list[str]]:
+        started = time.perf_counter()
+        results = replay_cells(cells, progress=False, **how)
+        return time.perf_counter() - started, [_as_json(r.metrics()) for r in results]
+
+    serial_s, serial = timed(jobs=1)
+    parallel_s, parallel = timed(jobs=jobs)
+    figures: dict[str, Any] = {
         "jobs": jobs,
         "cells": len(cells),
         "serial_s": round(serial_s, 3),
         "parallel_s": round(parallel_s, 3),
         "speedup": round(serial_s / parallel_s, 2) if parallel_s else None,
-        "identical": identical,
+        "identical": parallel == serial,
     }
+    if ray is not None:
+        figures["ray_start_s"] = round(_start_ray(ray, jobs), 3)
+        ray_s, on_ray = timed(jobs=jobs, ray=ray)
+        figures.update(ray_s=round(ray_s, 3), ray_identical=on_ray == serial)
+    return figures
+
+
+def _start_ray(address: str, jobs: int) -> float:
+    """Seconds to bring up (or connect to) the Ray runtime, so a sweep's timing excludes it."""
+    import time
+
+    started = time.perf_counter()
+    run_cells(len, [[]], jobs=jobs, ray=address, progress=False)
+    return time.perf_counter() - started
 
 
 def _as_json(metrics: dict[str, Any]) -> str:

@@ -113,3 +113,24 @@ def test_slai_offset_tunes_to_the_same_rule_on_two_processes():
     objective = ReplayObjective(2.0, 200)
     rules = [SlaiOffset().fit(objective, n_trials=5, seed=1, jobs=j).rule() for j in (1, 2)]
     assert rules[0] == rules[1]
+
+
+@pytest.fixture
+def local_ray():
+    """A local Ray runtime for one test, shut down after it (it holds memory and processes)."""
+    ray = pytest.importorskip("ray")
+    yield "local"
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_cells_on_a_local_ray_runtime_match_the_serial_run(local_ray):
+    items = list(range(6))
+    assert run_cells(square, items, jobs=2, ray=local_ray, progress=False) == [x * x for x in items]
+    with pytest.raises(ValueError, match="three is not allowed") as raised:
+        run_cells(
+            fail_on_three, [1, 3], jobs=2, ray=local_ray, describe=lambda x: f"number {x}", progress=False
+        )
+    assert "in cell number 3" in raised.value.__notes__
+    outcome = compare_serial_parallel(_cells(["fcfs", "sarathi", "slai", "jitserve"]), jobs=2, ray=local_ray)
+    assert outcome["ray_identical"] and outcome["identical"], outcome
