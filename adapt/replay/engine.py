@@ -380,11 +380,6 @@ class ReplayEngine:
             acted = acted or bool(admitted)
         return scheduled, changed, acted
 
-    def _tokens_needed(self, state: RequestState) -> int:
-        """Tokens the next step would compute for `state`: its unprocessed known tokens plus the
-        one whose sampling is still in flight (async scheduling's placeholder)."""
-        return state.tokens_to_compute + self._placeholders.get(state.id, 0)
-
     def _last_token_in_flight(self, state: RequestState) -> bool:
         placeholder = self._placeholders.get(state.id, 0)
         return placeholder > 0 and state.tokens_generated + placeholder >= self._true_len[state.id]
@@ -400,20 +395,25 @@ class ReplayEngine:
         recompute (possibly the request itself, which ends the pass), as vLLM does with its
         running list."""
         preempted = False
+        placeholders = self._placeholders  # empty unless async scheduling has tokens in flight
+        try_grow = self.kv.try_grow
         index = 0
         while index < len(sequence) and budget > 0:
             state = sequence[index]
-            if self._last_token_in_flight(state):
-                index += 1  # vLLM's async rule: no step past the last token
-                continue
-            tokens = min(self._tokens_needed(state), budget)
-            while not self.kv.can_grow(state.id, state.tokens_computed + tokens):
+            computed = state.tokens_computed
+            need = state.prompt_tokens + state.tokens_generated - computed  # tokens_to_compute, inlined
+            if placeholders:
+                if self._last_token_in_flight(state):
+                    index += 1  # vLLM's async rule: no step past the last token
+                    continue
+                need += placeholders.get(state.id, 0)
+            tokens = need if need < budget else budget
+            while not try_grow(state.id, computed + tokens):
                 victim = sequence.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is state:
                     return budget, preempted
-            self.kv.grow(state.id, state.tokens_computed + tokens)
             scheduled.append((state, tokens))
             budget -= tokens
             index += 1
@@ -466,11 +466,20 @@ class ReplayEngine:
         """Time the step (the cost model, or the live step's duration) and apply its effects:
         at its end, or -- async scheduling -- after the next step is planned (`_deliver`)."""
         asynchronous = self.config.async_scheduling
-        samples = [n == self._tokens_needed(state) for state, n in scheduled]  # all known tokens done
-        batch = step_batch(
-            (n, state.tokens_computed, n == 1 and state.phase == "decode", sampled)
-            for (state, n), sampled in zip(scheduled, samples, strict=True)
-        )
+        placeholders = self._placeholders
+        work = []
+        sampled_states = []
+        for state, n in scheduled:
+            computed = state.tokens_computed
+            need = state.prompt_tokens + state.tokens_generated - computed  # tokens_to_compute
+            if placeholders:
+                need += placeholders.get(state.id, 0)
+            sampled = n == need  # all known tokens done: it samples one
+            work.append((n, computed, n == 1 and state.phase == "decode", sampled))
+            state.tokens_computed = computed + n
+            if sampled:
+                sampled_states.append(state)
+        batch = step_batch(work)
         duration = trace.duration if trace is not None else float(self.cost.time(batch))
         start = self.now
         self.now = start + duration
@@ -479,19 +488,13 @@ class ReplayEngine:
             self.step_index += 1
         if scheduled:
             self.recorder.step(start, duration, batch, self.kv.usage)
-        sampled_states = []
-        for (state, n), sampled in zip(scheduled, samples, strict=True):
-            state.tokens_computed += n
-            if sampled:
-                sampled_states.append(state)
-                if asynchronous:
-                    self._placeholders[state.id] += 1
         output_at = trace.output_at if trace is not None and trace.output_at is not None else self.now
         if asynchronous:
+            for state in sampled_states:
+                placeholders[state.id] += 1
             self._in_flight = (output_at, sampled_states)
         else:
-            for state in sampled_states:
-                self._emit_token(state, output_at)
+            self._emit_tokens(sampled_states, output_at)
 
     def _deliver(self, previous: tuple[float, list[RequestState]] | None) -> bool:
         """Async scheduling: the previous step's tokens reach the scheduler once this step is
@@ -502,7 +505,7 @@ class ReplayEngine:
         for state in states:
             self._placeholders[state.id] -= 1
             if state.phase != "finished":
-                self._emit_token(state, output_at)
+                self._emit_tokens([state], output_at)
         return bool(states)
 
     def _note_batch_time(self, duration: float) -> None:
@@ -511,16 +514,19 @@ class ReplayEngine:
             duration if self.mean_batch_time == 0 else ((1 - alpha) * self.mean_batch_time + alpha * duration)
         )
 
-    def _emit_token(self, state: RequestState, now: float) -> None:
-        self.recorder.token(state, now)
-        state.tokens_generated += 1
-        state.last_token_s = now
-        if state.first_token_s is None:
-            state.first_token_s = now
-        if state.phase != "preempted":
-            state.phase = "decode"
-        if state.tokens_generated >= self._true_len[state.id]:
-            self._finish(state, now)
+    def _emit_tokens(self, states: list[RequestState], now: float) -> None:
+        """Each of `states` gets its next output token at `now`; finished ones leave, in order."""
+        self.recorder.tokens(states, now)
+        true_len = self._true_len
+        for state in states:
+            state.tokens_generated += 1
+            state.last_token_s = now
+            if state.first_token_s is None:
+                state.first_token_s = now
+            if state.phase != "preempted":
+                state.phase = "decode"
+            if state.tokens_generated >= true_len[state.id]:
+                self._finish(state, now)
 
     def _finish(self, state: RequestState, now: float) -> None:
         if state.phase == "preempted":  # its last token was in flight when it was preempted

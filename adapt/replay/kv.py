@@ -33,6 +33,19 @@ class BlockPool:
     def can_grow(self, request_id: str, tokens: int) -> bool:
         return self.extra_blocks(request_id, tokens) <= self.free_blocks
 
+    def try_grow(self, request_id: str, tokens: int) -> bool:
+        """`grow` if the blocks are free, else False: the scheduler's check and allocation in one
+        call (it runs once per scheduled request per step)."""
+        held = self._held.get(request_id, 0)
+        extra = -(-tokens // self.block_size) - held
+        if extra <= 0:
+            return True
+        if extra > self.free_blocks:
+            return False
+        self._held[request_id] = held + extra
+        self.free_blocks -= extra
+        return True
+
     def grow(self, request_id: str, tokens: int) -> None:
         """Make the request hold enough blocks for `tokens` cached tokens (caller checked room)."""
         extra = self.extra_blocks(request_id, tokens)

@@ -38,6 +38,8 @@ from adapt.replay.sketch import QuantileSketch
 from adapt.requests import CompletedRequest
 from adapt.steplog import STEP_FIELDS, StepBatch
 
+_GAP_BATCH = 65_536  # TBT gaps buffered per class before they are bucketed in one numpy call
+
 
 def _on_time_limit(state: RequestState, index: int) -> float:
     slo = state.slo
@@ -409,6 +411,9 @@ class Recorder:
             defaultdict(list) if keep_token_times else None
         )
         self._single: dict[str | None, array] = defaultdict(lambda: array("d"))
+        # TBT gaps of single tokens, per class, not yet in the sketch: bucketed one batch at a time
+        # (a sketch's counts are exact integer sums, so batching does not change the result).
+        self._gaps: dict[str | None, array] = defaultdict(lambda: array("d"))
         self._kv: tuple[array, array] | None = (array("d"), array("d")) if keep_token_times else None
         self._steps = 0
         self.preemptions = 0
@@ -436,17 +441,29 @@ class Recorder:
         self._open[state.id].preemptions += 1
         self.preemptions += 1
 
-    def token(self, state: RequestState, now: float) -> None:
-        """One token emitted by a normal step (before the engine bumps tokens_generated)."""
-        record = self._open[state.id]
-        index = state.tokens_generated
-        if state.last_token_s is not None and index > 0:
-            gap = now - state.last_token_s
-            self._tbt[state.label].add(gap)
-            if self._samples is not None:
-                self._single[state.label].append(gap)
-        if state.slo.kind == "latency" and now <= _on_time_limit(state, index):
-            record.ontime_tokens += 1
+    def tokens(self, states: Iterable[RequestState], now: float) -> None:
+        """One token emitted at `now` by each of `states` in a normal step (before the engine bumps
+        their tokens_generated)."""
+        gaps = self._gaps
+        for state in states:
+            index = state.tokens_generated
+            last = state.last_token_s
+            if last is not None and index > 0:
+                gaps[state.label].append(now - last)
+            if state.slo.kind == "latency" and now <= _on_time_limit(state, index):
+                self._open[state.id].ontime_tokens += 1
+        for label, pending in gaps.items():
+            if len(pending) >= _GAP_BATCH:
+                self._flush_gaps(label)
+
+    def _flush_gaps(self, label: str | None) -> None:
+        pending = self._gaps[label]
+        if not pending:
+            return
+        self._gaps[label] = array("d")
+        self._tbt[label].add_many(np.frombuffer(pending, dtype=np.float64))
+        if self._samples is not None:
+            self._single[label].extend(pending)
 
     def decode_run(
         self,
@@ -521,6 +538,8 @@ class Recorder:
 
     def result(self, sim_wall_s: float) -> ReplayResult:
         """The run so far, rows in arrival order (requests still in the engine included as they are)."""
+        for label in list(self._gaps):
+            self._flush_gaps(label)
         for request_id in list(self._open):
             self._table.append(self._open.pop(request_id))
             self._sequence.append(self._order.pop(request_id))
