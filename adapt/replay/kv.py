@@ -6,6 +6,10 @@ list of block ids: ceil(tokens / block_size).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
+
 
 class BlockPool:
     """Fixed pool of KV blocks. A request holds ceil(cached tokens / block_size) blocks."""
@@ -54,6 +58,23 @@ class BlockPool:
         if extra:
             self._held[request_id] = self._held.get(request_id, 0) + extra
             self.free_blocks -= extra
+
+    def held_many(self, request_ids: Sequence[str]) -> np.ndarray:
+        """`held` of each request, as an array (the decode-run fast path)."""
+        get = self._held.get
+        return np.fromiter((get(r, 0) for r in request_ids), dtype=np.int64, count=len(request_ids))
+
+    def grow_many(self, request_ids: Sequence[str], tokens: np.ndarray) -> None:
+        """`grow` each request to its `tokens` at once (a decode run grows every running request;
+        the caller checked room)."""
+        held = self.held_many(request_ids)
+        blocks = np.maximum(held, -(-tokens // self.block_size))
+        extra = int((blocks - held).sum())
+        if extra > self.free_blocks:
+            raise RuntimeError(f"KV pool exhausted: a decode run needs {extra}, {self.free_blocks} free")
+        for i in np.flatnonzero(blocks != held).tolist():
+            self._held[request_ids[i]] = int(blocks[i])
+        self.free_blocks -= extra
 
     def release(self, request_id: str) -> None:
         self.free_blocks += self._held.pop(request_id, 0)
