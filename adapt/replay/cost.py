@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Literal, get_args
 
 import numpy as np
@@ -163,22 +164,35 @@ class RooflineCostModel:
     def with_options(self, **changes: object) -> RooflineCostModel:
         return replace(self, **changes)
 
+    @cached_property
+    def _coefficients(self) -> tuple[float, float, int, float, float, float]:
+        """(peak FLOP/s, bandwidth B/s, weight bytes, FLOPs per token, per sampled token, per
+        attention unit): the products `time` multiplies by, grouped as it groups them, computed
+        once (the engine times every step with them)."""
+        m = self.model
+        peak = self.tp * self.gpu.peak_tflops * 1e12 * self.flops_efficiency
+        bandwidth = self.tp * self.gpu.hbm_gbps * 1e9 * self.bw_efficiency
+        per_token, per_sample = 2.0 * m.linear_params, 2.0 * m.hidden * m.vocab
+        return peak, bandwidth, m.weight_bytes, per_token, per_sample, 4.0 * m.layers * m.q_dim
+
     def time(self, batch: StepBatch) -> np.ndarray | float:
         """Seconds for one step (or each of many steps when the fields are arrays)."""
         m = self.model
         attn_units, kv_read = attention_work(batch, self.decode_attention)
-        peak = self.tp * self.gpu.peak_tflops * 1e12 * self.flops_efficiency
-        bandwidth = self.tp * self.gpu.hbm_gbps * 1e9 * self.bw_efficiency
-        linear_flops = 2.0 * m.linear_params * batch.tokens + 2.0 * m.hidden * m.vocab * batch.sampled
-        attention_flops = 4.0 * m.layers * m.q_dim * attn_units
+        peak, bandwidth, weight_bytes, per_token, per_sample, per_attention_unit = self._coefficients
+        linear_flops = per_token * batch.tokens + per_sample * batch.sampled
+        attention_flops = per_attention_unit * attn_units
         kv_bytes = m.kv_bytes_per_token * kv_read
+        # One step's figures are scalars: Python's max (same value) costs a fraction of numpy's.
+        arrays = any(isinstance(x, np.ndarray) for x in (linear_flops, attention_flops, kv_bytes))
+        maximum = np.maximum if arrays else max
         if self.overlap == "operator":
-            linear = np.maximum(linear_flops / peak, m.weight_bytes / bandwidth)
-            attention = np.maximum(attention_flops / peak, kv_bytes / bandwidth)
+            linear = maximum(linear_flops / peak, weight_bytes / bandwidth)
+            attention = maximum(attention_flops / peak, kv_bytes / bandwidth)
             seconds = self.step_overhead_s + linear + attention
         else:
             flops = linear_flops + attention_flops
-            seconds = self.step_overhead_s + np.maximum(flops / peak, (m.weight_bytes + kv_bytes) / bandwidth)
+            seconds = self.step_overhead_s + maximum(flops / peak, (weight_bytes + kv_bytes) / bandwidth)
         if self.tp > 1:
             message = batch.tokens * m.hidden * m.dtype_bytes
             ring = 2.0 * (self.tp - 1) / self.tp * message / (self.gpu.interconnect_gbps * 1e9)

@@ -45,7 +45,7 @@ from adapt.policy import EngineView, Plan, Policy, RequestState
 from adapt.replay.kv import BlockPool
 from adapt.replay.metrics import Recorder, ReplayResult
 from adapt.requests import Request
-from adapt.steplog import CostModel, step_batch
+from adapt.steplog import CostModel, StepBatch, step_batch
 
 MAX_RUN_STEPS = 4096
 
@@ -134,6 +134,10 @@ class ReplayEngine:
         self._preempted_now: list[str] = []
         self._freed_since: list[str] = []
         self._queues: dict[str, list[str]] = {}
+        # Whether the step just executed was plain decodes only (a decode run repeats such a step:
+        # at a tiny token budget a 1-token prefill chunk also has n == 1, but it samples nothing,
+        # so only the phase tells them apart).
+        self._decodes_only = False
 
     # ----------------------------------------------------------------- arrivals
     def add(self, request: Request) -> None:
@@ -290,9 +294,6 @@ class ReplayEngine:
         scheduled, changed, acted = self._schedule(plan)
         if self.decisions is not None:
             self._record_decision(trace.index if trace is not None else self.step_index, scheduled)
-        # A decode run repeats a step of decodes only: at a tiny token budget a 1-token prefill
-        # chunk also has n == 1, but it samples nothing, so only the phase tells them apart.
-        decodes_only = all(n == 1 and state.phase == "decode" for state, n in scheduled)
         previous, self._in_flight = self._in_flight, None
         if scheduled or trace is not None:
             self._execute(scheduled, trace)
@@ -308,7 +309,7 @@ class ReplayEngine:
             and not acted
             and self.running
             and len(scheduled) == len(self.running)
-            and decodes_only
+            and self._decodes_only
         ):
             self._decode_run(view)
 
@@ -380,11 +381,6 @@ class ReplayEngine:
             acted = acted or bool(admitted)
         return scheduled, changed, acted
 
-    def _tokens_needed(self, state: RequestState) -> int:
-        """Tokens the next step would compute for `state`: its unprocessed known tokens plus the
-        one whose sampling is still in flight (async scheduling's placeholder)."""
-        return state.tokens_to_compute + self._placeholders.get(state.id, 0)
-
     def _last_token_in_flight(self, state: RequestState) -> bool:
         placeholder = self._placeholders.get(state.id, 0)
         return placeholder > 0 and state.tokens_generated + placeholder >= self._true_len[state.id]
@@ -400,23 +396,27 @@ class ReplayEngine:
         recompute (possibly the request itself, which ends the pass), as vLLM does with its
         running list."""
         preempted = False
+        placeholders = self._placeholders  # empty unless async scheduling has tokens in flight
+        try_grow = self.kv.try_grow
         index = 0
         while index < len(sequence) and budget > 0:
             state = sequence[index]
-            if self._last_token_in_flight(state):
-                index += 1  # vLLM's async rule: no step past the last token
-                continue
-            tokens = min(self._tokens_needed(state), budget)
-            while not self.kv.can_grow(state.id, state.tokens_computed + tokens):
+            index += 1
+            computed = state.tokens_computed
+            need = state.prompt_tokens + state.tokens_generated - computed  # tokens_to_compute, inlined
+            if placeholders:
+                if self._last_token_in_flight(state):
+                    continue  # vLLM's async rule: no step past the last token
+                need += placeholders.get(state.id, 0)
+            tokens = need if need < budget else budget
+            while not try_grow(state.id, computed + tokens):
                 victim = sequence.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is state:
                     return budget, preempted
-            self.kv.grow(state.id, state.tokens_computed + tokens)
             scheduled.append((state, tokens))
             budget -= tokens
-            index += 1
         return budget, preempted
 
     def _admit(self, plan: Plan, budget: int, *, chunked: bool) -> list[tuple[RequestState, int]]:
@@ -466,11 +466,29 @@ class ReplayEngine:
         """Time the step (the cost model, or the live step's duration) and apply its effects:
         at its end, or -- async scheduling -- after the next step is planned (`_deliver`)."""
         asynchronous = self.config.async_scheduling
-        samples = [n == self._tokens_needed(state) for state, n in scheduled]  # all known tokens done
-        batch = step_batch(
-            (n, state.tokens_computed, n == 1 and state.phase == "decode", sampled)
-            for (state, n), sampled in zip(scheduled, samples, strict=True)
-        )
+        placeholders = self._placeholders
+        work = []  # what is not a plain decode, for `step_batch`; decodes are counted in bulk
+        decodes = decode_samples = context_sum = context_max = 0
+        sampled_states = []
+        for state, n in scheduled:
+            computed = state.tokens_computed
+            need = state.prompt_tokens + state.tokens_generated - computed  # tokens_to_compute
+            if placeholders:
+                need += placeholders.get(state.id, 0)
+            sampled = n == need  # all known tokens done: it samples one
+            if n == 1 and state.phase == "decode":
+                decodes += 1
+                decode_samples += sampled
+                context_sum += computed
+                if computed > context_max:
+                    context_max = computed
+            else:
+                work.append((n, computed, False, sampled))
+            state.tokens_computed = computed + n
+            if sampled:
+                sampled_states.append(state)
+        self._decodes_only = decodes == len(scheduled)
+        batch = _with_decodes(step_batch(work), decodes, decode_samples, context_sum, context_max)
         duration = trace.duration if trace is not None else float(self.cost.time(batch))
         start = self.now
         self.now = start + duration
@@ -479,19 +497,13 @@ class ReplayEngine:
             self.step_index += 1
         if scheduled:
             self.recorder.step(start, duration, batch, self.kv.usage)
-        sampled_states = []
-        for (state, n), sampled in zip(scheduled, samples, strict=True):
-            state.tokens_computed += n
-            if sampled:
-                sampled_states.append(state)
-                if asynchronous:
-                    self._placeholders[state.id] += 1
         output_at = trace.output_at if trace is not None and trace.output_at is not None else self.now
         if asynchronous:
+            for state in sampled_states:
+                placeholders[state.id] += 1
             self._in_flight = (output_at, sampled_states)
         else:
-            for state in sampled_states:
-                self._emit_token(state, output_at)
+            self._emit_tokens(sampled_states, output_at)
 
     def _deliver(self, previous: tuple[float, list[RequestState]] | None) -> bool:
         """Async scheduling: the previous step's tokens reach the scheduler once this step is
@@ -502,7 +514,7 @@ class ReplayEngine:
         for state in states:
             self._placeholders[state.id] -= 1
             if state.phase != "finished":
-                self._emit_token(state, output_at)
+                self._emit_tokens([state], output_at)
         return bool(states)
 
     def _note_batch_time(self, duration: float) -> None:
@@ -511,16 +523,19 @@ class ReplayEngine:
             duration if self.mean_batch_time == 0 else ((1 - alpha) * self.mean_batch_time + alpha * duration)
         )
 
-    def _emit_token(self, state: RequestState, now: float) -> None:
-        self.recorder.token(state, now)
-        state.tokens_generated += 1
-        state.last_token_s = now
-        if state.first_token_s is None:
-            state.first_token_s = now
-        if state.phase != "preempted":
-            state.phase = "decode"
-        if state.tokens_generated >= self._true_len[state.id]:
-            self._finish(state, now)
+    def _emit_tokens(self, states: list[RequestState], now: float) -> None:
+        """Each of `states` gets its next output token at `now`; finished ones leave, in order."""
+        self.recorder.tokens(states, now)
+        true_len = self._true_len
+        for state in states:
+            state.tokens_generated += 1
+            state.last_token_s = now
+            if state.first_token_s is None:
+                state.first_token_s = now
+            if state.phase != "preempted":
+                state.phase = "decode"
+            if state.tokens_generated >= true_len[state.id]:
+                self._finish(state, now)
 
     def _finish(self, state: RequestState, now: float) -> None:
         if state.phase == "preempted":  # its last token was in flight when it was preempted
@@ -541,26 +556,21 @@ class ReplayEngine:
     def _decode_run(self, view: EngineView) -> None:
         """Advance the longest run of steps identical to the one just taken (see module doc)."""
         horizon = self.policy.horizon(view)
-        limit = min(
-            MAX_RUN_STEPS,
-            horizon.steps,
-            min(self._true_len[s.id] - s.tokens_generated for s in self.running),
-        )
+        running = self.running
+        true_len = self._true_len
+        limit = min(MAX_RUN_STEPS, horizon.steps, min(true_len[s.id] - s.tokens_generated for s in running))
         wall = min(self.next_arrival_s, self.arrival_fence_s, horizon.until_s)
         if limit < 1 or self.now >= wall:
             return
         limit = int(limit)
-        computed = np.fromiter(
-            (s.tokens_computed for s in self.running), dtype=np.int64, count=len(self.running)
-        )
-        held = np.fromiter(
-            (self.kv.held(s.id) for s in self.running), dtype=np.int64, count=len(self.running)
-        )
+        ids = [s.id for s in running]
+        computed = np.fromiter((s.tokens_computed for s in running), dtype=np.int64, count=len(running))
         threshold = horizon.kv_usage_below if view.kv_usage < horizon.kv_usage_below else math.inf
-        limit = self._kv_step_limit(computed, held, limit, threshold)
+        limit = self._kv_step_limit(computed, self.kv.held_many(ids), limit, threshold)
         if limit < 1:
             return
-        times = self.cost.decode_run_times(len(self.running), int(computed.sum()), int(computed.max()), limit)
+        context_sum, context_max = int(computed.sum()), int(computed.max())
+        times = self.cost.decode_run_times(len(running), context_sum, context_max, limit)
         # Step by step, as `_execute` adds each duration to `now` (now + cumsum(times) would round
         # differently and move a run's end across an arrival).
         ends = np.cumsum(np.concatenate(([self.now], times)))[1:]
@@ -569,23 +579,23 @@ class ReplayEngine:
         if k < 1:
             return
         times, ends = times[:k], ends[:k]
-        for duration in times:
-            self._note_batch_time(float(duration))
-        self.recorder.decode_run(
-            self.running, times, ends, self.kv.usage, int(computed.sum()), int(computed.max())
-        )
+        alpha, mean = self.config.batch_time_ema, self.mean_batch_time
+        for duration in times.tolist():  # `_note_batch_time`, step by step
+            mean = duration if mean == 0 else ((1 - alpha) * mean + alpha * duration)
+        self.mean_batch_time = mean
+        self.recorder.decode_run(running, times, ends, self.kv.usage, context_sum, context_max)
         self.step_index += k
-        self.now = float(ends[-1])
+        self.now = now = float(ends[-1])
+        self.kv.grow_many(ids, computed + k)
         finished = []
-        for state in self.running:
+        for state in running:
             state.tokens_computed += k
             state.tokens_generated += k
-            state.last_token_s = self.now
-            self.kv.grow(state.id, state.tokens_computed)
-            if state.tokens_generated >= self._true_len[state.id]:
+            state.last_token_s = now
+            if state.tokens_generated >= true_len[state.id]:
                 finished.append(state)
         for state in finished:
-            self._finish(state, self.now)
+            self._finish(state, now)
 
     def _kv_step_limit(self, computed: np.ndarray, held: np.ndarray, limit: int, usage_below: float) -> int:
         """Largest k <= limit such that growing every context by k tokens fits in the free blocks
@@ -622,6 +632,24 @@ class ReplayEngine:
         result = self.recorder.result(sim_wall_s)
         result.engine_settings = {"token_budget": self.token_budget, "max_running": self.config.max_running}
         return result
+
+
+def _with_decodes(
+    batch: StepBatch, decodes: int, sampled: int, context_sum: int, context_max: int
+) -> StepBatch:
+    """`batch` (what `step_batch` made of a step's other work) plus `decodes` plain decodes, counted
+    as `step_batch` counts them -- a token each, `sampled` of them sampling, their cached contexts
+    summed and maxed -- but in bulk: they are most of a step's requests. Integer sums, so the
+    features are the same numbers whatever the order."""
+    return StepBatch(
+        batch.tokens + decodes,
+        batch.sampled + sampled,
+        batch.prefill_attn_units,
+        batch.prefill_kv_read,
+        batch.num_decodes + decodes,
+        batch.decode_ctx_sum + context_sum,
+        max(batch.decode_ctx_max, context_max),
+    )
 
 
 class _WaitingView(Sequence[RequestState]):

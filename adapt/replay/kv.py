@@ -6,6 +6,10 @@ list of block ids: ceil(tokens / block_size).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
+
 
 class BlockPool:
     """Fixed pool of KV blocks. A request holds ceil(cached tokens / block_size) blocks."""
@@ -33,6 +37,19 @@ class BlockPool:
     def can_grow(self, request_id: str, tokens: int) -> bool:
         return self.extra_blocks(request_id, tokens) <= self.free_blocks
 
+    def try_grow(self, request_id: str, tokens: int) -> bool:
+        """`grow` if the blocks are free, else False: the scheduler's check and allocation in one
+        call (it runs once per scheduled request per step)."""
+        held = self._held.get(request_id, 0)
+        extra = -(-tokens // self.block_size) - held
+        if extra <= 0:
+            return True
+        if extra > self.free_blocks:
+            return False
+        self._held[request_id] = held + extra
+        self.free_blocks -= extra
+        return True
+
     def grow(self, request_id: str, tokens: int) -> None:
         """Make the request hold enough blocks for `tokens` cached tokens (caller checked room)."""
         extra = self.extra_blocks(request_id, tokens)
@@ -41,6 +58,23 @@ class BlockPool:
         if extra:
             self._held[request_id] = self._held.get(request_id, 0) + extra
             self.free_blocks -= extra
+
+    def held_many(self, request_ids: Sequence[str]) -> np.ndarray:
+        """`held` of each request, as an array (the decode-run fast path)."""
+        get = self._held.get
+        return np.fromiter((get(r, 0) for r in request_ids), dtype=np.int64, count=len(request_ids))
+
+    def grow_many(self, request_ids: Sequence[str], tokens: np.ndarray) -> None:
+        """`grow` each request to its `tokens` at once (a decode run grows every running request;
+        the caller checked room)."""
+        held = self.held_many(request_ids)
+        blocks = np.maximum(held, -(-tokens // self.block_size))
+        extra = int((blocks - held).sum())
+        if extra > self.free_blocks:
+            raise RuntimeError(f"KV pool exhausted: a decode run needs {extra}, {self.free_blocks} free")
+        for i in np.flatnonzero(blocks != held).tolist():
+            self._held[request_ids[i]] = int(blocks[i])
+        self.free_blocks -= extra
 
     def release(self, request_id: str) -> None:
         self.free_blocks += self._held.pop(request_id, 0)

@@ -38,6 +38,8 @@ from adapt.replay.sketch import QuantileSketch
 from adapt.requests import CompletedRequest
 from adapt.steplog import STEP_FIELDS, StepBatch
 
+_GAP_BATCH = 65_536  # TBT gaps buffered per class before they are bucketed in one numpy call
+
 
 def _on_time_limit(state: RequestState, index: int) -> float:
     slo = state.slo
@@ -48,6 +50,19 @@ def _on_time_limit(state: RequestState, index: int) -> float:
     if index == 0 or state.first_token_s is None:
         return math.inf
     return state.first_token_s + index * slo.tbt_s  # type: ignore[operator]
+
+
+def _on_time_limits(state: RequestState, first: int, count: int) -> np.ndarray:
+    """`_on_time_limit` of tokens first .. first + count - 1, as one array (same arithmetic)."""
+    slo = state.slo
+    index = first + np.arange(count, dtype=np.float64)
+    if slo.ttft_s is not None:
+        if slo.tbt_s is not None:
+            return state.arrival_s + slo.ttft_s + index * slo.tbt_s
+        return np.where(index == 0, state.arrival_s + slo.ttft_s + 0.0, math.inf)
+    if state.first_token_s is None:
+        return np.full(count, math.inf)
+    return np.where(index == 0, math.inf, state.first_token_s + index * slo.tbt_s)  # type: ignore[operator]
 
 
 @dataclass
@@ -409,6 +424,11 @@ class Recorder:
             defaultdict(list) if keep_token_times else None
         )
         self._single: dict[str | None, array] = defaultdict(lambda: array("d"))
+        # TBT gaps of single tokens, per class, not yet in the sketch: bucketed one batch at a time
+        # (a sketch's counts are exact integer sums, so batching does not change the result).
+        self._gaps: dict[str | None, array] = defaultdict(lambda: array("d"))
+        # Decode runs' step times, per class and weight (requests that decoded in them), likewise.
+        self._run_times: dict[tuple[str | None, float], array] = defaultdict(lambda: array("d"))
         self._kv: tuple[array, array] | None = (array("d"), array("d")) if keep_token_times else None
         self._steps = 0
         self.preemptions = 0
@@ -436,17 +456,33 @@ class Recorder:
         self._open[state.id].preemptions += 1
         self.preemptions += 1
 
-    def token(self, state: RequestState, now: float) -> None:
-        """One token emitted by a normal step (before the engine bumps tokens_generated)."""
-        record = self._open[state.id]
-        index = state.tokens_generated
-        if state.last_token_s is not None and index > 0:
-            gap = now - state.last_token_s
-            self._tbt[state.label].add(gap)
-            if self._samples is not None:
-                self._single[state.label].append(gap)
-        if state.slo.kind == "latency" and now <= _on_time_limit(state, index):
-            record.ontime_tokens += 1
+    def tokens(self, states: Iterable[RequestState], now: float) -> None:
+        """One token emitted at `now` by each of `states` in a normal step (before the engine bumps
+        their tokens_generated)."""
+        gaps = self._gaps
+        for state in states:
+            index = state.tokens_generated
+            last = state.last_token_s
+            if last is not None and index > 0:
+                gaps[state.label].append(now - last)
+            if state.slo.kind == "latency" and now <= _on_time_limit(state, index):
+                self._open[state.id].ontime_tokens += 1
+        for label, pending in gaps.items():
+            if len(pending) >= _GAP_BATCH:
+                self._flush_gaps(label)
+
+    def _flush_run_times(self, label: str | None, weight: float) -> None:
+        pending = self._run_times.pop((label, weight))
+        self._tbt[label].add_many(np.frombuffer(pending, dtype=np.float64), weight)
+
+    def _flush_gaps(self, label: str | None) -> None:
+        pending = self._gaps[label]
+        if not pending:
+            return
+        self._gaps[label] = array("d")
+        self._tbt[label].add_many(np.frombuffer(pending, dtype=np.float64))
+        if self._samples is not None:
+            self._single[label].extend(pending)
 
     def decode_run(
         self,
@@ -460,17 +496,19 @@ class Recorder:
         """A run of k identical decode steps: every running request got one token per step.
         `context_sum`/`context_max` are the decodes' cached contexts at the run's first step."""
         counts: dict[str | None, int] = defaultdict(int)
-        k = len(times)
         for state in running:
             counts[state.label] += 1
             if state.slo.kind == "latency":
-                first = state.tokens_generated
-                limits = np.array([_on_time_limit(state, first + j) for j in range(k)])
+                limits = _on_time_limits(state, state.tokens_generated, len(times))
                 self._open[state.id].ontime_tokens += int(np.count_nonzero(ends <= limits))
         for label, count in counts.items():
-            self._tbt[label].add_many(times, float(count))
+            pending = self._run_times[label, float(count)]
+            pending.frombytes(times.tobytes())
+            if len(pending) >= _GAP_BATCH:
+                self._flush_run_times(label, float(count))
             if self._samples is not None:
                 self._samples[label].append((times, float(count)))
+        k = len(times)
         self._steps += k
         self._note_kv(float(ends[-1]), kv_usage)
         if self._step_log is not None:
@@ -521,6 +559,10 @@ class Recorder:
 
     def result(self, sim_wall_s: float) -> ReplayResult:
         """The run so far, rows in arrival order (requests still in the engine included as they are)."""
+        for label in list(self._gaps):
+            self._flush_gaps(label)
+        for label, weight in list(self._run_times):
+            self._flush_run_times(label, weight)
         for request_id in list(self._open):
             self._table.append(self._open.pop(request_id))
             self._sequence.append(self._order.pop(request_id))

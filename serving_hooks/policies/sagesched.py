@@ -184,8 +184,12 @@ class SageSched(PriorityPolicy):
             )
 
     def key(self, request: RequestState, now: float) -> tuple[Any, ...]:
-        # A request the policy never indexed (an engine fell back to FCFS for a step) sorts last.
-        return (request.cache.get("sage_index", np.inf), request.arrival_s)
+        return _index_key(request)
+
+    def running_in_order(self, running: Sequence[RequestState]) -> list[RequestState] | None:
+        """`PriorityPolicy.running_in_order` with the key taken directly: the index does not
+        depend on the time, and this sort runs every step."""
+        return sorted(running, key=_index_key)
 
     # ----------------------------------------------------------- prediction
     def _predict_pending(self) -> None:
@@ -274,6 +278,11 @@ class SageSched(PriorityPolicy):
             return Horizon(kv_usage_below=FULL_KV_USAGE)
         steps = min(self.bucket - (r.tokens_generated - r.cache.get("sage_at", 0)) for r in view.running)
         return Horizon(steps=max(0, steps), kv_usage_below=FULL_KV_USAGE)
+
+
+def _index_key(request: RequestState) -> tuple[float, float]:
+    # A request the policy never indexed (an engine fell back to FCFS for a step) sorts last.
+    return (request.cache.get("sage_index", np.inf), request.arrival_s)
 
 
 def resolve_history(history: Any):

@@ -95,11 +95,13 @@ class SLAI(PriorityPolicy):
         critical: list[tuple[float, RequestState]] = []
         optional: list[tuple[float, RequestState]] = []
         started: list[RequestState] = []
-        for request in view.running:
+        slack = offset * view.mean_batch_time_s
+        for request in view.running:  # `last_schedulable_time`, inlined: this runs every step
             if request.phase == "prefill":
                 started.append(request)
                 continue
-            lst = last_schedulable_time(request, offset, view.mean_batch_time_s)
+            tbt, last = request.slo.tbt_s, request.last_token_s
+            lst = math.inf if tbt is None or last is None else last + tbt - slack
             (critical if view.now >= lst else optional).append((lst, request))
         critical.sort(key=lambda item: item[0])
         optional.sort(key=lambda item: item[0])
