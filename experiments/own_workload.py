@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from adapt.registry import CHAMPION, Registry
 from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.runner import ReplaySetup
 from adapt.workloads import WORKLOADS
-from pipelines.slai import SLOS
+from experiments.quickstart import HEADLINES, Headline
 from serving_hooks.policies import PolicySpec
 
 # Baselines that read no true lengths (ltr and trail default to a noisy oracle, so they are out).
@@ -42,43 +41,23 @@ BASELINES = ("fcfs", "vllm-v0", "sarathi", "spf", "edf", "fastserve", "plas")
 
 @dataclass(frozen=True)
 class Target:
-    """A learned policy's claim on its workload: the headline, its direction, and who may win it."""
+    """A learned policy's claim on its workload (the headline and its guard: the quickstart's)."""
 
     workload: str
     policy: str
     components: dict[str, str]  # policy parameter -> registered component
-    headline: Callable[[dict[str, Any]], float]
-    lower_is_better: bool
-    describe: str
     oracle: str | None = None
 
-
-def short_ttft(m: dict[str, Any]) -> float:
-    return m["by_class"]["short"]["ttft_mean"]
+    @property
+    def headline(self) -> Headline:
+        return HEADLINES[self.workload]
 
 
 TARGETS = (
-    Target(
-        "ewsjf-mixed", "ewsjf", {"meta": "ewsjf-meta-policy"}, short_ttft, True, "short-request mean TTFT (s)"
-    ),
-    Target(
-        "sagesched-mix",
-        "sagesched",
-        {"history": "semantic-history"},
-        lambda m: m["ttlt_mean"],
-        True,
-        "mean TTLT (s)",
-    ),
-    Target(
-        "jitserve-mix",
-        "jitserve",
-        {"qrf": "qrf-length", "patterns": "pattern-graph"},
-        lambda m: m["goodput_tokens"] / 1e6,
-        False,
-        "token goodput (M)",
-        oracle="jitserve-oracle",
-    ),
-    Target("slai-tiers", "slai", {"offset": "slai-offset"}, lambda m: m["ttft_p50"], True, "median TTFT (s)"),
+    Target("ewsjf-mixed", "ewsjf", {"meta": "ewsjf-meta-policy"}),
+    Target("sagesched-mix", "sagesched", {"history": "semantic-history"}),
+    Target("jitserve-mix", "jitserve", {"qrf": "qrf-length", "patterns": "pattern-graph"}, "jitserve-oracle"),
+    Target("slai-tiers", "slai", {"offset": "slai-offset"}),
 )
 
 
@@ -88,19 +67,6 @@ def learned_spec(registry: Registry, target: Target) -> str:
         f"{param}=v{registry.resolve(component, CHAMPION)}" for param, component in target.components.items()
     ]
     return ":".join([target.policy, *pins])
-
-
-def eligible(target: Target, name: str, m: dict[str, Any], fcfs: dict[str, Any]) -> bool:
-    """Whether a policy's headline may win: latency headlines need every request served, plus the
-    workload's own guard (EWSJF: long requests not starved, throughput kept; SLAI: TBT SLOs met)."""
-    if target.lower_is_better and m["dropped"]:
-        return False
-    if target.workload == "ewsjf-mixed":
-        long, fcfs_long = m["by_class"]["long"]["ttft_p99"], fcfs["by_class"]["long"]["ttft_p99"]
-        return long <= 1.2 * fcfs_long and m["throughput_tps"] >= fcfs["throughput_tps"] * (1 - 1e-9)
-    if target.workload == "slai-tiers":
-        return all(m["by_class"][tier]["tbt_p99"] <= slo for tier, slo in SLOS.items())
-    return True
 
 
 def mean_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -116,11 +82,15 @@ def mean_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def verdict(target: Target, table: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    fcfs = table["fcfs"]
-    values = {name: target.headline(m) for name, m in table.items()}
-    allowed = {name for name, m in table.items() if eligible(target, name, m, fcfs) and name != target.oracle}
+    headline = target.headline
+    values = {name: headline.value(m) for name, m in table.items()}
+    allowed = {
+        name
+        for name, m in table.items()
+        if headline.barred(m, table["fcfs"]) is None and name != target.oracle
+    }
+    pick = min if headline.lower_is_better else max
     contenders = {name: values[name] for name in allowed}
-    pick = min if target.lower_is_better else max
     best = pick(contenders, key=contenders.get) if contenders else None
     baselines = {n: v for n, v in contenders.items() if n in BASELINES}
     best_baseline = pick(baselines, key=baselines.get) if baselines else None
@@ -187,11 +157,13 @@ def main() -> None:
             table = {name: mean_metrics(per_seed) for name, per_seed in runs[target.workload, scale].items()}
             outcome = verdict(target, table)
             rate = WORKLOADS[target.workload].rate * scale
-            print(f"\n{target.workload} at {rate:g} req/s (x{scale}), seeds {args.seeds}: {target.describe}")
+            headline = target.headline
+            print(f"\n{target.workload} at {rate:g} req/s (x{scale}), seeds {args.seeds}: {headline.title}")
             for name, m in table.items():
                 served = m["completed"] / m["num_requests"]
-                flag = "" if eligible(target, name, m, table["fcfs"]) else "  (not eligible)"
-                print(f"  {name:<16} {target.headline(m):>10.3f}   served {served:.0%}{flag}")
+                why = headline.barred(m, table["fcfs"])
+                flag = "" if why is None else f"  (not eligible: {why})"
+                print(f"  {name:<16} {headline.value(m) / headline.scale:>10.3f}   served {served:.0%}{flag}")
             shown = ", ".join(
                 f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in outcome.items()
             )

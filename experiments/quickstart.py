@@ -41,28 +41,55 @@ from pipelines.ewsjf import tune_ewsjf
 from pipelines.jitserve import train_pattern_graph, train_qrf_length
 from pipelines.neural_length import train_neural_length
 from pipelines.semantic_history import train_semantic_history
-from pipelines.slai import train_slai_offset
+from pipelines.slai import SLOS, train_slai_offset
 from serving_hooks.policies import POLICIES, PolicySpec
+
+
+def starves_long_requests(metrics: dict[str, Any], fcfs: dict[str, Any]) -> str | None:
+    """EWSJF's guard: a short-request TTFT bought by starving long requests (P99 TTFT above 1.2x
+    FCFS's) or by serving fewer tokens per second than FCFS does not count."""
+    if metrics["by_class"]["long"]["ttft_p99"] > 1.2 * fcfs["by_class"]["long"]["ttft_p99"]:
+        return "starves long requests"
+    if metrics["throughput_tps"] < fcfs["throughput_tps"] * (1 - 1e-9):
+        return "fewer tokens/s than fcfs"
+    return None
+
+
+def misses_tbt_slo(metrics: dict[str, Any], fcfs: dict[str, Any]) -> str | None:
+    """SLAI's guard: a median TTFT bought by missing a tier's P99 TBT target does not count."""
+    missed = [tier for tier, slo in SLOS.items() if (metrics["by_class"][tier].get("tbt_p99") or 0.0) > slo]
+    return f"misses the {'/'.join(missed)} TBT SLO" if missed else None
 
 
 @dataclass(frozen=True)
 class Headline:
-    """The one number a workload is judged by, and which direction is better."""
+    """The one number a workload is judged by, which direction is better, and what a policy must
+    not trade for it (`guard`: the reason a value may not win, given the policy's and FCFS's
+    metrics on the same run; a latency headline also needs every request served)."""
 
     title: str
     key: str
     label: str | None = None
     lower_is_better: bool = True
     scale: float = 1.0  # shown as value / scale
+    guard: Callable[[dict[str, Any], dict[str, Any]], str | None] | None = None
 
     def value(self, metrics: dict[str, Any]) -> float | None:
         scope = metrics if self.label is None else metrics.get("by_class", {}).get(self.label, {})
         return scope.get(self.key)
 
+    def barred(self, metrics: dict[str, Any], fcfs: dict[str, Any]) -> str | None:
+        """Why this policy's value may not win (None: it may)."""
+        if self.lower_is_better and metrics["dropped"]:
+            return f"{metrics['dropped'] / metrics['num_requests']:.0%} dropped"
+        return None if self.guard is None else self.guard(metrics, fcfs)
+
 
 HEADLINES: dict[str, Headline] = {
-    "ewsjf-mixed": Headline("short-request mean TTFT (s)", "ttft_mean", label="short"),
-    "slai-tiers": Headline("median TTFT (s)", "ttft_p50"),
+    "ewsjf-mixed": Headline(
+        "short-request mean TTFT (s)", "ttft_mean", label="short", guard=starves_long_requests
+    ),
+    "slai-tiers": Headline("median TTFT (s)", "ttft_p50", guard=misses_tbt_slo),
     "azure-conv": Headline("mean TTLT (s)", "ttlt_mean"),
     "sagesched-mix": Headline("mean TTLT (s)", "ttlt_mean"),
     "jitserve-mix": Headline("token goodput (M)", "goodput_tokens", lower_is_better=False, scale=1e6),
@@ -288,6 +315,7 @@ def run_quickstart(
     specs = train_components(out, fast, jobs)
     leaderboard: dict[str, dict[str, float | None]] = {}
     dropped: dict[str, dict[str, float]] = {}
+    barred: dict[str, dict[str, str]] = {}
     settings: dict[str, dict[str, int]] = {}
     plots: list[Path] = []
     everything: dict[str, Any] = {}
@@ -331,6 +359,9 @@ def run_quickstart(
         dropped[workload] = {
             p: m["dropped"] / m["num_requests"] for p, m in metrics.items() if m["num_requests"]
         }
+        barred[workload] = {
+            p: reason for p, m in metrics.items() if (reason := headline.barred(m, metrics["fcfs"]))
+        }
         plots.append(_cdf_plot(results, workload, out))
         everything[workload] = {"workload": setup.workload, "engine": settings[workload], "policies": metrics}
     (out / "results.json").write_text(json.dumps(everything, indent=2) + "\n")
@@ -343,7 +374,7 @@ def run_quickstart(
     table = "\n\n".join(
         (
             format_settings(settings, own_budgets),
-            format_leaderboard(leaderboard, dropped),
+            format_leaderboard(leaderboard, dropped, barred),
             format_guards(everything),
         )
     )
@@ -420,18 +451,25 @@ def format_guards(everything: dict[str, Any]) -> str:
 
 
 def format_leaderboard(
-    leaderboard: dict[str, dict[str, float | None]], dropped: dict[str, dict[str, float]] | None = None
+    leaderboard: dict[str, dict[str, float | None]],
+    dropped: dict[str, dict[str, float]] | None = None,
+    barred: dict[str, dict[str, str]] | None = None,
 ) -> str:
-    """Policy x workload headline table. A latency headline only averages the requests a policy
-    served, so a policy that dropped requests (admission control) gets its drop share next to the
-    number and is not eligible for bold there; goodput already counts drops as zero."""
+    """Policy x workload headline table, best in bold. A policy's drop share shows next to its
+    number; a value the workload's guard bars from winning (`barred`: workload -> policy -> why:
+    drops under a latency headline, starved long requests, a missed TBT SLO) is marked with a
+    dagger and its reason listed under the table, and is never bold. Goodput counts drops as
+    zero already, so a policy that dropped may still win it."""
     dropped = dropped or {}
+    barred = barred or {}
     workloads = list(leaderboard)
     policies = list(next(iter(leaderboard.values())))
     lines = ["| policy | " + " | ".join(f"{w}: {HEADLINES[w].title}" for w in workloads) + " |"]
     lines.append("|---|" + "---|" * len(workloads))
 
     def eligible(w: str, policy: str) -> bool:
+        if policy in barred.get(w, {}):
+            return False
         return not HEADLINES[w].lower_is_better or not dropped.get(w, {}).get(policy)
 
     best = {
@@ -448,10 +486,20 @@ def format_leaderboard(
             share = dropped.get(w, {}).get(policy, 0.0)
             if share:
                 text += f" ({share:.0%} dropped)"
+            if policy in barred.get(w, {}) and not share:
+                text += " †"
             cells.append(
                 f"**{text}**" if value is not None and value == best[w] and eligible(w, policy) else text
             )
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    reasons = [
+        f"{w}: {policy} ({why})"
+        for w in workloads
+        for policy, why in barred.get(w, {}).items()
+        if not dropped.get(w, {}).get(policy)
+    ]
+    if reasons:
+        lines += ["", "† not eligible to win: " + "; ".join(reasons) + "."]
     return "\n".join(lines)
 
 
@@ -461,7 +509,8 @@ def _report(table: str, plots: list[Path], fast: bool) -> str:
         "# adapt quickstart report\n\n"
         f"Mode: {'fast' if fast else 'full'}. Each cell is the workload's headline metric (best in bold;"
         " lower is better except goodput; latencies average served requests only, so a policy that"
-        " dropped requests shows its drop share and is not bolded there). Oracle policies"
+        " dropped requests shows its drop share and is not bolded there; nor is one that starved"
+        " ewsjf-mixed's long requests or missed a slai-tiers TBT SLO, marked †). Oracle policies"
         " (`sjf-oracle`, `jitserve-oracle`) know true output lengths (and, for jitserve, true stage"
         " shares) and bound what a perfect predictor could reach.\n\n"
         f"{table}\n\n{images}\n"

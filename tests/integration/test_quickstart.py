@@ -1,6 +1,6 @@
 """The quickstart leaderboard: best per workload, and drops shown next to latency headlines."""
 
-from experiments.quickstart import format_leaderboard, guard
+from experiments.quickstart import HEADLINES, format_leaderboard, guard
 
 
 def test_leaderboard_bolds_the_best_and_flags_policies_that_dropped_requests():
@@ -31,3 +31,38 @@ def test_guard_reports_served_share_and_the_worst_class_by_hand():
         3.0,
         None,
     )
+
+
+def _run(long_p99: float, tps: float, paying_tbt: float = 0.05, dropped: int = 0) -> dict:
+    return {
+        "dropped": dropped,
+        "num_requests": 10,
+        "throughput_tps": tps,
+        "by_class": {
+            "long": {"ttft_p99": long_p99},
+            "paying": {"tbt_p99": paying_tbt},
+            "free": {"tbt_p99": 0.2},
+        },
+    }
+
+
+def test_guards_bar_starving_long_requests_losing_throughput_and_missing_tbt_slos():
+    fcfs = _run(long_p99=10.0, tps=100.0)
+    ewsjf, slai = HEADLINES["ewsjf-mixed"], HEADLINES["slai-tiers"]
+    assert ewsjf.barred(_run(12.0, 100.0), fcfs) is None  # 1.2x FCFS's long P99: allowed
+    assert ewsjf.barred(_run(12.1, 100.0), fcfs) == "starves long requests"
+    assert ewsjf.barred(_run(5.0, 99.0), fcfs) == "fewer tokens/s than fcfs"
+    assert ewsjf.barred(_run(5.0, 100.0, dropped=1), fcfs) == "10% dropped"
+    assert slai.barred(_run(1.0, 1.0, paying_tbt=0.1), fcfs) is None  # at the 0.1 s SLO: met
+    assert slai.barred(_run(1.0, 1.0, paying_tbt=0.11), fcfs) == "misses the paying TBT SLO"
+    assert HEADLINES["jitserve-mix"].barred(_run(1.0, 1.0, dropped=5), fcfs) is None  # goodput
+
+
+def test_a_barred_value_is_never_bold_and_says_why():
+    board = {"slai-tiers": {"fcfs": 0.40, "vllm-v0": 0.20, "slai": 0.25}}
+    barred = {"slai-tiers": {"vllm-v0": "misses the paying TBT SLO"}}
+    text = format_leaderboard(board, {}, barred)
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines()[2:] if line.startswith("|")}
+    assert "0.200 †" in rows["vllm-v0"] and "**" not in rows["vllm-v0"]
+    assert "**0.250**" in rows["slai"]
+    assert "slai-tiers: vllm-v0 (misses the paying TBT SLO)" in text
