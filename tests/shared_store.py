@@ -1,0 +1,100 @@
+"""A real shared store for tests: PostgreSQL (the `pgserver` wheel: server binaries that pip
+installs, no system service) behind a real `mlflow server` with served artifacts, on loopback.
+
+This is the set-up the README's "Beyond one machine" section describes, started per test session:
+an MLflow tracking server whose backend store is PostgreSQL, and the PostgreSQL URL itself for
+Optuna's RDB storage (a study shared by several tuning workers).
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+SERVER_START_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class SharedStore:
+    tracking_uri: str  # http://127.0.0.1:PORT, the MLflow server
+    database_uri: str  # postgresql+psycopg2://.../optuna, Optuna's storage (its own database)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def postgres_uri(server, database: str = "postgres") -> str:
+    """SQLAlchemy's URL for a database of a pgserver instance (over its unix socket), with the
+    psycopg2 driver."""
+    return server.get_uri(database).replace("postgresql://", "postgresql+psycopg2://", 1)
+
+
+@contextmanager
+def shared_store(root: Path) -> Iterator[SharedStore]:
+    """Start PostgreSQL in `root/pg` and an MLflow server on it; stop both on exit."""
+    import pgserver
+
+    database = pgserver.get_server(root / "pg", cleanup_mode="stop")
+    # MLflow and Optuna both keep their schema version in an `alembic_version` table: one database each.
+    database.psql("CREATE DATABASE mlflow;")
+    database.psql("CREATE DATABASE optuna;")
+    port = free_port()
+    log = open(root / "mlflow-server.log", "w")  # noqa: SIM115  (closed below, after the server)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            postgres_uri(database, "mlflow"),
+            "--serve-artifacts",
+            "--artifacts-destination",
+            f"file://{root / 'artifacts'}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, server, root / "mlflow-server.log")
+        yield SharedStore(url, postgres_uri(database, "optuna"))
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+        database.cleanup()
+
+
+def _wait_healthy(url: str, server: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"mlflow server exited with {server.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(
+        f"mlflow server not healthy after {SERVER_START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
+    )
