@@ -26,9 +26,16 @@ TRIAL_BATCH = 4
 
 @dataclass
 class TuneResult:
+    """The study's best (over every worker's trials, in a shared study), this worker's own trials,
+    and whether this worker was the last one running (`finished_last`: no trial of the study is
+    still open), which is the one worker that should act on the study's result."""
+
     params: dict[str, float]
     value: float
     history: list[tuple[dict[str, float], float, dict[str, Any]]] = field(default_factory=list)
+    best_trial: int = 0
+    best_metrics: dict[str, Any] = field(default_factory=dict)
+    finished_last: bool = True
 
 
 def tune(
@@ -53,6 +60,7 @@ def tune(
     together; the batch does not depend on `jobs`, so neither does the result.
     """
     import optuna
+    from optuna.trial import TrialState
 
     if n_trials < 1:
         raise ValueError(f"n_trials: must be >= 1, got {n_trials}")
@@ -76,6 +84,7 @@ def tune(
         for index, (trial, params, (value, metrics)) in enumerate(
             zip(trials, points, outcomes, strict=True), start=first
         ):
+            trial.set_user_attr("metrics", _plain(metrics))  # the best's metrics, whoever ran it
             study.tell(trial, value)
             history.append((params, value, metrics))
             if logger is not None:
@@ -86,7 +95,25 @@ def tune(
                     f"  trial {index + 1}/{n_trials}: {value:.4g}  ({shown})  best {study.best_value:.4g}",
                     file=sys.stderr,
                 )
-    return TuneResult(dict(study.best_params), float(study.best_value), history)
+    best = study.best_trial
+    still_open = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    return TuneResult(
+        dict(best.params),
+        float(best.value),
+        history,
+        best_trial=best.number,
+        best_metrics=dict(best.user_attrs.get("metrics", {})),
+        finished_last=not still_open,
+    )
+
+
+def _plain(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-safe numbers of a trial's metrics (what Optuna's storage can keep)."""
+    return {
+        k: float(v) if isinstance(v, float | int) and not isinstance(v, bool) else v
+        for k, v in metrics.items()
+        if v is None or isinstance(v, bool | int | float | str)
+    }
 
 
 class _TrialLogger:

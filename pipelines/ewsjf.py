@@ -15,6 +15,7 @@ version and as a `policy-config`.
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from adapt.plots import figure, save
-from adapt.registry import Registry
+from adapt.registry import Registry, StoreLocked
 from adapt.replay.cost import roofline
 from adapt.replay.engine import ReplayEngine
 from adapt.requests import Request
@@ -34,6 +35,8 @@ from predictors.ewsjf_meta import REWARD_WEIGHTS, THETA_SPACE, EwsjfMetaPolicy, 
 from serving_hooks.policies import make_policy
 from serving_hooks.policies.config import PolicyConfig
 from serving_hooks.policies.ewsjf import EWSJF
+
+STUDY = "ewsjf"  # the Optuna study `adapt tune ewsjf` works (shared by every worker on one --storage)
 
 
 @dataclass
@@ -162,21 +165,24 @@ def tune_ewsjf(
         n_trials=trials,
         seed=seed,
         warm_start=warm,
-        name="ewsjf",
+        name=STUDY,
         storage=storage,
         mlflow_experiment=experiment,
         jobs=jobs,
     )
+    metrics = {k: v for k, v in result.best_metrics.items() if v is not None}
+    if storage is not None and not result.finished_last:
+        print(
+            "  other workers of this study are still running trials: the last to finish registers the best",
+            file=sys.stderr,
+        )
+        return TrainOutcome(None, False, metrics, None)
     best = EwsjfMetaPolicy(**result.params).fit(lengths)
     best.metadata["data_window"] = {
         "history_prompts": len(lengths),
         "tune_rate": rate,
         "requests": num_requests,
-    }
-    rewards = [h[2]["reward"] for h in result.history]
-    metrics = {
-        "reward": max(rewards),
-        **{k: v for k, v in result.history[int(np.argmax(rewards))][2].items() if v is not None},
+        "study": {"name": STUDY, "best_trial": result.best_trial, "value": result.value},
     }
     champion_metrics = None
     if champion is not None:  # the champion's Theta on the same replay and layout window: its
@@ -185,19 +191,47 @@ def tune_ewsjf(
         scored = next((m for params, _, m in result.history if params == theta), None)
         scored = scored if scored is not None else objective(theta)[1]
         champion_metrics = {k: v for k, v in scored.items() if v is not None}
-    outcome = register_and_gate(
-        registry,
-        best,
-        metrics,
-        champion_metrics,
-        Gate("reward", lower_is_better=False, margin=margin),
-        promote_if_better=True,
-        params={"trials": trials, "tune_rate": rate},
-    )
-    _log_reward_curve(registry, outcome.version, rewards)
-    config = PolicyConfig("ewsjf", {"meta": best.get_params(), "queues": [q.__dict__ for q in best.queues_]})
-    outcome.policy_config_version = registry.log(config, metrics=metrics, run_name="policy-config:ewsjf")
-    return outcome
+
+    def register() -> TrainOutcome:
+        outcome = register_and_gate(
+            registry,
+            best,
+            metrics,
+            champion_metrics,
+            Gate("reward", lower_is_better=False, margin=margin),
+            promote_if_better=True,
+            params={"trials": trials, "tune_rate": rate},
+        )
+        _log_reward_curve(registry, outcome.version, [h[2]["reward"] for h in result.history])
+        queues = [q.__dict__ for q in best.queues_]
+        config = PolicyConfig("ewsjf", {"meta": best.get_params(), "queues": queues})
+        outcome.policy_config_version = registry.log(config, metrics=metrics, run_name="policy-config:ewsjf")
+        return outcome
+
+    if storage is None:
+        return register()
+    # A shared study: every worker that finishes last (two can, at the same moment) would register
+    # the same best; under the store's lock, only the first one that finds it unregistered does.
+    try:
+        with registry.store_lock(f"tune-{STUDY}"):
+            if _study_best_registered(registry, result.best_trial, result.value):
+                return TrainOutcome(None, False, metrics, None)
+            return register()
+    except StoreLocked:
+        print("  another worker is registering this study's best", file=sys.stderr)
+        return TrainOutcome(None, False, metrics, None)
+
+
+def _study_best_registered(registry: Registry, trial: int, value: float) -> bool:
+    """Whether a version of ewsjf-meta-policy records this study's best trial as its origin."""
+    if "ewsjf-meta-policy" not in registry.names():
+        return False
+    for info in registry.versions("ewsjf-meta-policy"):
+        window = json.loads(info.tags.get("adapt.data_window") or "null") or {}
+        study = window.get("study") or {}
+        if study.get("name") == STUDY and study.get("best_trial") == trial and study.get("value") == value:
+            return True
+    return False
 
 
 def _log_reward_curve(registry: Registry, version: int, rewards: list[float]) -> None:

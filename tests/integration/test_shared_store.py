@@ -101,3 +101,38 @@ def test_three_tuning_workers_share_one_study_in_postgres(store):
     numbers = [trial.number for trial in study.trials]
     assert sorted(numbers) == list(range(12))
     assert all(trial.state == optuna.trial.TrialState.COMPLETE for trial in study.trials)
+
+
+def test_tuning_workers_on_one_study_register_its_best_once(store, tmp_path):
+    """`adapt tune ewsjf --storage` run by three workers at once: the trials of all three in one
+    study, each an MLflow run, and the study's best registered by exactly one of them (the last
+    to finish)."""
+    import optuna
+
+    from pipelines.ewsjf import STUDY
+
+    optuna.create_study(study_name=STUDY, storage=store.database_uri, direction="minimize")
+    command = [
+        *(sys.executable, "-m", "adapt.cli", "--tracking-uri", store.tracking_uri, "tune", "ewsjf"),
+        *("--storage", store.database_uri, "--trials", "2", "--num-requests", "120", "--jobs", "1"),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MLFLOW_TRACKING_URI": store.tracking_uri}
+    workers = [
+        subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    for process in workers:
+        _, err = process.communicate(timeout=600)
+        assert process.returncode == 0, err[-3000:]
+    study = optuna.load_study(study_name=STUDY, storage=store.database_uri)
+    assert sorted(t.number for t in study.trials) == list(range(6))
+    registry = Registry(store.tracking_uri, cache_dir=tmp_path / "cache")
+    versions = registry.versions("ewsjf-meta-policy")
+    assert len(versions) == 1
+    window = versions[0].tags["adapt.data_window"]
+    assert f'"best_trial": {study.best_trial.number}' in window
+    experiment = registry.client.get_experiment_by_name("tune-ewsjf")
+    trial_runs = registry.client.search_runs([experiment.experiment_id], "tags.kind = 'tuning-trial'")
+    assert len(trial_runs) == 6  # every worker's trials, each an MLflow run on the shared server
