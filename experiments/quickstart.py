@@ -35,7 +35,8 @@ from adapt.replay.cost import roofline
 from adapt.replay.engine import EngineConfig, ReplayEngine
 from adapt.replay.metrics import ReplayResult
 from adapt.replay.runner import ReplaySetup, log_to_mlflow
-from adapt.workloads import WORKLOADS
+from adapt.traces import load_trace
+from adapt.workloads import WORKLOADS, bundled
 from pipelines.cost_model import train_cost_model
 from pipelines.ewsjf import tune_ewsjf
 from pipelines.jitserve import train_pattern_graph, train_qrf_length
@@ -253,11 +254,28 @@ def train_one(cell: TrainingCell) -> tuple[str, float]:
     return buffer.getvalue(), time.perf_counter() - started
 
 
+def _embed_bundled_prompts() -> None:
+    """Embed the bundled AlpacaEval prompts once, here, on every core (MiniLM uses them all):
+    semantic-history and neural-length train on them side by side and sagesched-mix replays them,
+    and each would otherwise embed the same texts in its own single-threaded worker. The vectors
+    land in the on-disk embedding cache every process reads."""
+    from predictors.semantic_history import embed_prompts
+
+    started = time.perf_counter()
+    texts = list(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")).prompt_text)
+    embed_prompts(texts)
+    print(
+        f"[train] embedded {len(texts):,} bundled prompts ({time.perf_counter() - started:.0f} s)",
+        file=sys.stderr,
+    )
+
+
 def train_components(out: Path, fast: bool, jobs: int) -> dict[str, str]:
     """Step 1: train, register and promote each component (on `jobs` processes); returns, per
     learned policy, the spec that runs it with the registered champions pinned by version
     (`jitserve:qrf=v3:patterns=v2`), so every replay -- here or in a worker -- uses the same ones."""
     registry = Registry()  # creates the store before the workers share it
+    _embed_bundled_prompts()
 
     def report(cell: TrainingCell, outcome: tuple[str, float]) -> None:
         text, seconds = outcome
