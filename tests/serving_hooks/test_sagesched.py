@@ -22,6 +22,16 @@ from tests.replay_helpers import CheckedEngine, ConstantCost
 # ---------------------------------------------------------------- distributions and scores
 
 
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=120), st.integers(1, 40))
+def test_from_samples_small_supports_are_numpy_unique(samples, max_support):
+    values = np.sort(np.asarray(samples, dtype=np.float64))
+    support, counts = np.unique(values, return_counts=True)
+    if support.size <= max_support:
+        result = LengthDistribution.from_samples(np.asarray(samples), max_support)
+        assert result.support.tolist() == support.tolist()
+        assert result.probs.tolist() == (counts / values.size).tolist()
+
+
 def test_from_samples_keeps_small_supports_and_the_mean_of_large_ones():
     small = LengthDistribution.from_samples(np.array([10, 10, 30]))
     assert small.support.tolist() == [10, 30] and small.probs.tolist() == pytest.approx([2 / 3, 1 / 3])
@@ -144,6 +154,28 @@ def test_fifo_window_evicts_oldest_and_index_stays_bounded():
     assert history.index_.ntotal <= 8 + history._slack
     prediction = history.predict_embedded([10], basis(0)[None], [True])[0]
     assert sorted(prediction.support.tolist()) == list(range(33, 41))  # only the newest 8
+
+
+def test_length_fallback_matches_the_direct_formula_as_the_ring_wraps():
+    """`_by_length` reads the window's cached logs by ring slices; the neighbours must be those of
+    the direct formula (logs of the live ids' prompt lengths) at every fill level and wrap."""
+    rng = np.random.default_rng(3)
+    history = SemanticHistory(window=40, fallback_neighbors=6)
+    for _ in range(130):
+        hashes = rng.integers(1, 4, size=3)
+        history.observe(
+            rng.integers(1, 50, size=3), rng.integers(1, 90, size=3), np.zeros((3, 384)), [False] * 3, hashes
+        )
+        for prompt, exclude in ((int(rng.integers(1, 50)), 0), (int(rng.integers(1, 50)), int(hashes[0]))):
+            ids = history._live_ids()
+            if exclude:
+                ids = ids[history.prompt_hash_[ids % len(history.prompt_hash_)] != exclude]
+            if len(ids) > 6:
+                gap = np.abs(
+                    np.log(history.prompt_tokens_[ids % len(history.prompt_tokens_)]) - np.log(prompt)
+                )
+                ids = ids[np.argpartition(gap, 5)[:6]]
+            assert history._by_length(prompt, exclude).tolist() == ids.tolist()
 
 
 def test_exclude_same_prompt_and_modes():
