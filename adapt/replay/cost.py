@@ -204,6 +204,15 @@ class RooflineCostModel:
     ) -> np.ndarray:
         """Times of `steps` consecutive decode-only steps of the same requests, each growing every
         context by one token per step (vectorised: the replay engine's fast path)."""
+        if steps == 1:  # a one-step run (SLAI's horizon): the scalar formula, same float operations
+            single = StepBatch(
+                float(num_decodes),
+                float(num_decodes),
+                num_decodes=float(num_decodes),
+                decode_ctx_sum=float(context_sum),
+                decode_ctx_max=float(context_max),
+            )
+            return np.array([self.time(single)], dtype=np.float64)
         i = np.arange(steps, dtype=np.float64)
         batch = StepBatch(
             tokens=float(num_decodes),

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from adapt.policy import EngineView, Plan, Policy, RequestState
+from adapt.policy import EngineView, Horizon, Plan, Policy, RequestState
 from adapt.replay.kv import BlockPool
 from adapt.replay.metrics import Recorder, ReplayResult
 from adapt.requests import Request
@@ -398,6 +398,8 @@ class ReplayEngine:
         preempted = False
         placeholders = self._placeholders  # empty unless async scheduling has tokens in flight
         try_grow = self.kv.try_grow
+        held = self.kv.held_by_request.get
+        block_size = self.kv.block_size
         index = 0
         while index < len(sequence) and budget > 0:
             state = sequence[index]
@@ -409,12 +411,14 @@ class ReplayEngine:
                     continue  # vLLM's async rule: no step past the last token
                 need += placeholders.get(state.id, 0)
             tokens = need if need < budget else budget
-            while not try_grow(state.id, computed + tokens):
-                victim = sequence.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is state:
-                    return budget, preempted
+            target = computed + tokens
+            if held(state.id, 0) * block_size < target:  # `try_grow`'s test: most steps need no block
+                while not try_grow(state.id, target):
+                    victim = sequence.pop()
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is state:
+                        return budget, preempted
             scheduled.append((state, tokens))
             budget -= tokens
         return budget, preempted
@@ -562,20 +566,25 @@ class ReplayEngine:
         wall = min(self.next_arrival_s, self.arrival_fence_s, horizon.until_s)
         if limit < 1 or self.now >= wall:
             return
-        limit = int(limit)
-        ids = [s.id for s in running]
-        computed = np.fromiter((s.tokens_computed for s in running), dtype=np.int64, count=len(running))
-        threshold = horizon.kv_usage_below if view.kv_usage < horizon.kv_usage_below else math.inf
-        limit = self._kv_step_limit(computed, self.kv.held_many(ids), limit, threshold)
-        if limit < 1:
+        if limit < 2:
+            self._decode_step(horizon, view)
             return
+        computed = np.fromiter((s.tokens_computed for s in running), dtype=np.int64, count=len(running))
         context_sum, context_max = int(computed.sum()), int(computed.max())
-        times = self.cost.decode_run_times(len(running), context_sum, context_max, limit)
+        times = self.cost.decode_run_times(len(running), context_sum, context_max, int(limit))
         # Step by step, as `_execute` adds each duration to `now` (now + cumsum(times) would round
         # differently and move a run's end across an arrival).
         ends = np.cumsum(np.concatenate(([self.now], times)))[1:]
         starts = np.concatenate(([self.now], ends[:-1]))
         k = int(np.searchsorted(starts, wall, side="left"))
+        if k < 1:
+            return
+        # KV room last: the run is usually cut short by the next arrival, and this check's cost
+        # grows with the steps it looks at (each step's times do not depend on the run's length).
+        ids = [s.id for s in running]
+        held = self.kv.held_many(ids)
+        threshold = horizon.kv_usage_below if view.kv_usage < horizon.kv_usage_below else math.inf
+        k = self._kv_step_limit(computed, held, k, threshold)
         if k < 1:
             return
         times, ends = times[:k], ends[:k]
@@ -586,7 +595,44 @@ class ReplayEngine:
         self.recorder.decode_run(running, times, ends, self.kv.usage, context_sum, context_max)
         self.step_index += k
         self.now = now = float(ends[-1])
-        self.kv.grow_many(ids, computed + k)
+        self.kv.grow_many(ids, held, computed + k)
+        self._advance(running, k, now)
+
+    def _decode_step(self, horizon: Horizon, view: EngineView) -> None:
+        """A decode run of one step (the horizon allows no more): `_decode_run`'s arithmetic in
+        plain Python, which costs less than numpy's fixed cost per call for one step."""
+        running, kv = self.running, self.kv
+        held, block_size = kv.held_by_request.get, kv.block_size
+        context_sum = context_max = extra = 0
+        grown = []  # requests whose next token needs a new block (1 step in 16)
+        for state in running:
+            computed = state.tokens_computed
+            context_sum += computed
+            if computed > context_max:
+                context_max = computed
+            need = -(-(computed + 1) // block_size) - held(state.id, 0)
+            if need > 0:
+                extra += need
+                grown.append(state)
+        # `_kv_step_limit` for one step: the blocks fit, and usage has not reached the level at which
+        # the policy re-plans
+        below = horizon.kv_usage_below
+        if extra > kv.free_blocks or (view.kv_usage < below and kv.usage >= below):
+            return
+        times = self.cost.decode_run_times(len(running), context_sum, context_max, 1)
+        duration = float(times[0])
+        now = self.now + duration
+        self._note_batch_time(duration)
+        self.recorder.decode_run(running, times, np.array([now]), kv.usage, context_sum, context_max)
+        self.step_index += 1
+        self.now = now
+        for state in grown:
+            kv.grow(state.id, state.tokens_computed + 1)
+        self._advance(running, 1, now)
+
+    def _advance(self, running: list[RequestState], k: int, now: float) -> None:
+        """Every running request decoded `k` tokens, the last at `now`; finished ones leave."""
+        true_len = self._true_len
         finished = []
         for state in running:
             state.tokens_computed += k
