@@ -27,6 +27,7 @@ refresh), `uniform_mix=0.2` (predictions mixed 1:4 with a uniform distribution).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -80,6 +81,25 @@ def gittins_index(costs: np.ndarray, probs: np.ndarray, attained: np.ndarray) ->
         numerator = work - a * mass + np.where(alive, c - a, 0.0) * tail
         ratio = np.where(alive, numerator / np.where(mass > 0, mass, 1.0), np.inf)
     return ratio.min(axis=1)
+
+
+def gittins_index_one(costs: Sequence[float], probs: Sequence[float], attained: float) -> float:
+    """`gittins_index` of one distribution, in Python floats: the same operations in the same order
+    (numpy's cumsum adds left to right; entries that are not alive add zeros, so they are skipped),
+    hence the same value, without numpy's fixed cost per call -- most refreshes are one request."""
+    alive = [(c, p) for c, p in zip(costs, probs, strict=True) if c > attained and p > 0]
+    prefix, mass, work = [], 0.0, 0.0
+    for c, p in alive:
+        mass += p
+        work += p * c
+        prefix.append((c, mass, work))
+    best = math.inf
+    for c, mass_k, work_k in prefix:
+        ratio = (work_k - attained * mass_k + (c - attained) * (mass - mass_k)) / mass_k
+        if ratio != ratio:  # nan: numpy's min returns it
+            return ratio
+        best = min(best, ratio)
+    return best
 
 
 def mean_remaining(costs: np.ndarray, probs: np.ndarray, attained: np.ndarray) -> np.ndarray:
@@ -143,6 +163,11 @@ class SageSched(PriorityPolicy):
         self.flip_ratio = flip_ratio
         self.preempt_below_tokens = preempt_below_tokens
         self._pending: dict[str, RequestState] = {}
+        # The last running order and the running requests it sorted; reused while the same
+        # requests run and no index has changed (most steps), since the sort runs every step.
+        self._keys = _IndexKeys()
+        self._sorted: list[RequestState] = []
+        self._sorted_for: tuple[RequestState, ...] = ()
 
     def use_component(self, attribute: str, component: Any) -> None:
         """A new history version replaces the window (the policy's own copy, in its mode)."""
@@ -172,6 +197,7 @@ class SageSched(PriorityPolicy):
 
     def on_finish(self, request: RequestState, now: float) -> None:
         self._pending.pop(request.id, None)
+        self._keys.pop(request, None)
         super().on_finish(request, now)
         if self.learn_online and request.tokens_generated > 0 and "sage_embedding" in request.cache:
             has_text = request.cache["sage_has_text"]
@@ -188,8 +214,13 @@ class SageSched(PriorityPolicy):
 
     def running_in_order(self, running: Sequence[RequestState]) -> list[RequestState] | None:
         """`PriorityPolicy.running_in_order` with the key taken directly: the index does not
-        depend on the time, and this sort runs every step."""
-        return sorted(running, key=_index_key)
+        depend on the time, and this sort runs every step (so it is reused while the running
+        requests and their indices stay the same: `_refresh` clears it)."""
+        members = tuple(running)
+        if members != self._sorted_for:
+            self._sorted = sorted(members, key=self._keys.__getitem__)
+            self._sorted_for = members
+        return list(self._sorted)
 
     # ----------------------------------------------------------- prediction
     def _predict_pending(self) -> None:
@@ -228,6 +259,9 @@ class SageSched(PriorityPolicy):
             if "sage_costs" not in request.cache:
                 distribution: LengthDistribution = request.cache["sage_distribution"]
                 request.cache["sage_costs"] = self._cost(request.prompt_tokens, distribution.support)
+        if count == 1 and self.order != "mean":
+            self._refresh_one(requests[0])
+            return
         width = max(r.cache["sage_costs"].size for r in requests)
         costs = np.full((count, width), np.inf)
         probs = np.zeros((count, width))
@@ -245,9 +279,34 @@ class SageSched(PriorityPolicy):
         for request, value in zip(requests, index.tolist(), strict=True):
             request.cache["sage_index"] = value
             request.cache["sage_at"] = request.tokens_generated
+            self._keys[request] = (value, request.arrival_s)
+        self._sorted_for = ()  # indices changed: re-sort the running requests
+
+    def _refresh_one(self, request: RequestState) -> None:
+        """`_refresh` of one request (most refreshes: one crossing a bucket), in Python floats: the
+        same operations as the vectorised pass, without numpy's fixed cost per call."""
+        prompt, generated = float(request.prompt_tokens), float(request.tokens_generated)
+        attained = self._cost_one(prompt, generated)
+        costs = request.cache["sage_costs"].tolist()
+        index = gittins_index_one(costs, request.cache["sage_distribution"].probs.tolist(), attained)
+        if not math.isfinite(index):  # longer than anything predicted: one more bucket of tokens
+            index = self._cost_one(prompt, generated + self.bucket) - attained
+        request.cache["sage_index"] = index
+        request.cache["sage_at"] = request.tokens_generated
+        self._keys[request] = (index, request.arrival_s)
+        self._sorted_for = ()  # indices changed: re-sort the running requests
 
     def _cost(self, prompt_tokens: np.ndarray | float, output_tokens: np.ndarray | float) -> np.ndarray:
         return service_cost(prompt_tokens, output_tokens, self.cost, self.memory_weight)
+
+    def _cost_one(self, prompt_tokens: float, output_tokens: float) -> float:
+        """`service_cost` of one request in Python floats (the same operations in the same order)."""
+        kv = prompt_tokens * output_tokens + output_tokens * output_tokens / 2.0
+        if self.cost == "kv":
+            return kv
+        if self.cost == "output":
+            return output_tokens
+        return output_tokens + self.memory_weight * kv
 
     # ------------------------------------------------------------------ step
     def on_step(self, view: EngineView) -> Plan:
@@ -278,6 +337,14 @@ class SageSched(PriorityPolicy):
             return Horizon(kv_usage_below=FULL_KV_USAGE)
         steps = min(self.bucket - (r.tokens_generated - r.cache.get("sage_at", 0)) for r in view.running)
         return Horizon(steps=max(0, steps), kv_usage_below=FULL_KV_USAGE)
+
+
+class _IndexKeys(dict):
+    """`_index_key` of each request the policy has indexed, updated with its index: the running
+    sort, every step, then looks keys up in C instead of calling a Python key per request."""
+
+    def __missing__(self, request: RequestState) -> tuple[float, float]:
+        return _index_key(request)
 
 
 def _index_key(request: RequestState) -> tuple[float, float]:

@@ -11,12 +11,18 @@ from hypothesis import strategies as st
 from adapt.component import read_component
 from adapt.policy import EngineView, RequestState
 from adapt.replay.engine import EngineConfig, ReplayEngine
-from adapt.requests import Request
+from adapt.requests import SLO, Request
 from adapt.traces import instruction_split, prompt_hash
 from predictors.length_distribution import LengthDistribution, bucket_overlap, crps, wasserstein
 from predictors.semantic_history import SemanticHistory
 from serving_hooks.policies import make_policy
-from serving_hooks.policies.sagesched import SageSched, gittins_index, mean_remaining, service_cost
+from serving_hooks.policies.sagesched import (
+    SageSched,
+    gittins_index,
+    gittins_index_one,
+    mean_remaining,
+    service_cost,
+)
 from tests.replay_helpers import CheckedEngine, ConstantCost
 
 # ---------------------------------------------------------------- distributions and scores
@@ -107,6 +113,38 @@ def test_gittins_matches_brute_force(points, attained):
     expected = brute_force_gittins(support, probs, attained)
     got = gittins_index(costs, padded, np.array([attained]))[0]
     assert got == pytest.approx(expected, rel=1e-9) if np.isfinite(expected) else got == np.inf
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(1, 1e7), st.floats(0.0, 1.0)), min_size=1, max_size=40),
+    st.floats(0, 1e7),
+)
+def test_gittins_of_one_request_is_the_vectorised_value_exactly(points, attained):
+    """The policy's one-request refresh runs in Python floats; the index must be the very same
+    float as the vectorised pass gives (zero probabilities included)."""
+    costs = np.sort(np.array([c for c, _ in points]))
+    probs = np.array([p for _, p in points])
+    expected = gittins_index(costs[None, :], probs[None, :], np.array([attained]))[0]
+    assert gittins_index_one(costs.tolist(), probs.tolist(), attained) == expected
+
+
+@pytest.mark.parametrize("cost", ["kv", "output", "weighted"])
+def test_one_request_refresh_matches_the_batch_refresh(cost):
+    rng = np.random.default_rng(5)
+    policy = SageSched(history={}, cost=cost, bucket=7)
+    requests = []
+    for i in range(30):
+        request = RequestState(f"r{i}", 0.0, int(rng.integers(1, 3000)), 4096, SLO())
+        request.tokens_generated = int(rng.integers(0, 400))
+        samples = rng.integers(1, 500, size=int(rng.integers(1, 60)))
+        request.cache["sage_distribution"] = LengthDistribution.from_samples(samples)
+        requests.append(request)
+    policy._refresh(requests)
+    batch = [r.cache["sage_index"] for r in requests]
+    for request in requests:
+        policy._refresh([request])
+    assert [r.cache["sage_index"] for r in requests] == batch
 
 
 def test_service_costs_by_hand():
