@@ -204,15 +204,6 @@ class RooflineCostModel:
     ) -> np.ndarray:
         """Times of `steps` consecutive decode-only steps of the same requests, each growing every
         context by one token per step (vectorised: the replay engine's fast path)."""
-        if steps == 1:  # a one-step run (SLAI's horizon): the scalar formula, same float operations
-            single = StepBatch(
-                float(num_decodes),
-                float(num_decodes),
-                num_decodes=float(num_decodes),
-                decode_ctx_sum=float(context_sum),
-                decode_ctx_max=float(context_max),
-            )
-            return np.array([self.time(single)], dtype=np.float64)
         i = np.arange(steps, dtype=np.float64)
         batch = StepBatch(
             tokens=float(num_decodes),
@@ -222,6 +213,20 @@ class RooflineCostModel:
             decode_ctx_max=context_max + i,
         )
         return np.broadcast_to(self.time(batch), (steps,)).astype(np.float64)
+
+    def decode_step_time(self, num_decodes: int, context_sum: int, context_max: int, step: int) -> float:
+        """`decode_run_times(...)[step]` alone, in Python floats: the same operations on the same
+        values (IEEE doubles either way), for the replay engine's short decode runs, where numpy's
+        fixed cost per call would dominate."""
+        i = float(step)
+        batch = StepBatch(
+            tokens=float(num_decodes),
+            sampled=float(num_decodes),
+            num_decodes=float(num_decodes),
+            decode_ctx_sum=context_sum + num_decodes * i,
+            decode_ctx_max=context_max + i,
+        )
+        return float(self.time(batch))
 
     def kv_capacity_tokens(
         self, gpu_memory_utilization: float = 0.9, activation_reserve_gb: float = 2.0

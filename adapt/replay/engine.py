@@ -41,13 +41,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from adapt.policy import EngineView, Horizon, Plan, Policy, RequestState
+from adapt.policy import EngineView, Plan, Policy, RequestState
 from adapt.replay.kv import BlockPool
 from adapt.replay.metrics import Recorder, ReplayResult
 from adapt.requests import Request
 from adapt.steplog import CostModel, StepBatch, step_batch
 
 MAX_RUN_STEPS = 4096
+SHORT_RUN_STEPS = 8  # decode runs up to this long are advanced in plain Python (`_short_run`)
 
 
 class PolicyError(RuntimeError):
@@ -138,6 +139,9 @@ class ReplayEngine:
         # at a tiny token budget a 1-token prefill chunk also has n == 1, but it samples nothing,
         # so only the phase tells them apart).
         self._decodes_only = False
+        # One decode-only step's time alone, where the cost model offers it (the roofline does):
+        # short decode runs are then timed step by step in Python (`_short_run`).
+        self._step_time = getattr(cost, "decode_step_time", None)
 
     # ----------------------------------------------------------------- arrivals
     def add(self, request: Request) -> None:
@@ -566,8 +570,8 @@ class ReplayEngine:
         wall = min(self.next_arrival_s, self.arrival_fence_s, horizon.until_s)
         if limit < 1 or self.now >= wall:
             return
-        if limit < 2:
-            self._decode_step(horizon, view)
+        threshold = horizon.kv_usage_below if view.kv_usage < horizon.kv_usage_below else math.inf
+        if self._step_time is not None and self._short_run(limit, wall, threshold):
             return
         computed = np.fromiter((s.tokens_computed for s in running), dtype=np.int64, count=len(running))
         context_sum, context_max = int(computed.sum()), int(computed.max())
@@ -583,7 +587,6 @@ class ReplayEngine:
         # grows with the steps it looks at (each step's times do not depend on the run's length).
         ids = [s.id for s in running]
         held = self.kv.held_many(ids)
-        threshold = horizon.kv_usage_below if view.kv_usage < horizon.kv_usage_below else math.inf
         k = self._kv_step_limit(computed, held, k, threshold)
         if k < 1:
             return
@@ -598,37 +601,59 @@ class ReplayEngine:
         self.kv.grow_many(ids, held, computed + k)
         self._advance(running, k, now)
 
-    def _decode_step(self, horizon: Horizon, view: EngineView) -> None:
-        """A decode run of one step (the horizon allows no more): `_decode_run`'s arithmetic in
-        plain Python, which costs less than numpy's fixed cost per call for one step."""
+    def _short_run(self, limit: float, wall: float, threshold: float) -> bool:
+        """`_decode_run` in plain Python for a run of at most `SHORT_RUN_STEPS` steps (most runs:
+        the next arrival is a few steps away, and SLAI's horizon is one step), where numpy's fixed
+        cost per call outweighs the work. The same arithmetic, step by step: each step's time
+        from the cost model's `decode_step_time`, `now` advanced by each in turn, and the KV test
+        of `_kv_step_limit` -- within `block_size` steps a request needs at most one more block,
+        from the step at which its tokens pass its blocks. False (nothing done) when the run may
+        be longer than that: the vectorised path takes it."""
         running, kv = self.running, self.kv
         held, block_size = kv.held_by_request.get, kv.block_size
-        context_sum = context_max = extra = 0
-        grown = []  # requests whose next token needs a new block (1 step in 16)
+        reach = int(min(limit, SHORT_RUN_STEPS, block_size))
+        context_sum = context_max = 0
+        new_blocks = [0] * (reach + 1)  # new_blocks[j]: requests whose step j takes another block
         for state in running:
             computed = state.tokens_computed
             context_sum += computed
             if computed > context_max:
                 context_max = computed
-            need = -(-(computed + 1) // block_size) - held(state.id, 0)
-            if need > 0:
-                extra += need
-                grown.append(state)
-        # `_kv_step_limit` for one step: the blocks fit, and usage has not reached the level at which
-        # the policy re-plans
-        below = horizon.kv_usage_below
-        if extra > kv.free_blocks or (view.kv_usage < below and kv.usage >= below):
-            return
-        times = self.cost.decode_run_times(len(running), context_sum, context_max, 1)
-        duration = float(times[0])
-        now = self.now + duration
-        self._note_batch_time(duration)
-        self.recorder.decode_run(running, times, np.array([now]), kv.usage, context_sum, context_max)
-        self.step_index += 1
+            first = held(state.id, 0) * block_size - computed + 1  # first step needing a block
+            if first < 1:
+                return False  # fewer blocks than cached tokens: not this path's arithmetic
+            if first <= reach:
+                new_blocks[first] += 1
+        count, free, num_blocks = len(running), kv.free_blocks, kv.num_blocks
+        times: list[float] = []
+        ends: list[float] = []
+        now, extra = self.now, 0
+        for step in range(1, reach + 1):
+            free_at_start = free - extra
+            extra += new_blocks[step]
+            if now >= wall or extra > free or 1.0 - free_at_start / num_blocks >= threshold:
+                break
+            duration = self._step_time(count, context_sum, context_max, step - 1)  # type: ignore[misc]
+            now = now + duration
+            times.append(duration)
+            ends.append(now)
+        else:
+            if reach < limit:
+                return False
+        if not times:
+            return True
+        k = len(times)
+        for duration in times:
+            self._note_batch_time(duration)
+        self.recorder.decode_run(running, np.array(times), np.array(ends), kv.usage, context_sum, context_max)
+        self.step_index += k
         self.now = now
-        for state in grown:
-            kv.grow(state.id, state.tokens_computed + 1)
-        self._advance(running, 1, now)
+        if any(new_blocks[1 : k + 1]):
+            for state in running:
+                if held(state.id, 0) * block_size < state.tokens_computed + k:
+                    kv.grow(state.id, state.tokens_computed + k)
+        self._advance(running, k, now)
+        return True
 
     def _advance(self, running: list[RequestState], k: int, now: float) -> None:
         """Every running request decoded `k` tokens, the last at `now`; finished ones leave."""
