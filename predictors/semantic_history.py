@@ -182,16 +182,18 @@ class SemanticHistory(LearnedComponent):
         return np.concatenate((column[start:], column[:stop]))
 
     def _by_length(self, prompt_tokens: int, exclude_hash: int = 0) -> np.ndarray:
-        ids = self._live_ids()
-        # The window's logs are taken once per entry (`observe`), not over the window per call.
+        # The window's logs are taken once per entry (`observe`), not over the window per call;
+        # without exclusions a live entry's id is the oldest id plus its position.
         logs = self._live(self.log_prompt_)
+        ids = None
         if exclude_hash:
             keep = self._live(self.prompt_hash_) != exclude_hash
-            ids, logs = ids[keep], logs[keep]
-        if len(ids) <= self.fallback_neighbors:
-            return ids
+            ids, logs = self._live_ids()[keep], logs[keep]
+        if len(logs) <= self.fallback_neighbors:
+            return self._live_ids() if ids is None else ids
         gap = np.abs(logs - np.log(prompt_tokens))
-        return ids[np.argpartition(gap, self.fallback_neighbors - 1)[: self.fallback_neighbors]]
+        nearest = np.argpartition(gap, self.fallback_neighbors - 1)[: self.fallback_neighbors]
+        return self._oldest + nearest if ids is None else ids[nearest]
 
     def predict_embedded(
         self,

@@ -612,18 +612,18 @@ class ReplayEngine:
         running, kv = self.running, self.kv
         held, block_size = kv.held_by_request.get, kv.block_size
         reach = int(min(limit, SHORT_RUN_STEPS, block_size))
-        context_sum = context_max = 0
+        computed = [state.tokens_computed for state in running]
+        context_sum, context_max = sum(computed), max(computed)
+        # Tokens each request can still cache in its blocks: step room + 1 is its first to need one.
+        room = [
+            held(state.id, 0) * block_size - tokens for state, tokens in zip(running, computed, strict=True)
+        ]
+        if min(room) < 0:
+            return False  # fewer blocks than cached tokens: not this path's arithmetic
         new_blocks = [0] * (reach + 1)  # new_blocks[j]: requests whose step j takes another block
-        for state in running:
-            computed = state.tokens_computed
-            context_sum += computed
-            if computed > context_max:
-                context_max = computed
-            first = held(state.id, 0) * block_size - computed + 1  # first step needing a block
-            if first < 1:
-                return False  # fewer blocks than cached tokens: not this path's arithmetic
-            if first <= reach:
-                new_blocks[first] += 1
+        for tokens in room:
+            if tokens < reach:
+                new_blocks[tokens + 1] += 1
         count, free, num_blocks = len(running), kv.free_blocks, kv.num_blocks
         times: list[float] = []
         ends: list[float] = []
@@ -649,8 +649,8 @@ class ReplayEngine:
         self.step_index += k
         self.now = now
         if any(new_blocks[1 : k + 1]):
-            for state in running:
-                if held(state.id, 0) * block_size < state.tokens_computed + k:
+            for state, tokens in zip(running, room, strict=True):
+                if tokens < k:
                     kv.grow(state.id, state.tokens_computed + k)
         self._advance(running, k, now)
         return True

@@ -41,6 +41,7 @@ from serving_hooks.policies.baselines import FULL_KV_USAGE
 COSTS = ("kv", "output", "weighted")
 ORDERS = ("gittins", "mean", "static")
 UNIFORM_MAX_TOKENS = 2048
+_ONE_BY_ONE = 8  # refreshes of up to this many requests run in Python floats (`_refresh_one`)
 MAX_FLIPS_PER_STEP = 4  # upper end of the uniform noise of the uniform_mix ablation
 
 
@@ -166,6 +167,9 @@ class SageSched(PriorityPolicy):
         # The last running order and the running requests it sorted; reused while the same
         # requests run and no index has changed (most steps), since the sort runs every step.
         self._keys = _IndexKeys()
+        # Tokens generated at which each indexed request's index is next refreshed (sage_at +
+        # bucket), looked up by request: the bucket-crossing scan runs every step.
+        self._due = _RefreshDue(self.bucket)
         self._sorted: list[RequestState] = []
         self._sorted_for: tuple[RequestState, ...] = ()
 
@@ -198,6 +202,7 @@ class SageSched(PriorityPolicy):
     def on_finish(self, request: RequestState, now: float) -> None:
         self._pending.pop(request.id, None)
         self._keys.pop(request, None)
+        self._due.pop(request, None)
         super().on_finish(request, now)
         if self.learn_online and request.tokens_generated > 0 and "sage_embedding" in request.cache:
             has_text = request.cache["sage_has_text"]
@@ -259,8 +264,9 @@ class SageSched(PriorityPolicy):
             if "sage_costs" not in request.cache:
                 distribution: LengthDistribution = request.cache["sage_distribution"]
                 request.cache["sage_costs"] = self._cost(request.prompt_tokens, distribution.support)
-        if count == 1 and self.order != "mean":
-            self._refresh_one(requests[0])
+        if count <= _ONE_BY_ONE and self.order != "mean":
+            for request in requests:
+                self._refresh_one(request)
             return
         width = max(r.cache["sage_costs"].size for r in requests)
         costs = np.full((count, width), np.inf)
@@ -280,11 +286,13 @@ class SageSched(PriorityPolicy):
             request.cache["sage_index"] = value
             request.cache["sage_at"] = request.tokens_generated
             self._keys[request] = (value, request.arrival_s)
+            self._due[request] = request.tokens_generated + self.bucket
         self._sorted_for = ()  # indices changed: re-sort the running requests
 
     def _refresh_one(self, request: RequestState) -> None:
-        """`_refresh` of one request (most refreshes: one crossing a bucket), in Python floats: the
-        same operations as the vectorised pass, without numpy's fixed cost per call."""
+        """`_refresh` of one request (most refreshes are of one or two: a bucket crossing, a step's
+        arrivals), in Python floats: the same operations as the vectorised pass, without numpy's
+        fixed cost per call."""
         prompt, generated = float(request.prompt_tokens), float(request.tokens_generated)
         attained = self._cost_one(prompt, generated)
         costs = request.cache["sage_costs"].tolist()
@@ -294,6 +302,7 @@ class SageSched(PriorityPolicy):
         request.cache["sage_index"] = index
         request.cache["sage_at"] = request.tokens_generated
         self._keys[request] = (index, request.arrival_s)
+        self._due[request] = request.tokens_generated + self.bucket
         self._sorted_for = ()  # indices changed: re-sort the running requests
 
     def _cost(self, prompt_tokens: np.ndarray | float, output_tokens: np.ndarray | float) -> np.ndarray:
@@ -313,9 +322,8 @@ class SageSched(PriorityPolicy):
         if self._pending:
             self._predict_pending()
         if self.order != "static":
-            crossed = [
-                r for r in view.running if r.tokens_generated - r.cache.get("sage_at", 0) >= self.bucket
-            ]
+            due = self._due
+            crossed = [r for r in view.running if r.tokens_generated >= due[r]]
             self._refresh(crossed)
         plan = Plan(admit=self.waiting_in_order(), running_order=self.running_in_order(view.running))
         full = len(view.running) >= view.max_running or view.kv_usage >= FULL_KV_USAGE
@@ -335,7 +343,8 @@ class SageSched(PriorityPolicy):
             return Horizon()
         if self.order == "static":  # no bucket refresh: only the KV level of "full" changes the plan
             return Horizon(kv_usage_below=FULL_KV_USAGE)
-        steps = min(self.bucket - (r.tokens_generated - r.cache.get("sage_at", 0)) for r in view.running)
+        due = self._due
+        steps = min(due[r] - r.tokens_generated for r in view.running)
         return Horizon(steps=max(0, steps), kv_usage_below=FULL_KV_USAGE)
 
 
@@ -345,6 +354,18 @@ class _IndexKeys(dict):
 
     def __missing__(self, request: RequestState) -> tuple[float, float]:
         return _index_key(request)
+
+
+class _RefreshDue(dict):
+    """Request -> tokens generated at which its index is refreshed next; `bucket` for a request
+    never indexed (as if indexed at 0 tokens)."""
+
+    def __init__(self, bucket: int) -> None:
+        super().__init__()
+        self.bucket = bucket
+
+    def __missing__(self, request: RequestState) -> int:
+        return self.bucket
 
 
 def _index_key(request: RequestState) -> tuple[float, float]:
