@@ -476,7 +476,7 @@ class ReplayEngine:
         asynchronous = self.config.async_scheduling
         placeholders = self._placeholders
         work = []  # what is not a plain decode, for `step_batch`; decodes are counted in bulk
-        decodes = decode_samples = context_sum = context_max = 0
+        context_sum = context_max = 0
         sampled_states = []
         for state, n in scheduled:
             computed = state.tokens_computed
@@ -485,8 +485,6 @@ class ReplayEngine:
                 need += placeholders.get(state.id, 0)
             sampled = n == need  # all known tokens done: it samples one
             if n == 1 and state.phase == "decode":
-                decodes += 1
-                decode_samples += sampled
                 context_sum += computed
                 if computed > context_max:
                     context_max = computed
@@ -495,8 +493,12 @@ class ReplayEngine:
             state.tokens_computed = computed + n
             if sampled:
                 sampled_states.append(state)
-        self._decodes_only = decodes == len(scheduled)
-        batch = _with_decodes(step_batch(work), decodes, decode_samples, context_sum, context_max)
+        # Decodes counted from what is not one (fewer operations per decode, most of a step).
+        decodes = len(scheduled) - len(work)
+        decode_samples = len(sampled_states) - sum(sampled for _, _, _, sampled in work)
+        self._decodes_only = not work
+        base = step_batch(work) if work else _NO_WORK
+        batch = _with_decodes(base, decodes, decode_samples, context_sum, context_max)
         duration = trace.duration if trace is not None else float(self.cost.time(batch))
         start = self.now
         self.now = start + duration
@@ -536,13 +538,14 @@ class ReplayEngine:
         self.recorder.tokens(states, now)
         true_len = self._true_len
         for state in states:
-            state.tokens_generated += 1
+            generated = state.tokens_generated + 1
+            state.tokens_generated = generated
             state.last_token_s = now
             if state.first_token_s is None:
                 state.first_token_s = now
             if state.phase != "preempted":
                 state.phase = "decode"
-            if state.tokens_generated >= true_len[state.id]:
+            if generated >= true_len[state.id]:
                 self._finish(state, now)
 
     def _finish(self, state: RequestState, now: float) -> None:
@@ -703,6 +706,9 @@ class ReplayEngine:
         result = self.recorder.result(sim_wall_s)
         result.engine_settings = {"token_budget": self.token_budget, "max_running": self.config.max_running}
         return result
+
+
+_NO_WORK = step_batch(())  # a step of plain decodes only: nothing but the decodes counted in bulk
 
 
 def _with_decodes(
