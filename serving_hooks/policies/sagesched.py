@@ -89,17 +89,18 @@ def gittins_index_one(costs: Sequence[float], probs: Sequence[float], attained: 
     (numpy's cumsum adds left to right; entries that are not alive add zeros, so they are skipped),
     hence the same value, without numpy's fixed cost per call -- most refreshes are one request."""
     alive = [(c, p) for c, p in zip(costs, probs, strict=True) if c > attained and p > 0]
-    prefix, mass, work = [], 0.0, 0.0
+    total = 0.0  # the last cumulative mass, summed as the cumsum sums it
+    for _, p in alive:
+        total += p
+    best, mass, work = math.inf, 0.0, 0.0
     for c, p in alive:
         mass += p
         work += p * c
-        prefix.append((c, mass, work))
-    best = math.inf
-    for c, mass_k, work_k in prefix:
-        ratio = (work_k - attained * mass_k + (c - attained) * (mass - mass_k)) / mass_k
-        if ratio != ratio:  # nan: numpy's min returns it
+        ratio = (work - attained * mass + (c - attained) * (total - mass)) / mass
+        if ratio < best:
+            best = ratio
+        elif ratio != ratio:  # nan: numpy's min returns it
             return ratio
-        best = min(best, ratio)
     return best
 
 
