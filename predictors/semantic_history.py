@@ -96,6 +96,7 @@ class SemanticHistory(LearnedComponent):
         self._validate_params()
         capacity = self.window + self._slack
         self.prompt_tokens_ = np.zeros(capacity, dtype=np.int64)
+        self.log_prompt_ = np.zeros(capacity, dtype=np.float64)  # log(prompt_tokens_), for `_by_length`
         self.output_tokens_ = np.zeros(capacity, dtype=np.int64)
         self.prompt_hash_ = np.zeros(capacity, dtype=np.int64)
         self.has_text_ = np.zeros(capacity, dtype=bool)
@@ -138,6 +139,7 @@ class SemanticHistory(LearnedComponent):
         ids = np.arange(self.next_id_, self.next_id_ + count)
         slots = ids % len(self.prompt_tokens_)
         self.prompt_tokens_[slots] = prompt_tokens
+        self.log_prompt_[slots] = np.log(self.prompt_tokens_[slots])
         self.output_tokens_[slots] = output_tokens
         self.prompt_hash_[slots] = 0 if prompt_hashes is None else prompt_hashes
         self.has_text_[slots] = has_text
@@ -159,7 +161,7 @@ class SemanticHistory(LearnedComponent):
         if hasattr(self, "index_"):
             import faiss
 
-            for name in ("prompt_tokens_", "output_tokens_", "prompt_hash_", "has_text_"):
+            for name in ("prompt_tokens_", "log_prompt_", "output_tokens_", "prompt_hash_", "has_text_"):
                 setattr(twin, name, getattr(self, name).copy())
             twin.next_id_, twin.index_floor_ = self.next_id_, self.index_floor_
             twin.index_ = faiss.clone_index(self.index_)
@@ -171,14 +173,27 @@ class SemanticHistory(LearnedComponent):
         samples = self.output_tokens_[ids % len(self.output_tokens_)]
         return LengthDistribution.from_samples(samples, self.max_support)
 
+    def _live(self, column: np.ndarray) -> np.ndarray:
+        """`column` at the live ids, in id order: at most two slices of the ring (cheaper than
+        indexing it with `_live_ids() % capacity` on every prediction)."""
+        start, stop = self._oldest % len(column), self.next_id_ % len(column)
+        if start <= stop:
+            return column[start:stop]
+        return np.concatenate((column[start:], column[:stop]))
+
     def _by_length(self, prompt_tokens: int, exclude_hash: int = 0) -> np.ndarray:
-        ids = self._live_ids()
+        # The window's logs are taken once per entry (`observe`), not over the window per call;
+        # without exclusions a live entry's id is the oldest id plus its position.
+        logs = self._live(self.log_prompt_)
+        ids = None
         if exclude_hash:
-            ids = ids[self.prompt_hash_[ids % len(self.prompt_hash_)] != exclude_hash]
-        if len(ids) <= self.fallback_neighbors:
-            return ids
-        gap = np.abs(np.log(self.prompt_tokens_[ids % len(self.prompt_tokens_)]) - np.log(prompt_tokens))
-        return ids[np.argpartition(gap, self.fallback_neighbors - 1)[: self.fallback_neighbors]]
+            keep = self._live(self.prompt_hash_) != exclude_hash
+            ids, logs = self._live_ids()[keep], logs[keep]
+        if len(logs) <= self.fallback_neighbors:
+            return self._live_ids() if ids is None else ids
+        gap = np.abs(logs - np.log(prompt_tokens))
+        nearest = np.argpartition(gap, self.fallback_neighbors - 1)[: self.fallback_neighbors]
+        return self._oldest + nearest if ids is None else ids[nearest]
 
     def predict_embedded(
         self,

@@ -214,6 +214,20 @@ class RooflineCostModel:
         )
         return np.broadcast_to(self.time(batch), (steps,)).astype(np.float64)
 
+    def decode_step_time(self, num_decodes: int, context_sum: int, context_max: int, step: int) -> float:
+        """`decode_run_times(...)[step]` alone, in Python floats: the same operations on the same
+        values (IEEE doubles either way), for the replay engine's short decode runs, where numpy's
+        fixed cost per call would dominate."""
+        i = float(step)
+        batch = StepBatch(
+            tokens=float(num_decodes),
+            sampled=float(num_decodes),
+            num_decodes=float(num_decodes),
+            decode_ctx_sum=context_sum + num_decodes * i,
+            decode_ctx_max=context_max + i,
+        )
+        return float(self.time(batch))
+
     def kv_capacity_tokens(
         self, gpu_memory_utilization: float = 0.9, activation_reserve_gb: float = 2.0
     ) -> int:

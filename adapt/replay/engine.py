@@ -48,6 +48,7 @@ from adapt.requests import Request
 from adapt.steplog import CostModel, StepBatch, step_batch
 
 MAX_RUN_STEPS = 4096
+SHORT_RUN_STEPS = 8  # decode runs up to this long are advanced in plain Python (`_short_run`)
 
 
 class PolicyError(RuntimeError):
@@ -138,6 +139,9 @@ class ReplayEngine:
         # at a tiny token budget a 1-token prefill chunk also has n == 1, but it samples nothing,
         # so only the phase tells them apart).
         self._decodes_only = False
+        # One decode-only step's time alone, where the cost model offers it (the roofline does):
+        # short decode runs are then timed step by step in Python (`_short_run`).
+        self._step_time = getattr(cost, "decode_step_time", None)
 
     # ----------------------------------------------------------------- arrivals
     def add(self, request: Request) -> None:
@@ -398,6 +402,8 @@ class ReplayEngine:
         preempted = False
         placeholders = self._placeholders  # empty unless async scheduling has tokens in flight
         try_grow = self.kv.try_grow
+        held = self.kv.held_by_request.get
+        block_size = self.kv.block_size
         index = 0
         while index < len(sequence) and budget > 0:
             state = sequence[index]
@@ -409,12 +415,14 @@ class ReplayEngine:
                     continue  # vLLM's async rule: no step past the last token
                 need += placeholders.get(state.id, 0)
             tokens = need if need < budget else budget
-            while not try_grow(state.id, computed + tokens):
-                victim = sequence.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is state:
-                    return budget, preempted
+            target = computed + tokens
+            if held(state.id, 0) * block_size < target:  # `try_grow`'s test: most steps need no block
+                while not try_grow(state.id, target):
+                    victim = sequence.pop()
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is state:
+                        return budget, preempted
             scheduled.append((state, tokens))
             budget -= tokens
         return budget, preempted
@@ -468,7 +476,7 @@ class ReplayEngine:
         asynchronous = self.config.async_scheduling
         placeholders = self._placeholders
         work = []  # what is not a plain decode, for `step_batch`; decodes are counted in bulk
-        decodes = decode_samples = context_sum = context_max = 0
+        context_sum = context_max = 0
         sampled_states = []
         for state, n in scheduled:
             computed = state.tokens_computed
@@ -477,8 +485,6 @@ class ReplayEngine:
                 need += placeholders.get(state.id, 0)
             sampled = n == need  # all known tokens done: it samples one
             if n == 1 and state.phase == "decode":
-                decodes += 1
-                decode_samples += sampled
                 context_sum += computed
                 if computed > context_max:
                     context_max = computed
@@ -487,8 +493,12 @@ class ReplayEngine:
             state.tokens_computed = computed + n
             if sampled:
                 sampled_states.append(state)
-        self._decodes_only = decodes == len(scheduled)
-        batch = _with_decodes(step_batch(work), decodes, decode_samples, context_sum, context_max)
+        # Decodes counted from what is not one (fewer operations per decode, most of a step).
+        decodes = len(scheduled) - len(work)
+        decode_samples = len(sampled_states) - sum(sampled for _, _, _, sampled in work)
+        self._decodes_only = not work
+        base = step_batch(work) if work else _NO_WORK
+        batch = _with_decodes(base, decodes, decode_samples, context_sum, context_max)
         duration = trace.duration if trace is not None else float(self.cost.time(batch))
         start = self.now
         self.now = start + duration
@@ -528,13 +538,14 @@ class ReplayEngine:
         self.recorder.tokens(states, now)
         true_len = self._true_len
         for state in states:
-            state.tokens_generated += 1
+            generated = state.tokens_generated + 1
+            state.tokens_generated = generated
             state.last_token_s = now
             if state.first_token_s is None:
                 state.first_token_s = now
             if state.phase != "preempted":
                 state.phase = "decode"
-            if state.tokens_generated >= true_len[state.id]:
+            if generated >= true_len[state.id]:
                 self._finish(state, now)
 
     def _finish(self, state: RequestState, now: float) -> None:
@@ -562,20 +573,24 @@ class ReplayEngine:
         wall = min(self.next_arrival_s, self.arrival_fence_s, horizon.until_s)
         if limit < 1 or self.now >= wall:
             return
-        limit = int(limit)
-        ids = [s.id for s in running]
-        computed = np.fromiter((s.tokens_computed for s in running), dtype=np.int64, count=len(running))
         threshold = horizon.kv_usage_below if view.kv_usage < horizon.kv_usage_below else math.inf
-        limit = self._kv_step_limit(computed, self.kv.held_many(ids), limit, threshold)
-        if limit < 1:
+        if self._step_time is not None and self._short_run(limit, wall, threshold):
             return
+        computed = np.fromiter((s.tokens_computed for s in running), dtype=np.int64, count=len(running))
         context_sum, context_max = int(computed.sum()), int(computed.max())
-        times = self.cost.decode_run_times(len(running), context_sum, context_max, limit)
+        times = self.cost.decode_run_times(len(running), context_sum, context_max, int(limit))
         # Step by step, as `_execute` adds each duration to `now` (now + cumsum(times) would round
         # differently and move a run's end across an arrival).
         ends = np.cumsum(np.concatenate(([self.now], times)))[1:]
         starts = np.concatenate(([self.now], ends[:-1]))
         k = int(np.searchsorted(starts, wall, side="left"))
+        if k < 1:
+            return
+        # KV room last: the run is usually cut short by the next arrival, and this check's cost
+        # grows with the steps it looks at (each step's times do not depend on the run's length).
+        ids = [s.id for s in running]
+        held = self.kv.held_many(ids)
+        k = self._kv_step_limit(computed, held, k, threshold)
         if k < 1:
             return
         times, ends = times[:k], ends[:k]
@@ -586,7 +601,66 @@ class ReplayEngine:
         self.recorder.decode_run(running, times, ends, self.kv.usage, context_sum, context_max)
         self.step_index += k
         self.now = now = float(ends[-1])
-        self.kv.grow_many(ids, computed + k)
+        self.kv.grow_many(ids, held, computed + k)
+        self._advance(running, k, now)
+
+    def _short_run(self, limit: float, wall: float, threshold: float) -> bool:
+        """`_decode_run` in plain Python for a run of at most `SHORT_RUN_STEPS` steps (most runs:
+        the next arrival is a few steps away, and SLAI's horizon is one step), where numpy's fixed
+        cost per call outweighs the work. The same arithmetic, step by step: each step's time
+        from the cost model's `decode_step_time`, `now` advanced by each in turn, and the KV test
+        of `_kv_step_limit` -- within `block_size` steps a request needs at most one more block,
+        from the step at which its tokens pass its blocks. False (nothing done) when the run may
+        be longer than that: the vectorised path takes it."""
+        running, kv = self.running, self.kv
+        held, block_size = kv.held_by_request.get, kv.block_size
+        reach = int(min(limit, SHORT_RUN_STEPS, block_size))
+        computed = [state.tokens_computed for state in running]
+        context_sum, context_max = sum(computed), max(computed)
+        # Tokens each request can still cache in its blocks: step room + 1 is its first to need one.
+        room = [
+            held(state.id, 0) * block_size - tokens for state, tokens in zip(running, computed, strict=True)
+        ]
+        if min(room) < 0:
+            return False  # fewer blocks than cached tokens: not this path's arithmetic
+        new_blocks = [0] * (reach + 1)  # new_blocks[j]: requests whose step j takes another block
+        for tokens in room:
+            if tokens < reach:
+                new_blocks[tokens + 1] += 1
+        count, free, num_blocks = len(running), kv.free_blocks, kv.num_blocks
+        times: list[float] = []
+        ends: list[float] = []
+        now, extra = self.now, 0
+        for step in range(1, reach + 1):
+            free_at_start = free - extra
+            extra += new_blocks[step]
+            if now >= wall or extra > free or 1.0 - free_at_start / num_blocks >= threshold:
+                break
+            duration = self._step_time(count, context_sum, context_max, step - 1)  # type: ignore[misc]
+            now = now + duration
+            times.append(duration)
+            ends.append(now)
+        else:
+            if reach < limit:
+                return False
+        if not times:
+            return True
+        k = len(times)
+        for duration in times:
+            self._note_batch_time(duration)
+        self.recorder.decode_run(running, np.array(times), np.array(ends), kv.usage, context_sum, context_max)
+        self.step_index += k
+        self.now = now
+        if any(new_blocks[1 : k + 1]):
+            for state, tokens in zip(running, room, strict=True):
+                if tokens < k:
+                    kv.grow(state.id, state.tokens_computed + k)
+        self._advance(running, k, now)
+        return True
+
+    def _advance(self, running: list[RequestState], k: int, now: float) -> None:
+        """Every running request decoded `k` tokens, the last at `now`; finished ones leave."""
+        true_len = self._true_len
         finished = []
         for state in running:
             state.tokens_computed += k
@@ -632,6 +706,9 @@ class ReplayEngine:
         result = self.recorder.result(sim_wall_s)
         result.engine_settings = {"token_budget": self.token_budget, "max_running": self.config.max_running}
         return result
+
+
+_NO_WORK = step_batch(())  # a step of plain decodes only: nothing but the decodes counted in bulk
 
 
 def _with_decodes(

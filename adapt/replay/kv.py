@@ -59,15 +59,20 @@ class BlockPool:
             self._held[request_id] = self._held.get(request_id, 0) + extra
             self.free_blocks -= extra
 
+    @property
+    def held_by_request(self) -> dict[str, int]:
+        """Blocks held per request, to be read only: the scheduler checks each running request's
+        room with one lookup and calls `try_grow` only when it needs a block (1 step in 16)."""
+        return self._held
+
     def held_many(self, request_ids: Sequence[str]) -> np.ndarray:
         """`held` of each request, as an array (the decode-run fast path)."""
         get = self._held.get
         return np.fromiter((get(r, 0) for r in request_ids), dtype=np.int64, count=len(request_ids))
 
-    def grow_many(self, request_ids: Sequence[str], tokens: np.ndarray) -> None:
-        """`grow` each request to its `tokens` at once (a decode run grows every running request;
-        the caller checked room)."""
-        held = self.held_many(request_ids)
+    def grow_many(self, request_ids: Sequence[str], held: np.ndarray, tokens: np.ndarray) -> None:
+        """`grow` each request, holding `held` blocks (`held_many`), to its `tokens` at once (a
+        decode run grows every running request; the caller checked room)."""
         blocks = np.maximum(held, -(-tokens // self.block_size))
         extra = int((blocks - held).sum())
         if extra > self.free_blocks:

@@ -27,6 +27,7 @@ refresh), `uniform_mix=0.2` (predictions mixed 1:4 with a uniform distribution).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ from serving_hooks.policies.baselines import FULL_KV_USAGE
 COSTS = ("kv", "output", "weighted")
 ORDERS = ("gittins", "mean", "static")
 UNIFORM_MAX_TOKENS = 2048
+_ONE_BY_ONE = 8  # refreshes of up to this many requests run in Python floats (`_refresh_one`)
 MAX_FLIPS_PER_STEP = 4  # upper end of the uniform noise of the uniform_mix ablation
 
 
@@ -80,6 +82,26 @@ def gittins_index(costs: np.ndarray, probs: np.ndarray, attained: np.ndarray) ->
         numerator = work - a * mass + np.where(alive, c - a, 0.0) * tail
         ratio = np.where(alive, numerator / np.where(mass > 0, mass, 1.0), np.inf)
     return ratio.min(axis=1)
+
+
+def gittins_index_one(costs: Sequence[float], probs: Sequence[float], attained: float) -> float:
+    """`gittins_index` of one distribution, in Python floats: the same operations in the same order
+    (numpy's cumsum adds left to right; entries that are not alive add zeros, so they are skipped),
+    hence the same value, without numpy's fixed cost per call -- most refreshes are one request."""
+    alive = [(c, p) for c, p in zip(costs, probs, strict=True) if c > attained and p > 0]
+    total = 0.0  # the last cumulative mass, summed as the cumsum sums it
+    for _, p in alive:
+        total += p
+    best, mass, work = math.inf, 0.0, 0.0
+    for c, p in alive:
+        mass += p
+        work += p * c
+        ratio = (work - attained * mass + (c - attained) * (total - mass)) / mass
+        if ratio < best:
+            best = ratio
+        elif ratio != ratio:  # nan: numpy's min returns it
+            return ratio
+    return best
 
 
 def mean_remaining(costs: np.ndarray, probs: np.ndarray, attained: np.ndarray) -> np.ndarray:
@@ -143,6 +165,14 @@ class SageSched(PriorityPolicy):
         self.flip_ratio = flip_ratio
         self.preempt_below_tokens = preempt_below_tokens
         self._pending: dict[str, RequestState] = {}
+        # The last running order and the running requests it sorted; reused while the same
+        # requests run and no index has changed (most steps), since the sort runs every step.
+        self._keys = _IndexKeys()
+        # Tokens generated at which each indexed request's index is next refreshed (sage_at +
+        # bucket), looked up by request: the bucket-crossing scan runs every step.
+        self._due = _RefreshDue(self.bucket)
+        self._sorted: list[RequestState] = []
+        self._sorted_for: tuple[RequestState, ...] = ()
 
     def use_component(self, attribute: str, component: Any) -> None:
         """A new history version replaces the window (the policy's own copy, in its mode)."""
@@ -172,6 +202,8 @@ class SageSched(PriorityPolicy):
 
     def on_finish(self, request: RequestState, now: float) -> None:
         self._pending.pop(request.id, None)
+        self._keys.pop(request, None)
+        self._due.pop(request, None)
         super().on_finish(request, now)
         if self.learn_online and request.tokens_generated > 0 and "sage_embedding" in request.cache:
             has_text = request.cache["sage_has_text"]
@@ -188,8 +220,13 @@ class SageSched(PriorityPolicy):
 
     def running_in_order(self, running: Sequence[RequestState]) -> list[RequestState] | None:
         """`PriorityPolicy.running_in_order` with the key taken directly: the index does not
-        depend on the time, and this sort runs every step."""
-        return sorted(running, key=_index_key)
+        depend on the time, and this sort runs every step (so it is reused while the running
+        requests and their indices stay the same: `_refresh` clears it)."""
+        members = tuple(running)
+        if members != self._sorted_for:
+            self._sorted = sorted(members, key=self._keys.__getitem__)
+            self._sorted_for = members
+        return list(self._sorted)
 
     # ----------------------------------------------------------- prediction
     def _predict_pending(self) -> None:
@@ -228,6 +265,10 @@ class SageSched(PriorityPolicy):
             if "sage_costs" not in request.cache:
                 distribution: LengthDistribution = request.cache["sage_distribution"]
                 request.cache["sage_costs"] = self._cost(request.prompt_tokens, distribution.support)
+        if count <= _ONE_BY_ONE and self.order != "mean":
+            for request in requests:
+                self._refresh_one(request)
+            return
         width = max(r.cache["sage_costs"].size for r in requests)
         costs = np.full((count, width), np.inf)
         probs = np.zeros((count, width))
@@ -245,18 +286,45 @@ class SageSched(PriorityPolicy):
         for request, value in zip(requests, index.tolist(), strict=True):
             request.cache["sage_index"] = value
             request.cache["sage_at"] = request.tokens_generated
+            self._keys[request] = (value, request.arrival_s)
+            self._due[request] = request.tokens_generated + self.bucket
+        self._sorted_for = ()  # indices changed: re-sort the running requests
+
+    def _refresh_one(self, request: RequestState) -> None:
+        """`_refresh` of one request (most refreshes are of one or two: a bucket crossing, a step's
+        arrivals), in Python floats: the same operations as the vectorised pass, without numpy's
+        fixed cost per call."""
+        prompt, generated = float(request.prompt_tokens), float(request.tokens_generated)
+        attained = self._cost_one(prompt, generated)
+        costs = request.cache["sage_costs"].tolist()
+        index = gittins_index_one(costs, request.cache["sage_distribution"].probs.tolist(), attained)
+        if not math.isfinite(index):  # longer than anything predicted: one more bucket of tokens
+            index = self._cost_one(prompt, generated + self.bucket) - attained
+        request.cache["sage_index"] = index
+        request.cache["sage_at"] = request.tokens_generated
+        self._keys[request] = (index, request.arrival_s)
+        self._due[request] = request.tokens_generated + self.bucket
+        self._sorted_for = ()  # indices changed: re-sort the running requests
 
     def _cost(self, prompt_tokens: np.ndarray | float, output_tokens: np.ndarray | float) -> np.ndarray:
         return service_cost(prompt_tokens, output_tokens, self.cost, self.memory_weight)
+
+    def _cost_one(self, prompt_tokens: float, output_tokens: float) -> float:
+        """`service_cost` of one request in Python floats (the same operations in the same order)."""
+        kv = prompt_tokens * output_tokens + output_tokens * output_tokens / 2.0
+        if self.cost == "kv":
+            return kv
+        if self.cost == "output":
+            return output_tokens
+        return output_tokens + self.memory_weight * kv
 
     # ------------------------------------------------------------------ step
     def on_step(self, view: EngineView) -> Plan:
         if self._pending:
             self._predict_pending()
         if self.order != "static":
-            crossed = [
-                r for r in view.running if r.tokens_generated - r.cache.get("sage_at", 0) >= self.bucket
-            ]
+            due = self._due
+            crossed = [r for r in view.running if r.tokens_generated >= due[r]]
             self._refresh(crossed)
         plan = Plan(admit=self.waiting_in_order(), running_order=self.running_in_order(view.running))
         full = len(view.running) >= view.max_running or view.kv_usage >= FULL_KV_USAGE
@@ -276,8 +344,29 @@ class SageSched(PriorityPolicy):
             return Horizon()
         if self.order == "static":  # no bucket refresh: only the KV level of "full" changes the plan
             return Horizon(kv_usage_below=FULL_KV_USAGE)
-        steps = min(self.bucket - (r.tokens_generated - r.cache.get("sage_at", 0)) for r in view.running)
+        due = self._due
+        steps = min(due[r] - r.tokens_generated for r in view.running)
         return Horizon(steps=max(0, steps), kv_usage_below=FULL_KV_USAGE)
+
+
+class _IndexKeys(dict):
+    """`_index_key` of each request the policy has indexed, updated with its index: the running
+    sort, every step, then looks keys up in C instead of calling a Python key per request."""
+
+    def __missing__(self, request: RequestState) -> tuple[float, float]:
+        return _index_key(request)
+
+
+class _RefreshDue(dict):
+    """Request -> tokens generated at which its index is refreshed next; `bucket` for a request
+    never indexed (as if indexed at 0 tokens)."""
+
+    def __init__(self, bucket: int) -> None:
+        super().__init__()
+        self.bucket = bucket
+
+    def __missing__(self, request: RequestState) -> int:
+        return self.bucket
 
 
 def _index_key(request: RequestState) -> tuple[float, float]:

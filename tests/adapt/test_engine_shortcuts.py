@@ -1,6 +1,7 @@
 """The replay engine's hot-path shortcuts compute exactly what the plain forms compute: bulk-counted
 decodes and `step_batch`, `BlockPool.try_grow`/`grow_many` and `can_grow`/`grow`, the roofline on one
-step's scalars and on arrays, the vectorised on-time limits and the per-token ones."""
+step's scalars and on arrays (and a decode run's steps one by one), the vectorised on-time limits
+and the per-token ones."""
 
 import math
 
@@ -58,7 +59,7 @@ def test_grow_many_is_grow_each(tokens, step):
     for pool in (fast, plain):
         for rid, n in zip(ids, tokens, strict=True):
             pool.grow(rid, n)
-    fast.grow_many(ids, np.asarray(tokens) + step)
+    fast.grow_many(ids, fast.held_many(ids), np.asarray(tokens) + step)
     for rid, n in zip(ids, tokens, strict=True):
         plain.grow(rid, n + step)
     assert fast.free_blocks == plain.free_blocks
@@ -82,6 +83,21 @@ def test_roofline_scalars_match_arrays(tokens, sampled, attn, kv_read, decodes, 
     one = model.time(StepBatch(*fields))
     many = model.time(StepBatch(*(np.full(3, float(f)) for f in fields)))
     assert [float(one)] * 3 == many.tolist()
+
+
+@settings(max_examples=50)
+@given(
+    decodes=st.integers(1, 256),
+    context=st.integers(0, 10**6),
+    steps=st.integers(1, 40),
+    overlap=st.sampled_from(["operator", "step"]),
+    tp=st.sampled_from([1, 2]),
+)
+def test_roofline_decode_step_time_is_the_run_times_element(decodes, context, steps, overlap, tp):
+    model = roofline("llama-2-13b", "a100-80g", tp=tp, overlap=overlap)
+    context_sum, context_max = context * decodes, context + decodes
+    run = model.decode_run_times(decodes, context_sum, context_max, steps).tolist()
+    assert [model.decode_step_time(decodes, context_sum, context_max, i) for i in range(steps)] == run
 
 
 @given(

@@ -189,6 +189,42 @@ def test_engine_invariants_and_fast_path_agree(rows, policy, budget, max_running
             assert fast[key] == pytest.approx(slow[key], rel=1e-9, abs=1e-9), key
 
 
+class _VectorisedOnly:
+    """The roofline without `decode_step_time`: every decode run takes the vectorised path."""
+
+    def __init__(self, cost) -> None:
+        self.time, self.decode_run_times = cost.time, cost.decode_run_times
+        self.kv_capacity_tokens = cost.kv_capacity_tokens
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=request_lists,
+    policy=st.sampled_from(("fcfs", "slai", "sagesched", "ewsjf", "jitserve")),
+    block_size=st.sampled_from([1, 2, 16]),
+    kv_blocks=st.integers(30, 200),
+)
+def test_short_decode_runs_in_python_are_the_vectorised_runs(rows, policy, block_size, kv_blocks):
+    """`_short_run` (plain Python, runs of up to 8 steps) gives the very same replay as the
+    vectorised decode run: the same floats, steps, KV timeline and TBT samples."""
+    from adapt.replay.cost import roofline
+
+    requests = make_requests(rows)
+    config = EngineConfig(
+        max_running=8, block_size=block_size, kv_capacity_tokens=kv_blocks * 16, keep_token_times=True
+    )
+    runs = []
+    for cost in (roofline("llama-2-7b", "a100-80g"), _VectorisedOnly(roofline("llama-2-7b", "a100-80g"))):
+        engine = ReplayEngine(make_policy(policy), cost, config)
+        result = engine.run(requests)
+        metrics = result.metrics()
+        metrics.pop("sim_wall_s")
+        samples = {k: [(v.tolist(), w) for v, w in c] for k, c in result.tbt_samples.items()}
+        timeline = [a.tolist() for a in result.kv_timeline]
+        runs.append((metrics, samples, timeline, engine.now, engine.step_index, engine.mean_batch_time))
+    assert runs[0] == runs[1]
+
+
 @settings(max_examples=15, deadline=None)
 @given(rows=request_lists, policy=st.sampled_from(tuple(POLICIES)))
 def test_same_seed_same_result(rows, policy):

@@ -11,15 +11,31 @@ from hypothesis import strategies as st
 from adapt.component import read_component
 from adapt.policy import EngineView, RequestState
 from adapt.replay.engine import EngineConfig, ReplayEngine
-from adapt.requests import Request
+from adapt.requests import SLO, Request
 from adapt.traces import instruction_split, prompt_hash
 from predictors.length_distribution import LengthDistribution, bucket_overlap, crps, wasserstein
 from predictors.semantic_history import SemanticHistory
 from serving_hooks.policies import make_policy
-from serving_hooks.policies.sagesched import SageSched, gittins_index, mean_remaining, service_cost
+from serving_hooks.policies.sagesched import (
+    SageSched,
+    gittins_index,
+    gittins_index_one,
+    mean_remaining,
+    service_cost,
+)
 from tests.replay_helpers import CheckedEngine, ConstantCost
 
 # ---------------------------------------------------------------- distributions and scores
+
+
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=120), st.integers(1, 40))
+def test_from_samples_small_supports_are_numpy_unique(samples, max_support):
+    values = np.sort(np.asarray(samples, dtype=np.float64))
+    support, counts = np.unique(values, return_counts=True)
+    if support.size <= max_support:
+        result = LengthDistribution.from_samples(np.asarray(samples), max_support)
+        assert result.support.tolist() == support.tolist()
+        assert result.probs.tolist() == (counts / values.size).tolist()
 
 
 def test_from_samples_keeps_small_supports_and_the_mean_of_large_ones():
@@ -99,6 +115,38 @@ def test_gittins_matches_brute_force(points, attained):
     assert got == pytest.approx(expected, rel=1e-9) if np.isfinite(expected) else got == np.inf
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(1, 1e7), st.floats(0.0, 1.0)), min_size=1, max_size=40),
+    st.floats(0, 1e7),
+)
+def test_gittins_of_one_request_is_the_vectorised_value_exactly(points, attained):
+    """The policy's one-request refresh runs in Python floats; the index must be the very same
+    float as the vectorised pass gives (zero probabilities included)."""
+    costs = np.sort(np.array([c for c, _ in points]))
+    probs = np.array([p for _, p in points])
+    expected = gittins_index(costs[None, :], probs[None, :], np.array([attained]))[0]
+    assert gittins_index_one(costs.tolist(), probs.tolist(), attained) == expected
+
+
+@pytest.mark.parametrize("cost", ["kv", "output", "weighted"])
+def test_one_request_refresh_matches_the_batch_refresh(cost):
+    rng = np.random.default_rng(5)
+    policy = SageSched(history={}, cost=cost, bucket=7)
+    requests = []
+    for i in range(30):
+        request = RequestState(f"r{i}", 0.0, int(rng.integers(1, 3000)), 4096, SLO())
+        request.tokens_generated = int(rng.integers(0, 400))
+        samples = rng.integers(1, 500, size=int(rng.integers(1, 60)))
+        request.cache["sage_distribution"] = LengthDistribution.from_samples(samples)
+        requests.append(request)
+    policy._refresh(requests)
+    batch = [r.cache["sage_index"] for r in requests]
+    for request in requests:
+        policy._refresh([request])
+    assert [r.cache["sage_index"] for r in requests] == batch
+
+
 def test_service_costs_by_hand():
     assert service_cost(100, 10, "kv") == pytest.approx(100 * 10 + 10 * 10 / 2)
     assert service_cost(100, 10, "output") == 10
@@ -144,6 +192,28 @@ def test_fifo_window_evicts_oldest_and_index_stays_bounded():
     assert history.index_.ntotal <= 8 + history._slack
     prediction = history.predict_embedded([10], basis(0)[None], [True])[0]
     assert sorted(prediction.support.tolist()) == list(range(33, 41))  # only the newest 8
+
+
+def test_length_fallback_matches_the_direct_formula_as_the_ring_wraps():
+    """`_by_length` reads the window's cached logs by ring slices; the neighbours must be those of
+    the direct formula (logs of the live ids' prompt lengths) at every fill level and wrap."""
+    rng = np.random.default_rng(3)
+    history = SemanticHistory(window=40, fallback_neighbors=6)
+    for _ in range(130):
+        hashes = rng.integers(1, 4, size=3)
+        history.observe(
+            rng.integers(1, 50, size=3), rng.integers(1, 90, size=3), np.zeros((3, 384)), [False] * 3, hashes
+        )
+        for prompt, exclude in ((int(rng.integers(1, 50)), 0), (int(rng.integers(1, 50)), int(hashes[0]))):
+            ids = history._live_ids()
+            if exclude:
+                ids = ids[history.prompt_hash_[ids % len(history.prompt_hash_)] != exclude]
+            if len(ids) > 6:
+                gap = np.abs(
+                    np.log(history.prompt_tokens_[ids % len(history.prompt_tokens_)]) - np.log(prompt)
+                )
+                ids = ids[np.argpartition(gap, 5)[:6]]
+            assert history._by_length(prompt, exclude).tolist() == ids.tolist()
 
 
 def test_exclude_same_prompt_and_modes():
