@@ -262,11 +262,11 @@ def _embed_bundled_prompts() -> None:
     from predictors.semantic_history import embed_prompts
 
     started = time.perf_counter()
-    texts = list(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")).prompt_text)
+    texts = sorted(set(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")).prompt_text))
     embed_prompts(texts)
+    seconds = time.perf_counter() - started
     print(
-        f"[train] embedded {len(texts):,} bundled prompts ({time.perf_counter() - started:.0f} s)",
-        file=sys.stderr,
+        f"[train] {len(texts):,} bundled prompts embedded or found cached ({seconds:.0f} s)", file=sys.stderr
     )
 
 
