@@ -461,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=cmd_tiny_model)
 
     quick = sub.add_parser("quickstart", help="end to end on the bundled data")
-    quick.add_argument("--fast", action="store_true", help="smaller workloads (under 3 minutes)")
+    quick.add_argument("--fast", action="store_true", help="smaller workloads (under 90 s on 2 cores)")
     quick.add_argument("--out", default="reports/quickstart", help="where the report and plots go")
     quick.add_argument(
         "--serve",
