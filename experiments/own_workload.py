@@ -32,11 +32,10 @@ from adapt.registry import CHAMPION, Registry
 from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.runner import ReplaySetup
 from adapt.workloads import WORKLOADS
-from experiments.quickstart import HEADLINES, Headline
+from experiments.quickstart import HEADLINES, NON_ORACLE_BASELINES, Headline
 from serving_hooks.policies import PolicySpec
 
-# Baselines that read no true lengths (ltr and trail default to a noisy oracle, so they are out).
-BASELINES = ("fcfs", "vllm-v0", "sarathi", "spf", "edf", "fastserve", "plas")
+BASELINES = NON_ORACLE_BASELINES
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The quickstart leaderboard: best per workload, and drops shown next to latency headlines."""
 
-from experiments.quickstart import HEADLINES, format_leaderboard, guard
+from experiments.quickstart import HEADLINES, format_front_page, format_leaderboard, guard
 
 
 def test_leaderboard_bolds_the_best_and_flags_policies_that_dropped_requests():
@@ -66,3 +66,24 @@ def test_a_barred_value_is_never_bold_and_says_why():
     assert "0.200 †" in rows["vllm-v0"] and "**" not in rows["vllm-v0"]
     assert "**0.250**" in rows["slai"]
     assert "slai-tiers: vllm-v0 (misses the paying TBT SLO)" in text
+
+
+def test_front_page_compares_the_learned_policy_with_the_best_eligible_baseline():
+    def run(value: float, completed: int = 10) -> dict:
+        return {"ttlt_mean": value, "completed": completed, "num_requests": 10}
+
+    everything = {
+        "sagesched-mix": {
+            "engine": {"token_budget": 512},
+            "policies": {
+                "fcfs": run(40.0),
+                "spf": run(30.0),
+                "fastserve": run(20.0),
+                "sagesched": run(24.0, 9),
+            },
+        }
+    }
+    barred = {"sagesched-mix": {"fastserve": "starves someone"}}
+    row = format_front_page(everything, barred).splitlines()[2]
+    # fastserve is barred, so spf is the baseline: 24 vs 30 is -20%; sagesched served 9 of 10.
+    assert "| spf 30.000 | sagesched 24.000 | -20.0% (better) | 90% |" in row
