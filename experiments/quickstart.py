@@ -9,8 +9,10 @@
 2. Replays every policy on every named workload and the real Azure trace -- `slai`, `ewsjf`,
    `sagesched` and `jitserve` with the champions loaded from the registry -- logging each
    (workload, policy) as an MLflow run.
-3. Prints a leaderboard of each workload's headline metric and the paths of a Markdown report,
-   latency-CDF plots and a JSON of every metric; says how to browse the runs in `mlflow ui`.
+3. Prints a front page (per workload: the best baseline allowed to win its headline against the
+   learned policy, with the gain and served share), a leaderboard of each workload's headline
+   metric and the paths of a Markdown report, latency-CDF plots, headline-versus-load plots (full
+   run) and a JSON of every metric; says how to browse the runs in `mlflow ui`.
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ OWN_POLICY = {
     "jitserve-mix": "jitserve",
 }
 LEARNED = ("ewsjf", "slai", "sagesched", "jitserve")
+# The oracle drawn next to them in the load plots: what a perfect predictor would reach.
+ORACLE = {"jitserve-mix": "jitserve-oracle"}
+# Loads of the headline-versus-load plots, as multiples of each workload's rate (full run only).
+LOAD_SCALES = (0.75, 1.5)  # with the main run's 1x: three points, 30 more replays
 
 # (rate, number of requests) per workload: the full run, and --fast.
 SIZES: dict[str, dict[bool, tuple[float, int]]] = {
@@ -408,6 +414,10 @@ def run_quickstart(
             format_guards(everything),
         )
     )
+    if not fast:  # --fast keeps to its time budget: the load plots need 30 more replays
+        load_started = time.perf_counter()
+        plots = load_plots(everything, barred, specs, jobs, out) + plots
+        print(f"  (load plots: {time.perf_counter() - load_started:.0f} s)", file=sys.stderr)
     report = out / "report.md"
     report.write_text(_report(table, plots, fast))
     print()
@@ -440,6 +450,72 @@ def run_quickstart(
     return 0
 
 
+def front_page_pair(workload: str, metrics: dict[str, Any], barred: dict[str, str]) -> tuple[str, str]:
+    """(best non-oracle baseline allowed to win the headline, the learned policy shown against it:
+    the workload's own, or on a workload no learned policy was written for the best allowed one)."""
+    headline = HEADLINES[workload]
+    allowed = {p: headline.value(m) for p, m in metrics.items() if p not in barred}
+    pick = min if headline.lower_is_better else max
+    baselines = {p: v for p, v in allowed.items() if p in NON_ORACLE_BASELINES and v is not None}
+    learned = OWN_POLICY.get(workload) or pick(
+        (p for p in LEARNED if allowed.get(p) is not None), key=allowed.get, default=LEARNED[0]
+    )
+    return pick(baselines, key=baselines.get), learned
+
+
+def load_plots(
+    everything: dict[str, Any],
+    barred: dict[str, dict[str, str]],
+    specs: dict[str, str],
+    jobs: int,
+    out: Path,
+) -> list[Path]:
+    """Per workload, the headline versus load for the learned policy, the best baseline at the
+    quickstart's rate and an oracle: the same requests' generator at `LOAD_SCALES` times the rate
+    (the 1x points are the main run's), all as replay cells on `jobs` processes."""
+    cells = []
+    for workload, data in everything.items():
+        spec, (rate, num) = WORKLOADS[workload], SIZES[workload][False]
+        shown = dict.fromkeys(
+            (
+                *front_page_pair(workload, data["policies"], barred[workload]),
+                ORACLE.get(workload, "sjf-oracle"),
+            )
+        )
+        for scale in LOAD_SCALES:
+            setup = ReplaySetup(
+                spec.build(rate * scale, num, 0),
+                spec.info(rate * scale, num, 0),
+                spec.model,
+                spec.gpu,
+                spec.tp,
+            )
+            for policy in shown:
+                build = PolicySpec(specs.get(policy, policy))
+                label = f"{workload}@{rate * scale:g}:{policy}"
+                cells.append(ReplayCell((workload, scale, policy), label, setup, build, spec.engine_config()))
+    curves: dict[str, dict[str, dict[float, float | None]]] = {}
+    for cell, result in zip(cells, replay_cells(cells, jobs=jobs), strict=True):
+        workload, scale, policy = cell.key
+        curves.setdefault(workload, {}).setdefault(policy, {})[scale] = HEADLINES[workload].value(
+            result.metrics()
+        )
+    paths = []
+    for workload, by_policy in curves.items():
+        headline, rate = HEADLINES[workload], SIZES[workload][False][0]
+        fig, ax = figure()
+        for policy, points in by_policy.items():
+            points[1.0] = headline.value(everything[workload]["policies"][policy])
+            xs = sorted(p for p in points if points[p] is not None)
+            ax.plot([x * rate for x in xs], [points[x] / headline.scale for x in xs], "o-", label=policy)
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.set_ylabel(headline.title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        paths.append(save(fig, out / f"{workload}_vs_load.png", f"{workload}: {headline.title} versus load"))
+    return paths
+
+
 def format_front_page(everything: dict[str, Any], barred: dict[str, dict[str, str]]) -> str:
     """Per workload: its engine settings, the best non-oracle baseline that may win the headline,
     the learned policy (the workload's own; on azure-conv the best learned one), its gain over that
@@ -450,14 +526,8 @@ def format_front_page(everything: dict[str, Any], barred: dict[str, dict[str, st
     ]
     for workload, data in everything.items():
         headline, metrics = HEADLINES[workload], data["policies"]
-        allowed = {p: headline.value(m) for p, m in metrics.items() if p not in barred.get(workload, {})}
-        pick = min if headline.lower_is_better else max
-        baselines = {p: v for p, v in allowed.items() if p in NON_ORACLE_BASELINES and v is not None}
-        baseline = pick(baselines, key=baselines.get)
-        learned = OWN_POLICY.get(workload) or pick(
-            (p for p in LEARNED if allowed.get(p) is not None), key=allowed.get, default=LEARNED[0]
-        )
-        value, base = headline.value(metrics[learned]), baselines[baseline]
+        baseline, learned = front_page_pair(workload, metrics, barred.get(workload, {}))
+        value, base = headline.value(metrics[learned]), headline.value(metrics[baseline])
         change = value / base - 1.0
         better = change < 0 if headline.lower_is_better else change > 0
         why = barred.get(workload, {}).get(learned)

@@ -87,3 +87,21 @@ def test_front_page_compares_the_learned_policy_with_the_best_eligible_baseline(
     row = format_front_page(everything, barred).splitlines()[2]
     # fastserve is barred, so spf is the baseline: 24 vs 30 is -20%; sagesched served 9 of 10.
     assert "| spf 30.000 | sagesched 24.000 | -20.0% (better) | 90% |" in row
+
+
+def test_load_plots_draw_the_learned_policy_the_baseline_and_the_oracle(tmp_path, monkeypatch):
+    from adapt.replay.runner import ReplaySetup, replay_policy
+    from adapt.workloads import WORKLOADS
+    from experiments import quickstart
+    from serving_hooks.policies import PolicySpec
+
+    monkeypatch.setattr(quickstart, "SIZES", {"slai-tiers": {False: (1.0, 40), True: (1.0, 40)}})
+    spec = WORKLOADS["slai-tiers"]
+    setup = ReplaySetup(spec.build(1.0, 40, 0), {}, spec.model, spec.gpu, spec.tp)
+    metrics = {
+        p: replay_policy(setup, PolicySpec(p), label=p, config=spec.engine_config()).metrics()
+        for p in ("fcfs", "spf", "slai", "sjf-oracle")
+    }
+    everything = {"slai-tiers": {"engine": {"token_budget": 512}, "policies": metrics}}
+    paths = quickstart.load_plots(everything, {"slai-tiers": {}}, {}, jobs=1, out=tmp_path)
+    assert [p.name for p in paths] == ["slai-tiers_vs_load.png"] and paths[0].stat().st_size > 0
