@@ -13,6 +13,7 @@ already puts one process on each core.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import sys
@@ -74,7 +75,7 @@ def run_cells(
     if ray is not None:
         return _run_on_ray(function, items, order, ray, jobs, describe, progress, on_result)
     if jobs == 1 or len(items) <= 1:
-        return [_run_here(function, item, describe, on_result) for item in items]
+        return [_collect(item, functools.partial(function, item), describe, on_result) for item in items]
     results: dict[int, Result] = {}
     bar = _progress_bar(len(items), f"{len(items)} cells on {min(jobs, len(items))} processes", progress)
     context = multiprocessing.get_context("spawn")
@@ -86,13 +87,7 @@ def run_cells(
                 done, pending = wait(pending, return_when=FIRST_EXCEPTION)
                 for future in done:
                     index = futures[future]
-                    try:
-                        results[index] = future.result()
-                    except Exception as exc:
-                        exc.add_note(f"in cell {describe(items[index])}")
-                        raise
-                    if on_result is not None:
-                        on_result(items[index], results[index])
+                    results[index] = _collect(items[index], future.result, describe, on_result)
                     bar(describe(items[index]))
         except BaseException:
             for future in pending:
@@ -134,13 +129,7 @@ def _run_on_ray(
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             index = index_of[done[0]]
-            try:
-                results[index] = ray.get(done[0])
-            except Exception as exc:
-                exc.add_note(f"in cell {describe(items[index])}")
-                raise
-            if on_result is not None:
-                on_result(items[index], results[index])
+            results[index] = _collect(items[index], functools.partial(ray.get, done[0]), describe, on_result)
             bar(describe(items[index]))
     except BaseException:
         for ref in pending:
@@ -157,14 +146,16 @@ def _apply(function: Callable[[Item], Result], item: Item) -> Result:
     return function(item)
 
 
-def _run_here(
-    function: Callable[[Item], Result],
+def _collect(
     item: Item,
+    fetch: Callable[[], Result],
     describe: Callable[[Item], str],
     on_result: Callable[[Item, Result], None] | None,
 ) -> Result:
+    """One cell's result, however it is fetched (run here, a future, a Ray reference): a failure
+    is re-raised as itself with a note naming the cell; `on_result` sees a success."""
     try:
-        result = function(item)
+        result = fetch()
     except Exception as exc:
         exc.add_note(f"in cell {describe(item)}")
         raise

@@ -32,10 +32,8 @@ from adapt.registry import CHAMPION, Registry
 from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.runner import ReplaySetup
 from adapt.workloads import WORKLOADS
-from experiments.quickstart import HEADLINES, NON_ORACLE_BASELINES, Headline
+from experiments.quickstart import HEADLINES, NON_ORACLE_BASELINES, ORACLE, OWN_POLICY, Headline
 from serving_hooks.policies import PolicySpec
-
-BASELINES = NON_ORACLE_BASELINES
 
 
 @dataclass(frozen=True)
@@ -43,20 +41,26 @@ class Target:
     """A learned policy's claim on its workload (the headline and its guard: the quickstart's)."""
 
     workload: str
-    policy: str
     components: dict[str, str]  # policy parameter -> registered component
-    oracle: str | None = None
+
+    @property
+    def policy(self) -> str:
+        return OWN_POLICY[self.workload]
 
     @property
     def headline(self) -> Headline:
         return HEADLINES[self.workload]
 
+    @property
+    def oracle(self) -> str | None:
+        return ORACLE.get(self.workload)
+
 
 TARGETS = (
-    Target("ewsjf-mixed", "ewsjf", {"meta": "ewsjf-meta-policy"}),
-    Target("sagesched-mix", "sagesched", {"history": "semantic-history"}),
-    Target("jitserve-mix", "jitserve", {"qrf": "qrf-length", "patterns": "pattern-graph"}, "jitserve-oracle"),
-    Target("slai-tiers", "slai", {"offset": "slai-offset"}),
+    Target("ewsjf-mixed", {"meta": "ewsjf-meta-policy"}),
+    Target("sagesched-mix", {"history": "semantic-history"}),
+    Target("jitserve-mix", {"qrf": "qrf-length", "patterns": "pattern-graph"}),
+    Target("slai-tiers", {"offset": "slai-offset"}),
 )
 
 
@@ -72,7 +76,7 @@ def mean_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Seed means of the numbers the targets read (nested per class)."""
     out: dict[str, Any] = {}
     for key, value in runs[0].items():
-        if isinstance(value, int | float) and not isinstance(value, bool) and value is not None:
+        if isinstance(value, int | float) and not isinstance(value, bool):
             values = [r[key] for r in runs if r.get(key) is not None]
             out[key] = float(np.mean(values)) if values else None
         elif key == "by_class":
@@ -91,7 +95,7 @@ def verdict(target: Target, table: dict[str, dict[str, Any]]) -> dict[str, Any]:
     pick = min if headline.lower_is_better else max
     contenders = {name: values[name] for name in allowed}
     best = pick(contenders, key=contenders.get) if contenders else None
-    baselines = {n: v for n, v in contenders.items() if n in BASELINES}
+    baselines = {n: v for n, v in contenders.items() if n in NON_ORACLE_BASELINES}
     best_baseline = pick(baselines, key=baselines.get) if baselines else None
     learned = values[target.policy]
     result = {
@@ -132,7 +136,7 @@ def main() -> None:
     cells = []
     for target in targets:
         spec = WORKLOADS[target.workload]
-        policies = {name: name for name in BASELINES}
+        policies = {name: name for name in NON_ORACLE_BASELINES}
         policies[target.policy] = learned_spec(registry, target)
         if target.oracle:
             policies[target.oracle] = target.oracle

@@ -10,6 +10,7 @@ its own fresh policy exactly as a serial run would, and the results are the same
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -76,15 +77,7 @@ def replay_cells(
 
 
 def _with_progress(cell: ReplayCell, progress: bool) -> ReplayCell:
-    return ReplayCell(
-        cell.key,
-        cell.label,
-        cell.setup,
-        cell.build_policy,
-        cell.config,
-        cell.cost,
-        {**cell.options, "progress": progress},
-    )
+    return dataclasses.replace(cell, options={**cell.options, "progress": progress})
 
 
 def compare_serial_parallel(cells: Sequence[ReplayCell], jobs: int, ray: str | None = None) -> dict[str, Any]:

@@ -204,29 +204,14 @@ class RooflineCostModel:
     ) -> np.ndarray:
         """Times of `steps` consecutive decode-only steps of the same requests, each growing every
         context by one token per step (vectorised: the replay engine's fast path)."""
-        i = np.arange(steps, dtype=np.float64)
-        batch = StepBatch(
-            tokens=float(num_decodes),
-            sampled=float(num_decodes),
-            num_decodes=float(num_decodes),
-            decode_ctx_sum=context_sum + num_decodes * i,
-            decode_ctx_max=context_max + i,
-        )
+        batch = _decode_steps(num_decodes, context_sum, context_max, np.arange(steps, dtype=np.float64))
         return np.broadcast_to(self.time(batch), (steps,)).astype(np.float64)
 
     def decode_step_time(self, num_decodes: int, context_sum: int, context_max: int, step: int) -> float:
         """`decode_run_times(...)[step]` alone, in Python floats: the same operations on the same
         values (IEEE doubles either way), for the replay engine's short decode runs, where numpy's
         fixed cost per call would dominate."""
-        i = float(step)
-        batch = StepBatch(
-            tokens=float(num_decodes),
-            sampled=float(num_decodes),
-            num_decodes=float(num_decodes),
-            decode_ctx_sum=context_sum + num_decodes * i,
-            decode_ctx_max=context_max + i,
-        )
-        return float(self.time(batch))
+        return float(self.time(_decode_steps(num_decodes, context_sum, context_max, float(step))))
 
     def kv_capacity_tokens(
         self, gpu_memory_utilization: float = 0.9, activation_reserve_gb: float = 2.0
@@ -241,6 +226,20 @@ class RooflineCostModel:
                 f"{self.model.total_param_bytes / 1e9:.1f} GB; raise tp"
             )
         return int(free // self.model.kv_bytes_per_token)
+
+
+def _decode_steps(
+    num_decodes: int, context_sum: int, context_max: int, step: float | np.ndarray
+) -> StepBatch:
+    """Decode-only step(s) `step` after the first (a float, or an array of them) of the same
+    requests, each context grown by one token per step."""
+    return StepBatch(
+        tokens=float(num_decodes),
+        sampled=float(num_decodes),
+        num_decodes=float(num_decodes),
+        decode_ctx_sum=context_sum + num_decodes * step,
+        decode_ctx_max=context_max + step,
+    )
 
 
 def roofline(model: str, gpu: str, tp: int = 1, **options: object) -> RooflineCostModel:
