@@ -51,6 +51,8 @@ def requests_from_log(decisions: Sequence[dict[str, Any]]) -> list[Request]:
 class _TraceTime:
     """The cost model of a trace-driven replay: every step's time comes from the live log."""
 
+    arrival_overhead_s = 0.0  # the live steps' durations include every arrival's intake
+
     def time(self, batch: Any) -> float:
         raise RuntimeError("a trace-driven replay takes its step times from the live decision log")
 

@@ -31,7 +31,15 @@ STEP_FIELDS: tuple[str, ...] = (
     "decode_ctx_sum",  # cached context summed over decodes
     "decode_ctx_max",
 )
-STEP_LOG_COLUMNS: tuple[str, ...] = (*STEP_FIELDS, "duration_s")
+# Requests that reached the engine while the step ran. Their intake (vLLM's request processing, the
+# policy's `on_arrival`) runs before the next step is scheduled, so it is part of the logged step's
+# duration but not of its batch: a cost model charges it per arrival (`CostModel.arrival_overhead_s`).
+ARRIVALS = "arrivals"
+# Seconds the live step spent in the policy (building its view, `on_step`, applying the plan): part
+# of the step's duration that no batch feature explains. Logged to show what a policy costs live;
+# the replay engine does not charge it (its steps would then depend on the replaying machine).
+POLICY_S = "policy_s"
+STEP_LOG_COLUMNS: tuple[str, ...] = (*STEP_FIELDS, ARRIVALS, POLICY_S, "duration_s")
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,11 @@ class CostModel(Protocol):
 
     def kv_capacity_tokens(self) -> int:
         """KV-cache tokens the modelled engine holds."""
+
+    @property
+    def arrival_overhead_s(self) -> float:
+        """Engine time per arriving request, spent between steps before the request can be
+        scheduled (its intake; see `ARRIVALS`)."""
 
 
 def load_step_log(path: str | Path) -> pd.DataFrame:

@@ -15,11 +15,16 @@ deadline on a quarter) so that SLO-aware policies have something to act on. Two 
    with trace-driven time; `decision_agreement` is the share of steps on which replay scheduled,
    preempted and freed exactly what vLLM did, and `first_divergence` the first step where not.
 2. **Latency fidelity, out of sample**: run A (FCFS, other trace rows) calibrates -- `cost-model`
-   is fitted on its step log; each policy's run (B) is then predicted by an ordinary replay with
-   that cost model and the engine's limits, and every request's TTFT and E2E is compared with what
-   its client measured (median and P90 absolute % error, signed bias). A second FCFS run on A's
-   rows measures the machine's drift between runs, reported beside the errors. The replay's
-   policy rankings (mean E2E, median TTFT) are compared with the live ones (Kendall tau).
+   is fitted on its step log (step time by batch, plus each arrival's intake between steps); each
+   policy's run (B) is then predicted by an ordinary replay with that cost model and the engine's
+   limits, and every request's TTFT and E2E is compared with what its client measured (median and
+   P90 absolute % error, signed bias). A request's latency counts from its open-loop arrival time,
+   as a server's would: the engine takes it in between steps, and replay models that wait. A second
+   FCFS run on A's rows measures the machine's drift between runs (reported beside the errors; the
+   cost model is then fitted on both runs). The replay's policy rankings (mean E2E, median TTFT)
+   are compared with the live ones (Kendall tau). Each run also reports the share of its live step
+   time spent in the policy (not charged by replay) and the machine's load average: another
+   process on the machine stretches live steps, and the drift figure shows it.
 
 Without `--model` a tiny random model is generated (DESIGN.md section 6).
 """
@@ -27,6 +32,7 @@ Without `--model` a tiny random model is generated (DESIGN.md section 6).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -34,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +109,9 @@ def worker(model: str, policy: str, rows: list[dict[str, Any]], out: Path, setti
             tokens = rng.integers(5, 500, size=row["prompt"]).tolist()
             params = SamplingParams(max_tokens=row["output"], ignore_eos=True, extra_args=row["slo"] or None)
             engine.add_request(f"r{index}", {"prompt_token_ids": tokens}, params)
-            seen[f"r{index}"] = [time.monotonic() - started, None, None]
+            # Arrived when the open-loop schedule says, not when this loop got to add it: a server
+            # also only takes a request in between steps, and that wait is part of its latency.
+            seen[f"r{index}"] = [row["arrival_s"], None, None]
         if engine.has_unfinished_requests():
             for output in engine.step():  # what a client would receive, when it would receive it
                 times, now = seen[output.request_id], time.monotonic() - started
@@ -151,7 +160,8 @@ def conformance(out: Path, policy: str) -> Any:
 
 def real_requests(out: Path) -> list[dict[str, Any]]:
     """Each request's lengths and SLO (the engine's request log) with its times as the client saw
-    them: arrival when it was submitted, first token and finish when `engine.step()` returned them."""
+    them: arrival when the open-loop schedule sent it, first token and finish when `engine.step()`
+    returned them."""
     client = json.loads((out / "client.json").read_text())
     records = []
     for path in sorted(out.glob("requests-*.jsonl")):
@@ -162,14 +172,28 @@ def real_requests(out: Path) -> list[dict[str, Any]]:
     return sorted(records, key=lambda r: r["arrival_s"])
 
 
-def fit_cost_model(out: Path, kv_capacity: int) -> Any:
+def fit_cost_model(runs: list[Path], kv_capacity: int) -> Any:
+    """`cost-model` fitted to the step logs of `runs` (run A, and its repeat when there is one:
+    two runs average the machine's drift between them)."""
     import pandas as pd
 
     from adapt.steplog import load_step_log
     from predictors.cost_model import FittedCostModel
 
-    frame = pd.concat([load_step_log(p) for p in sorted(out.glob("steps-*.jsonl"))], ignore_index=True)
+    logs = [load_step_log(p) for out in runs for p in sorted(out.glob("steps-*.jsonl"))]
+    frame = pd.concat(logs, ignore_index=True)
     return FittedCostModel(kv_capacity).fit(frame)
+
+
+def policy_share(out: Path) -> float:
+    """Share of the live run's step time spent in the policy (`adapt.steplog.POLICY_S`): time the
+    replay does not charge, so an error of about this size is the policy's, not the cost model's."""
+    import pandas as pd
+
+    from adapt.steplog import POLICY_S, load_step_log
+
+    frame = pd.concat([load_step_log(p) for p in sorted(out.glob("steps-*.jsonl"))], ignore_index=True)
+    return float(frame[POLICY_S].sum() / frame["duration_s"].sum())
 
 
 def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
@@ -228,6 +252,17 @@ def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def _runs_directory(keep: str | None) -> Iterator[str]:
+    """Where the live runs go: `--keep DIR` (kept, to re-analyse the logs) or a temporary directory."""
+    if keep is None:
+        with tempfile.TemporaryDirectory(prefix="adapt-fidelity-") as tmp:
+            yield tmp
+        return
+    Path(keep).mkdir(parents=True, exist_ok=True)
+    yield keep
+
+
 def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
     from scipy.stats import kendalltau
 
@@ -237,7 +272,7 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
         "token_budget": args.token_budget,
         "kv_blocks": args.kv_blocks,
     }
-    with tempfile.TemporaryDirectory(prefix="adapt-fidelity-") as tmp:
+    with _runs_directory(args.keep) as tmp:
         model = args.model
         if model is None:
             from serving_hooks.tiny_model import make_tiny_model
@@ -248,17 +283,20 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
         progress(f"run A (calibration, fcfs): {args.requests} requests at {args.rate} req/s ...")
         serve(model, "fcfs", calibration, Path(tmp) / "A", settings)
         config = engine_config(Path(tmp) / "A")
-        cost = fit_cost_model(Path(tmp) / "A", int(config.kv_capacity_tokens))
+        capacity = int(config.kv_capacity_tokens)
+        cost = fit_cost_model([Path(tmp) / "A"], capacity)
         drift = None
         if args.drift:
             progress("run A again (the machine's drift between runs) ...")
             serve(model, "fcfs", calibration, Path(tmp) / "A2", settings)
             drift = predict(Path(tmp) / "A2", cost, "fcfs")["e2e_median_abs_pct_error"]
+            cost = fit_cost_model([Path(tmp) / "A", Path(tmp) / "A2"], capacity)
         results = []
         for policy in policies:
             progress(f"run B ({policy}): {args.requests} requests at {args.rate} req/s ...")
             out = Path(tmp) / f"B-{policy.replace(':', '_')}"
             serve(model, policy, predicted, out, settings)
+            load = os.getloadavg()[0]  # other work on the machine slows live steps, not replayed ones
             agreement = conformance(out, policy)
             result = {
                 "policy": policy,
@@ -270,6 +308,8 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
                 **predict(out, cost, policy),
                 "policy_errors": json.loads((out / "engine.json").read_text())["policy_errors"],
                 "calibration_drift_e2e_pct": drift,
+                "machine_load_1m": load,
+                "policy_share_of_step_time": policy_share(out),
             }
             progress(
                 f"  {policy}: decisions {agreement.identical}/{agreement.steps} identical;"
@@ -291,7 +331,7 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
 def print_table(report: dict[str, Any]) -> None:
     print(
         f"{'policy':<12}{'decisions':>10}{'steps':>7}{'E2E |err|':>11}{'E2E P90':>9}{'TTFT |err|':>11}"
-        f"{'E2E bias':>10}{'live E2E':>10}{'sim E2E':>9}{'live pre':>9}{'sim pre':>8}"
+        f"{'E2E bias':>10}{'live E2E':>10}{'sim E2E':>9}{'live pre':>9}{'sim pre':>8}{'policy':>8}{'load':>6}"
     )
     for r in report["results"]:
         print(
@@ -300,7 +340,9 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['ttft_median_abs_pct_error']:>10.1f}%{r['e2e_bias_pct']:>+9.1f}%"
             f"{r['live']['e2e_mean']:>10.3f}{r['replay']['e2e_mean']:>9.3f}"
             f"{r['live']['preemptions']:>9}{r['replay']['preemptions']:>8}"
+            f"{100 * r['policy_share_of_step_time']:>7.1f}%{r['machine_load_1m']:>6.2f}"
         )
+    print("policy: share of live step time in the policy (not charged by replay); load: 1-min load average")
     if report["drift_e2e_pct"] is not None:
         print(f"machine drift (FCFS on run A's rows, again): E2E median |err| {report['drift_e2e_pct']:.1f}%")
     for name, ranking in report["rankings"].items():

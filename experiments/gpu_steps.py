@@ -202,7 +202,7 @@ def measure(out: Path, model: str, pool_tokens: int, repeats: int) -> None:
     import torch
 
     from adapt.replay.cost import MODELS
-    from adapt.steplog import STEP_LOG_COLUMNS, step_batch
+    from adapt.steplog import STEP_FIELDS, step_batch
 
     if not torch.cuda.is_available():
         sys.exit("measure: needs a CUDA GPU (this machine has none)")
@@ -252,7 +252,9 @@ def measure(out: Path, model: str, pool_tokens: int, repeats: int) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(
-            f, fieldnames=[*SHAPE_COLUMNS, *STEP_LOG_COLUMNS, "eager_s", "gpu", "model"], lineterminator="\n"
+            f,
+            fieldnames=[*SHAPE_COLUMNS, *STEP_FIELDS, "duration_s", "eager_s", "gpu", "model"],
+            lineterminator="\n",
         )
         writer.writeheader()
         writer.writerows(rows)

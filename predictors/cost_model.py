@@ -5,8 +5,13 @@ with what an engine actually measured. It regresses step duration on the feature
 records (the same ones the roofline uses):
 
     duration = c0 + c1 * tokens + c2 * sampled + c3 * attention_units + c4 * kv_read + c5 * decodes
+               + c6 * arrivals
 
-with non-negative coefficients (non-negative least squares: every feature can only add time), so
+`arrivals` (`adapt.steplog.ARRIVALS`) counts the requests whose intake ran before the next step; c6
+is the replay engine's `arrival_overhead_s`, charged between steps rather than to a batch. On the
+CPU engine with a tiny model it is larger than a whole decode step (~3 ms against ~2.5 ms), and
+without it replay missed every arrival's intake. Logs without the column fit c6 = 0. All with
+non-negative coefficients (non-negative least squares: every feature can only add time), so
 it extrapolates sanely to batches bigger than those seen. Six coefficients need far more than six
 steps to mean anything, so it refuses fewer than `least_data` (20); and a step time is physical only
 when positive and under `MAX_STEP_S` (an hour): a model predicting otherwise on held-out steps or on
@@ -23,9 +28,11 @@ from typing import Any, Self
 import numpy as np
 
 from adapt.component import ComponentError, LearnedComponent, data_fingerprint
-from adapt.steplog import STEP_FIELDS, StepBatch, attention_work
+from adapt.steplog import ARRIVALS, STEP_FIELDS, StepBatch, attention_work
 
-FEATURES: tuple[str, ...] = ("intercept", "tokens", "sampled", "attn_units", "kv_read", "num_decodes")
+FEATURES: tuple[str, ...] = (
+    "intercept", "tokens", "sampled", "attn_units", "kv_read", "num_decodes", ARRIVALS
+)  # fmt: skip
 MAX_STEP_S = 3600.0  # no engine step of any model on any hardware takes an hour
 
 
@@ -40,7 +47,9 @@ def _design(columns: dict[str, Any]) -> np.ndarray:
 
     batch = StepBatch(tokens, *(col(name) for name in STEP_FIELDS[1:]))
     attn, kv_read = attention_work(batch)
-    return np.column_stack([np.ones(n), tokens, batch.sampled, attn, kv_read, batch.num_decodes])
+    return np.column_stack(
+        [np.ones(n), tokens, batch.sampled, attn, kv_read, batch.num_decodes, col(ARRIVALS)]
+    )
 
 
 class FittedCostModel(LearnedComponent):
@@ -123,6 +132,12 @@ class FittedCostModel(LearnedComponent):
     def kv_capacity_tokens(self) -> int:
         return self.kv_capacity
 
+    @property
+    def arrival_overhead_s(self) -> float:
+        if not hasattr(self, "coef_"):
+            raise ComponentError("cost-model: not fitted")
+        return float(self.coef_[FEATURES.index(ARRIVALS)])
+
     # ------------------------------------------------------------ persistence
     def save_state(self, directory: Path) -> None:
         if not hasattr(self, "coef_"):
@@ -133,9 +148,12 @@ class FittedCostModel(LearnedComponent):
 
     def load_state(self, directory: Path) -> None:
         data = json.loads((directory / "coefficients.json").read_text())
-        if tuple(data["features"]) != FEATURES:
+        features, coef = tuple(data["features"]), list(data["coef"])
+        if features == FEATURES[:-1]:  # saved before arrivals were logged: no intake cost known
+            features, coef = FEATURES, [*coef, 0.0]
+        if features != FEATURES:
             raise ComponentError(f"cost-model: unexpected features {data['features']}")
-        self.coef_ = np.asarray(data["coef"], dtype=np.float64)
+        self.coef_ = np.asarray(coef, dtype=np.float64)
 
     def validate(self) -> None:
         """Canaries: finite, positive, and more work never takes less time."""

@@ -46,7 +46,7 @@ from adapt.mechanics import check_policy
 from adapt.policy import EngineView, Plan, RequestState
 from adapt.replay.engine import EngineConfig
 from adapt.requests import SLO, CompletedRequest, ValidationError
-from adapt.steplog import step_batch
+from adapt.steplog import ARRIVALS, POLICY_S, step_batch
 from serving_hooks.live import LiveComponents
 from serving_hooks.monitor import Monitor
 from serving_hooks.policies import make_policy_from_spec
@@ -90,6 +90,8 @@ class PolicyScheduler(AsyncScheduler):
         self._held: list[Any] = []  # waiting requests the plan did not list, out for one step
         self._unplanned: set[str] = set()  # on_arrival raised: the policy cannot plan these, FCFS does
         self._last_step: tuple[float, dict[str, float]] | None = None
+        self._arrivals = 0  # requests added since the last schedule call (`adapt.steplog.ARRIVALS`)
+        self._policy_s = 0.0  # the last step's time in the policy and its plan (`adapt.steplog.POLICY_S`)
         self._waiting_order: dict[str, None] = {}  # ids in the order they (re-)entered waiting
         self.decisions: list[dict] | None = [] if os.environ.get("ADAPT_RECORD_DECISIONS") == "1" else None
         self._arrived_since: list[list] = []
@@ -103,6 +105,7 @@ class PolicyScheduler(AsyncScheduler):
     # ----------------------------------------------------------- lifecycle
     def add_request(self, request: Any) -> None:
         super().add_request(request)
+        self._arrivals += 1
         extra = getattr(request.sampling_params, "extra_args", None) if request.sampling_params else None
         now = time.monotonic()
         try:
@@ -166,8 +169,9 @@ class PolicyScheduler(AsyncScheduler):
         try:
             if self._last_step is not None:
                 start, features = self._last_step
-                self.monitor.step(start, time.monotonic() - start, features)
+                self.monitor.step(start, time.monotonic() - start, {**features, ARRIVALS: self._arrivals})
                 self._last_step = None
+            self._arrivals = 0
             self.monitor.flush()
         except Exception:
             log.exception("monitor: could not flush the logs")
@@ -282,7 +286,7 @@ class PolicyScheduler(AsyncScheduler):
         original = list(self.running)
         deferred: list[Any] = []
         try:
-            view = self._view(now)
+            view = self._view(now)  # the policy's time runs from here (`adapt.steplog.POLICY_S`)
             if self.decisions is not None:
                 self._queues = {
                     "running": [s.id for s in view.running],
@@ -294,6 +298,7 @@ class PolicyScheduler(AsyncScheduler):
             self.policy_errors += 1
             log.exception("policy %s failed; this step runs as vLLM FCFS", self.policy.name)
             self.running = original
+        self._policy_s = time.monotonic() - now
         try:
             output = super().schedule(*args, **kwargs)
         finally:
@@ -387,9 +392,10 @@ class PolicyScheduler(AsyncScheduler):
         """Step-log row of the previous step, whose duration is known now (the gap to this
         schedule call), then remember this step's features (`adapt.steplog` columns)."""
         try:
-            if self._last_step is not None:
+            if self._last_step is not None:  # its duration includes the intake of what arrived since
                 start, features = self._last_step
-                self.monitor.step(start, now - start, features)
+                self.monitor.step(start, now - start, {**features, ARRIVALS: self._arrivals})
+            self._arrivals = 0
             work = []
             for request_id, n in output.num_scheduled_tokens.items():
                 request = self.requests.get(request_id)
@@ -398,7 +404,7 @@ class PolicyScheduler(AsyncScheduler):
                 cached = request.num_computed_tokens - n  # vLLM advanced it inside schedule()
                 is_decode = n == 1 and cached >= request.num_prompt_tokens
                 work.append((n, cached, is_decode, cached + n >= request.num_tokens))
-            features = step_batch(work).as_row()
+            features = {**step_batch(work).as_row(), POLICY_S: self._policy_s}
             self._last_step = (now, features) if features["tokens"] else None
         except Exception:
             log.exception("step log: could not record a step")

@@ -24,6 +24,8 @@ class ConstantCost:
     def kv_capacity_tokens(self) -> int:
         return self.kv_tokens
 
+    arrival_overhead_s = 0.0
+
 
 class CheckedEngine(ReplayEngine):
     """Asserts the engine's invariants at every step and records each completion."""

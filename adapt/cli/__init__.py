@@ -453,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     fidelity.add_argument("--kv-blocks", type=COUNT, default=128, help="KV cache size in 32-token blocks")
     fidelity.add_argument("--no-drift", dest="drift", action="store_false", help="skip the repeat of run A")
     fidelity.add_argument("--model", help="model directory (default: a generated tiny model)")
+    fidelity.add_argument("--keep", metavar="DIR", help="keep the live runs' logs here (default: deleted)")
     fidelity.add_argument("--json", help="write the report here (one policy: its record alone)")
     fidelity.set_defaults(func=cmd_fidelity)
 

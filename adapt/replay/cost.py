@@ -141,7 +141,8 @@ class RooflineCostModel:
     """Step time from specs. Defaults: 60% of peak FLOPs and 80% of peak bandwidth are what
     well-tuned kernels reach (vLLM/Sarathi-Serve report MFU 0.4-0.6 for prefill and MBU 0.7-0.85
     for decode); 4 ms of per-step scheduler/launch overhead at TP1 (assumed); 10 us per
-    all-reduce launch (assumed)."""
+    all-reduce launch (assumed); no intake time per arriving request (assumed negligible beside a
+    GPU step; a `cost-model` fitted to a step log measures it)."""
 
     model: ModelSpec
     gpu: GPUSpec
@@ -152,6 +153,7 @@ class RooflineCostModel:
     allreduce_latency_s: float = 10e-6
     decode_attention: DecodeAttention = "sum"
     overlap: Overlap = DEFAULT_OVERLAP
+    arrival_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -160,6 +162,8 @@ class RooflineCostModel:
             raise ValueError(f"decode_attention: expected sum or max, got {self.decode_attention!r}")
         if self.overlap not in OVERLAPS:
             raise ValueError(f"overlap: expected step or operator, got {self.overlap!r}")
+        if not self.arrival_overhead_s >= 0:
+            raise ValueError(f"arrival_overhead_s: must be >= 0, got {self.arrival_overhead_s}")
 
     def with_options(self, **changes: object) -> RooflineCostModel:
         return replace(self, **changes)

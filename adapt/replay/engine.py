@@ -142,6 +142,7 @@ class ReplayEngine:
         # One decode-only step's time alone, where the cost model offers it (the roofline does):
         # short decode runs are then timed step by step in Python (`_short_run`).
         self._step_time = getattr(cost, "decode_step_time", None)
+        self._arrival_overhead_s = float(cost.arrival_overhead_s)
 
     # ----------------------------------------------------------------- arrivals
     def add(self, request: Request) -> None:
@@ -230,13 +231,16 @@ class ReplayEngine:
             len(self.waiting) + len(self.running) + len(self._pending) - self._pending_pos + len(self._held)
         )
 
-    def _admit_arrivals(self) -> None:
+    def _admit_arrivals(self) -> int:
+        """Every request that has arrived by now enters the engine; returns how many."""
+        first = self._pending_pos
         while (
             self._pending_pos < len(self._pending) and self._pending[self._pending_pos].arrival_s <= self.now
         ):
             request = self._pending[self._pending_pos]
             self._pending_pos += 1
             self._arrive(request)
+        return self._pending_pos - first
 
     def _state_for(self, request: Request) -> RequestState:
         return RequestState(
@@ -274,7 +278,9 @@ class ReplayEngine:
             self.now, self.step_index = trace.at, trace.index
         elif not self.waiting and not self.running and not self._in_flight:
             self.now = max(self.now, self.next_arrival_s)
-        self._admit_arrivals()
+        arrived = self._admit_arrivals()
+        if arrived and trace is None:  # their intake runs before this step (a trace's time has it)
+            self.now += arrived * self._arrival_overhead_s
         if not self.waiting and not self.running and not self._in_flight:
             if trace is not None and self.decisions is not None:
                 self._queues = {"running": [], "waiting": []}

@@ -84,3 +84,23 @@ def test_sync_and_async_agree_on_times_when_nothing_competes():
     sync, lagged = ({r.request_id: r.finish_s for r in res.records} for res in results)
     assert sync.keys() == lagged.keys()
     assert all(lagged[k] >= sync[k] - 1e-9 for k in sync)  # the lag can only delay, never speed up
+
+
+def test_an_arrivals_intake_runs_before_the_next_step_by_hand():
+    """`CostModel.arrival_overhead_s` (0.02 s per request here): the live engine takes requests in
+    between steps, and their intake delays the next step; steps themselves take 0.1 s."""
+    cost = ConstantCost(0.1)
+    cost.arrival_overhead_s = 0.02
+    config = EngineConfig(kv_capacity_tokens=4096, skip_decode_runs=False)
+    requests = [Request("r0", 0.0, 10, 3), Request("r1", 0.0, 10, 3), Request("r2", 0.15, 10, 3)]
+    records = {r.request_id: r for r in CheckedEngine(Ordered(), cost, config).run(requests).records}
+    # t=0: r0 and r1 taken in (0.04 s); prefill 0.04-0.14; decode 0.14-0.24 (r2 not here yet at
+    # 0.14); at 0.24 r2 is taken in (0.02 s); r2's prefill with two decodes 0.26-0.36.
+    assert records["r0"].first_token_s == pytest.approx(0.14)
+    assert records["r0"].finish_s == pytest.approx(0.36)
+    assert records["r2"].first_token_s == pytest.approx(0.36)
+    # Without intake time the same requests run 0.04 s and 0.06 s earlier.
+    cost.arrival_overhead_s = 0.0
+    records = {r.request_id: r for r in CheckedEngine(Ordered(), cost, config).run(requests).records}
+    assert records["r0"].first_token_s == pytest.approx(0.1)
+    assert records["r2"].first_token_s == pytest.approx(0.3)

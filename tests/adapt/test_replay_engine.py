@@ -195,6 +195,7 @@ class _VectorisedOnly:
     def __init__(self, cost) -> None:
         self.time, self.decode_run_times = cost.time, cost.decode_run_times
         self.kv_capacity_tokens = cost.kv_capacity_tokens
+        self.arrival_overhead_s = cost.arrival_overhead_s
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

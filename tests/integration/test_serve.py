@@ -49,7 +49,7 @@ def _post(port, body):
 def _check_logs(directory, expected):
     """The monitor's logs are what the pipelines read: a request log of every request and a step
     log with measured durations (flushed once the engine went idle)."""
-    from adapt.steplog import load_step_log
+    from adapt.steplog import ARRIVALS, POLICY_S, load_step_log
     from adapt.traces import load_trace
 
     deadline = time.time() + 30
@@ -66,6 +66,10 @@ def _check_logs(directory, expected):
     steps = load_step_log(sorted(directory.glob("steps-*.jsonl"))[0])
     generated = sum(r["output_tokens"] for r in records)
     assert len(steps) > 0 and (steps["duration_s"] > 0).all() and steps["tokens"].sum() >= generated
+    # Arrivals while a step ran are counted to it (those while idle to none); the policy's time is
+    # part of its step's.
+    assert 0 <= steps[ARRIVALS].sum() <= expected
+    assert ((steps[POLICY_S] >= 0) & (steps[POLICY_S] <= steps["duration_s"])).all()
 
 
 def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_path, monkeypatch):
