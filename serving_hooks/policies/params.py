@@ -66,6 +66,7 @@ RANGES: dict[str, Range] = {
     "quantile": Range(0, 1, low_open=True, high_open=True),
     "cutoff": Range(0, 1, low_open=True),
     "reserve_below": Range(0, 1, low_open=True),
+    "best_effort_batches": Range(0),
 }
 DEFAULT_RANGE = Range()
 

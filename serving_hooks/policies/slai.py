@@ -19,7 +19,12 @@ the head of its queue that fit in the free KV blocks, while KV usage is below `r
 that under KV pressure the decodes that free memory run) and gives non-critical decodes the rest
 -- the same plan in replay and live. Under KV pressure the
 engine evicts the last of these (the decode with the most slack) first.
-A decode without a TBT target is never critical (LST = +inf). The token budget is the engine's, as
+A decode without a TBT target is owed best effort: it becomes critical `best_effort_batches` mean
+batch times after its last token (default 0: at once, i.e. it is never deferred, as in vLLM). The
+paper gives every request a target and never says; leaving such decodes never critical
+(`best_effort_batches=None`) lets them wait behind every new prefill, so on a length-only trace
+(Azure conversations, no targets) SLAI kept admitting while its decodes stalled -- more KV held,
+more preemptions, longer TTLT. The token budget is the engine's, as
 for every policy in a comparison (`token_budget=N` gives SLAI its own; the paper runs Sarathi-Serve's
 512). `offset` is a number (`slai-fixed`)
 or a function of KV-cache usage (`slai`: the `slai-offset` component, by default the paper's rule:
@@ -36,12 +41,17 @@ from adapt.policy import EngineView, Horizon, Plan, RequestState
 from serving_hooks.policies.base import PriorityPolicy
 
 
-def last_schedulable_time(request: RequestState, offset: float, mean_batch_time_s: float) -> float:
-    """LST of a decode's next iteration (+inf without a TBT target or before its first token)."""
-    tbt = request.slo.tbt_s
-    if tbt is None or request.last_token_s is None:
+def last_schedulable_time(
+    request: RequestState, offset: float, mean_batch_time_s: float, best_effort_batches: float | None = None
+) -> float:
+    """LST of a decode's next iteration: +inf before its first token; without a TBT target,
+    `best_effort_batches` batch times after its last token (+inf when None)."""
+    tbt, last = request.slo.tbt_s, request.last_token_s
+    if last is None:
         return math.inf
-    return request.last_token_s + tbt - offset * mean_batch_time_s
+    if tbt is None:
+        return math.inf if best_effort_batches is None else last + best_effort_batches * mean_batch_time_s
+    return last + tbt - offset * mean_batch_time_s
 
 
 class SLAI(PriorityPolicy):
@@ -59,6 +69,7 @@ class SLAI(PriorityPolicy):
         max_active: int = 128,
         decode_limit: int = 128,
         reserve_below: float = 0.9,
+        best_effort_batches: float | None = 0.0,
     ) -> None:
         super().__init__()
         if prefill_order not in ("spf", "fcfs"):
@@ -74,6 +85,7 @@ class SLAI(PriorityPolicy):
         self.max_active = max_active
         self.decode_limit = decode_limit
         self.reserve_below = reserve_below
+        self.best_effort_batches = best_effort_batches
 
     def current_offset(self, kv_usage: float) -> float:
         return self.offset(kv_usage) if callable(self.offset) else float(self.offset)
@@ -96,12 +108,22 @@ class SLAI(PriorityPolicy):
         optional: list[tuple[float, RequestState]] = []
         started: list[RequestState] = []
         slack = offset * view.mean_batch_time_s
+        best_effort = (
+            math.inf
+            if self.best_effort_batches is None
+            else self.best_effort_batches * view.mean_batch_time_s
+        )
         for request in view.running:  # `last_schedulable_time`, inlined: this runs every step
             if request.phase == "prefill":
                 started.append(request)
                 continue
             tbt, last = request.slo.tbt_s, request.last_token_s
-            lst = math.inf if tbt is None or last is None else last + tbt - slack
+            if last is None:
+                lst = math.inf
+            elif tbt is None:
+                lst = last + best_effort
+            else:
+                lst = last + tbt - slack
             (critical if view.now >= lst else optional).append((lst, request))
         critical.sort(key=lambda item: item[0])
         optional.sort(key=lambda item: item[0])
@@ -131,7 +153,7 @@ class SLAI(PriorityPolicy):
         """Wake up when the earliest deferred decode becomes critical."""
         offset = self.current_offset(view.kv_usage)
         times = [
-            last_schedulable_time(r, offset, view.mean_batch_time_s)
+            last_schedulable_time(r, offset, view.mean_batch_time_s, self.best_effort_batches)
             for r in view.running
             if r.phase == "decode"
         ]
@@ -148,6 +170,7 @@ class SLAI(PriorityPolicy):
             "max_active": self.max_active,
             "decode_limit": self.decode_limit,
             "reserve_below": self.reserve_below,
+            "best_effort_batches": self.best_effort_batches,
         }
 
 

@@ -22,6 +22,8 @@ def test_lst_formula_by_hand():
     # LST = t_prev + TBT - offset * mean batch time = 10.0 + 0.5 - 5 * 0.02 = 10.4
     assert last_schedulable_time(state("a", tbt=0.5, last=10.0), 5, 0.02) == pytest.approx(10.4)
     assert last_schedulable_time(state("b", tbt=None, last=10.0), 5, 0.02) == float("inf")
+    # Without a target, best effort: 2 batch times after the last token = 10.0 + 2 * 0.02
+    assert last_schedulable_time(state("b", tbt=None, last=10.0), 5, 0.02, 2.0) == pytest.approx(10.04)
     assert last_schedulable_time(state("c", tbt=0.5, last=None), 5, 0.02) == float("inf")
 
 
@@ -40,7 +42,7 @@ def test_offset_switch_paper_rule_and_validation():
 
 
 def test_critical_marking_and_batch_order():
-    policy = SLAI(offset=5.0, prefill_order="spf")
+    policy = SLAI(offset=5.0, prefill_order="spf", best_effort_batches=None)  # the paper's rule
     d1 = state("d1", tbt=0.1, last=0.9)  # LST 0.9 -> critical at 1.0
     d2 = state("d2", tbt=0.5, last=0.95)  # LST 1.35 -> not critical
     d3 = state("d3", tbt=0.1, last=0.95)  # LST 0.95 -> critical
@@ -61,10 +63,27 @@ def test_critical_marking_and_batch_order():
     # under KV pressure nothing is reserved: the decodes that free memory run
     view = EngineView(1.0, [long, short], [d1, d2, p1, d3, d4], 0.95, tight, 256, 0.02)
     assert [r.id for r in policy.on_step(view).running_order] == ["d1", "d3", "p1", "d2", "d4"]
-    fcfs = SLAI(offset=5.0, prefill_order="fcfs")
+    fcfs = SLAI(offset=5.0, prefill_order="fcfs", best_effort_batches=None)
     fcfs.on_arrival(long, 0.0)
     fcfs.on_arrival(short, 0.1)
     assert [r.id for r in fcfs.on_step(view).admit] == ["long", "short"]
+
+
+def test_a_decode_without_a_target_is_owed_best_effort():
+    d1 = state("d1", tbt=0.1, last=0.95)  # LST 0.95: critical at 1.0
+    d4 = state("d4", tbt=None, last=0.5)  # no target
+    d5 = state("d5", tbt=None, last=0.99)  # no target, just served
+    view = EngineView(1.0, [], [d1, d4, d5], 0.5, 512, 256, 0.02)
+    # Default (0 batch times): critical from its last token on, ordered by that moment.
+    plan = SLAI(offset=5.0).on_step(view)
+    assert [r.id for r in plan.running_order] == ["d4", "d1", "d5"]
+    # 2 batch times: d4 (LST 0.54) is critical, d5 (LST 1.03) may wait until then.
+    policy = SLAI(offset=5.0, best_effort_batches=2.0)
+    assert [r.id for r in policy.on_step(view).running_order] == ["d4", "d1", "d5"]
+    budget = 2  # room for the critical two only
+    view = EngineView(1.0, [], [d1, d4, d5], 0.5, budget, 256, 0.02)
+    assert [r.id for r in policy.on_step(view).running_order] == ["d4", "d1"]
+    assert policy.horizon(view).until_s == pytest.approx(0.54)
 
 
 def test_decode_limit_and_active_cap():
