@@ -16,11 +16,13 @@ its `max_tokens` (the client sets `ignore_eos`), no prefix caching, no KV waterm
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from adapt.policy import Policy
+from adapt.predictions import Scripted
 from adapt.replay.engine import EngineConfig, ReplayEngine, TraceStep
 from adapt.requests import SLO, Request
 
@@ -69,7 +71,10 @@ def replay_decisions(
     if config.kv_capacity_tokens is None:
         raise ValueError("config.kv_capacity_tokens: give the live engine's KV capacity")
     config = dataclasses.replace(config, skip_decode_runs=False, record_decisions=True)
-    engine = ReplayEngine(policy, _TraceTime(), config)  # type: ignore[arg-type]
+    # Each prediction is handed to the policy at the step the live engine handed it over.
+    deliveries = {key: live["t"] for live in decisions for key in live.get("predicted", ())}
+    scripted = functools.partial(Scripted, deliveries=deliveries)
+    engine = ReplayEngine(policy, _TraceTime(), config, predictions=scripted)  # type: ignore[arg-type]
     arrivals = iter(requests_from_log(decisions))
     pending = next(arrivals, None)
     for i, live in enumerate(decisions):

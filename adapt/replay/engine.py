@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 import time
 from collections import defaultdict
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from adapt.policy import EngineView, Plan, Policy, RequestState
+from adapt.predictions import Delayed, QueueFactory
 from adapt.replay.kv import BlockPool
 from adapt.replay.metrics import Recorder, ReplayResult
 from adapt.requests import Request
@@ -74,11 +76,16 @@ class EngineConfig:
     # Raw TBT samples and the KV-usage timeline (memory grows with the trace); without them TBT
     # percentiles come from a sketch within 1e-4 relative (`adapt.replay.sketch`).
     keep_token_times: bool = False
+    # Simulated seconds from a request's arrival until its policy's model call (an embedding)
+    # is done (`adapt.predictions.Delayed`); 0: ready at the next step, as if the model were free.
+    prediction_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_running", "block_size", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if not self.prediction_delay_s >= 0:
+            raise ValueError(f"prediction_delay_s: must be >= 0, got {self.prediction_delay_s}")
 
 
 @dataclass(frozen=True)
@@ -96,10 +103,21 @@ class ReplayEngine:
     """One engine replica. Feed requests with `add` (in arrival order) and call `step` while
     `has_work`; `run` does both for a whole request list."""
 
-    def __init__(self, policy: Policy, cost: CostModel, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        cost: CostModel,
+        config: EngineConfig | None = None,
+        predictions: QueueFactory | None = None,
+    ) -> None:
+        """`predictions`: where the policy's model calls run (`adapt.predictions`); by default
+        `Delayed` by `config.prediction_delay_s`."""
         self.policy = policy
         self.cost = cost
         self.config = config or EngineConfig()
+        policy.use_predictions(
+            predictions or functools.partial(Delayed, delay_s=self.config.prediction_delay_s)
+        )
         capacity = self.config.kv_capacity_tokens or cost.kv_capacity_tokens()
         self.kv = BlockPool(capacity // self.config.block_size, self.config.block_size)
         self.token_budget = self.config.token_budget if policy.token_budget is None else policy.token_budget

@@ -2,7 +2,11 @@
 distribution.
 
 1. Prediction: each arriving request gets an output-length distribution from the `semantic-history`
-   component (embedded in one batch per step with the other arrivals of that step).
+   component. Its prompt is embedded off the scheduling step (`adapt.predictions`: in replay in
+   one batch per step, ready after the engine's prediction delay, by default at once; live in a
+   background worker, so vLLM's step never waits on MiniLM). Until its embedding is ready a request
+   is ranked on the length-only prediction (neighbours by prompt length: what a request without
+   text always gets) and marked `sage_prior`; the embedding re-ranks it when it comes.
 2. Cost: a request with input l_in that generates l_out tokens occupies `l_in * l_out + l_out^2 / 2`
    token-steps of KV cache (`cost="kv"`, the paper's compute+memory model: both are proportional to
    it); `cost="output"` is l_out alone and `cost="weighted"` is `l_out + memory_weight * kv`.
@@ -34,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from adapt.policy import EngineView, Horizon, Plan, RequestState
+from adapt.predictions import Delayed, PredictionQueue, QueueFactory
 from predictors.length_distribution import LengthDistribution
 from serving_hooks.policies.base import PriorityPolicy
 from serving_hooks.policies.baselines import FULL_KV_USAGE
@@ -164,7 +169,9 @@ class SageSched(PriorityPolicy):
         self.preempt_on_flip = preempt_on_flip
         self.flip_ratio = flip_ratio
         self.preempt_below_tokens = preempt_below_tokens
-        self._pending: dict[str, RequestState] = {}
+        self._new: dict[str, RequestState] = {}  # arrived since the last step, not yet ranked
+        self._awaiting: dict[str, RequestState] = {}  # embedding submitted, not yet here
+        self._predictions: PredictionQueue = Delayed(PromptEmbeddings())
         # The last running order and the running requests it sorted; reused while the same
         # requests run and no index has changed (most steps), since the sort runs every step.
         self._keys = _IndexKeys()
@@ -173,6 +180,14 @@ class SageSched(PriorityPolicy):
         self._due = _RefreshDue(self.bucket)
         self._sorted: list[RequestState] = []
         self._sorted_for: tuple[RequestState, ...] = ()
+
+    def use_predictions(self, queues: QueueFactory) -> None:
+        """Embeddings run where the engine says; ones already submitted are submitted again there
+        (none is lost when a live engine swaps this policy in with requests waiting)."""
+        self._predictions.close()
+        self._predictions = queues(PromptEmbeddings())
+        for request in self._awaiting.values():
+            self._predictions.submit(request.id, request.prompt_text, request.arrival_s)
 
     def use_component(self, attribute: str, component: Any) -> None:
         """A new history version replaces the window (the policy's own copy, in its mode)."""
@@ -194,14 +209,18 @@ class SageSched(PriorityPolicy):
 
     # ------------------------------------------------------------ lifecycle
     def on_arrival(self, request: RequestState, now: float) -> None:
-        self._pending[request.id] = request  # predicted with the step's other arrivals in one batch
+        self._new[request.id] = request  # ranked at the next step, with that step's other arrivals
+        if request.prompt_text and self._predictions.submit(request.id, request.prompt_text, now):
+            self._awaiting[request.id] = request
 
     def on_preempt(self, request: RequestState, now: float) -> None:
         self._refresh([request])
         super().on_preempt(request, now)
 
     def on_finish(self, request: RequestState, now: float) -> None:
-        self._pending.pop(request.id, None)
+        self._new.pop(request.id, None)
+        if self._awaiting.pop(request.id, None) is not None:
+            self._predictions.discard(request.id)
         self._keys.pop(request, None)
         self._due.pop(request, None)
         super().on_finish(request, now)
@@ -229,30 +248,46 @@ class SageSched(PriorityPolicy):
         return list(self._sorted)
 
     # ----------------------------------------------------------- prediction
-    def _predict_pending(self) -> None:
+    def _predict(self, now: float) -> None:
+        """Rank the step's new requests and re-rank those whose embedding came: one history lookup
+        for all. A new request whose embedding is not ready is ranked on the length-only
+        prediction (its prior) meanwhile; one without text, or refused by a full queue, keeps it."""
         from adapt.traces import prompt_hash
-        from predictors.semantic_history import embed_prompts
+        from predictors.embedding import DIMENSION
 
-        batch = list(self._pending.values())
-        self._pending.clear()
-        texts = [r.prompt_text for r in batch]
-        embeddings, has_text = embed_prompts(texts)
+        embedded = dict(self._predictions.ready(now)) if self._awaiting else {}
+        new, self._new = self._new, {}
+        batch = [*new.values(), *(self._awaiting[key] for key in embedded if key not in new)]
+        if not batch:
+            return
+        embeddings = np.zeros((len(batch), DIMENSION), dtype=np.float32)
+        has_text = np.zeros(len(batch), dtype=bool)
+        for row, request in enumerate(batch):
+            if request.id in embedded:
+                embeddings[row], has_text[row] = embedded[request.id]
+                del self._awaiting[request.id]
         distributions = self.history.predict_embedded([r.prompt_tokens for r in batch], embeddings, has_text)
-        for request, distribution, embedding, text_flag, text in zip(
-            batch, distributions, embeddings, has_text, texts, strict=True
+        for request, distribution, embedding, text_flag in zip(
+            batch, distributions, embeddings, has_text, strict=True
         ):
             if self.uniform_mix > 0:
                 high = min(request.max_tokens or UNIFORM_MAX_TOKENS, UNIFORM_MAX_TOKENS)
                 distribution = distribution.mix(LengthDistribution.uniform(1, max(2, high)), self.uniform_mix)
+            request.cache.pop("sage_costs", None)
             request.cache.update(
                 sage_distribution=distribution,
                 sage_embedding=embedding,
                 sage_has_text=bool(text_flag),
-                sage_hash=prompt_hash(text),
+                sage_hash=prompt_hash(request.prompt_text),
+                sage_prior=request.id in self._awaiting,
             )
         self._refresh(batch)
         for request in batch:
-            self._insert(request, request.arrival_s)
+            if request.id in self._entries:  # waiting on its prior: take its new place in line
+                self._remove(request)
+                self._insert(request, request.arrival_s)
+            elif request.id in new:  # (a running one re-sorts by its new key)
+                self._insert(request, request.arrival_s)
 
     def _refresh(self, requests: Sequence[RequestState]) -> None:
         """Recompute the index of each request at its attained service, in one vectorised pass.
@@ -320,8 +355,8 @@ class SageSched(PriorityPolicy):
 
     # ------------------------------------------------------------------ step
     def on_step(self, view: EngineView) -> Plan:
-        if self._pending:
-            self._predict_pending()
+        if self._new or self._awaiting:
+            self._predict(view.now)
         if self.order != "static":
             due = self._due
             crossed = [r for r in view.running if r.tokens_generated >= due[r]]
@@ -340,13 +375,31 @@ class SageSched(PriorityPolicy):
         return plan
 
     def horizon(self, view: EngineView) -> Horizon:
+        until = self._predictions.next_ready_s if self._awaiting else math.inf  # it re-ranks one
         if not view.running:
-            return Horizon()
+            return Horizon(until_s=until)
         if self.order == "static":  # no bucket refresh: only the KV level of "full" changes the plan
-            return Horizon(kv_usage_below=FULL_KV_USAGE)
+            return Horizon(until_s=until, kv_usage_below=FULL_KV_USAGE)
         due = self._due
         steps = min(due[r] - r.tokens_generated for r in view.running)
-        return Horizon(steps=max(0, steps), kv_usage_below=FULL_KV_USAGE)
+        return Horizon(steps=max(0, steps), until_s=until, kv_usage_below=FULL_KV_USAGE)
+
+
+class PromptEmbeddings:
+    """The model call SageSched makes off the scheduling step: (embedding, has text) per prompt,
+    in one batch. A live worker calls `warm_up` first, so the model is loaded before a prompt
+    waits for it."""
+
+    def __call__(self, texts: list[str]) -> list[tuple[np.ndarray, bool]]:
+        from predictors.semantic_history import embed_prompts
+
+        embeddings, has_text = embed_prompts(texts)
+        return list(zip(embeddings, has_text.tolist(), strict=True))
+
+    def warm_up(self) -> None:
+        from predictors.embedding import load_model
+
+        load_model()
 
 
 class _IndexKeys(dict):

@@ -43,3 +43,15 @@ def test_every_policy_decides_identically_in_both_engines(tiny_model, tmp_path, 
     budget = 512 if policy == "sarathi" else SETTINGS["token_budget"]  # only sarathi declares its own
     assert max(sum(step["scheduled"].values()) for step in live) <= budget
     assert result.agreement == 1.0, result.describe()
+
+
+def test_sagesched_embeds_off_the_step_and_replay_hands_over_at_the_same_steps(tiny_model, tmp_path):
+    """Live, MiniLM runs in a background worker: some requests are first scheduled on their
+    length-only prior and re-ranked when their embedding comes, steps later; the trace-driven
+    replay hands each embedding over at the live step that got it and decides identically."""
+    live, result = _lockstep(tiny_model, tmp_path, "sagesched")
+    arrived_at = {a[0]: step["index"] for step in live for a in step["arrived"]}
+    handed_at = {key: step["index"] for step in live for key in step["predicted"]}
+    assert handed_at and handed_at.keys() <= arrived_at.keys()
+    assert any(handed_at[key] > arrived_at[key] for key in handed_at)  # some came steps later
+    assert result.agreement == 1.0, result.describe()

@@ -3,6 +3,8 @@ index (against brute force), the cost models, and the policy in the replay engin
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -396,3 +398,67 @@ def test_sagesched_mix_replay_with_real_embeddings():
 def test_replay_engine_runs_sagesched_by_name():
     result = ReplayEngine(make_policy("sagesched"), ConstantCost(0.01)).run([Request("a", 0.0, 5, 3)])
     assert result.metrics()["completed"] == 1
+
+
+# ------------------------------------------------------------ predictions off the step
+def fake_embeddings(texts):
+    """Every prompt embeds as basis(1): the "long answer" prompts of `history_with_text`."""
+    return [(basis(1), True) for _ in texts]
+
+
+def history_with_text():
+    """Prompts of 10 tokens without text: 20-token outputs; prompts of 300 tokens whose text embeds
+    as basis(1): 900-token outputs."""
+    history = SemanticHistory(fallback_neighbors=5)
+    embeddings = np.stack([np.zeros(384, np.float32)] * 5 + [basis(1)] * 5)
+    history.observe([10] * 5 + [300] * 5, [20] * 5 + [900] * 5, embeddings, [False] * 5 + [True] * 5)
+    return history
+
+
+def test_a_request_is_ranked_on_its_prior_until_its_embedding_comes():
+    from adapt.predictions import Delayed
+
+    policy = SageSched(history=history_with_text())
+    queues = []
+    policy.use_predictions(lambda fn: queues.append(Delayed(fake_embeddings, delay_s=0.5)) or queues[-1])
+    essay, short = state("essay", 10, arrival=0.0, text="write an essay"), state("short", 10, arrival=0.1)
+    policy.on_arrival(essay, 0.0)
+    policy.on_arrival(short, 0.1)
+
+    def step(now, running=()):
+        view = EngineView(now, [essay, short], list(running), 0.0, 2048, 8, 0.02)
+        return [r.id for r in policy.on_step(view).admit], policy.horizon(view)
+
+    # By prompt length both look like 20-token answers: the earlier arrival first.
+    order, _ = step(0.1)
+    assert order == ["essay", "short"] and essay.cache["sage_prior"]
+    running = state("running", 10)
+    running.phase, running.cache = "decode", {}
+    policy.on_arrival(running, 0.0)
+    policy.on_step(EngineView(0.1, [running], [], 0.0, 2048, 8, 0.02))
+    policy.on_admit(running, 0.1)
+    assert step(0.2, [running])[1].until_s == 0.5  # the embedding re-ranks: wake up then
+    # Its embedding says 900 tokens: it goes behind the short one.
+    order, _ = step(0.5)
+    assert order == ["short", "essay"] and not essay.cache["sage_prior"]
+    assert essay.cache["sage_distribution"].mean == pytest.approx(900)
+    assert queues[0].stats.summary()["share_on_prior"] == 1.0
+
+
+def test_no_request_lost_when_predictions_come_late():
+    from adapt.predictions import Delayed
+
+    requests = [
+        Request(f"r{i}", 0.01 * i, 10 + 40 * (i % 3), 5 + i % 7, prompt_text=f"prompt {i}" if i % 2 else None)
+        for i in range(30)
+    ]
+    late = functools.partial(Delayed, delay_s=0.05)
+    engine = CheckedEngine(
+        SageSched(history=history_with_text()),
+        ConstantCost(0.01),
+        EngineConfig(max_running=4, kv_capacity_tokens=2000),
+        predictions=lambda fn: late(fake_embeddings),
+    )
+    result = engine.run(requests)
+    assert engine.violations == [] and result.metrics()["completed"] == len(requests)
+    assert all(engine.completions[r.request_id] == r.output_tokens for r in requests)

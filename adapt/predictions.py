@@ -1,0 +1,226 @@
+"""Model calls off the scheduling step: where a policy's predictions run, and when they are ready.
+
+A policy whose prediction needs a model (SageSched embeds every prompt with MiniLM: ~20 ms per
+prompt on these CPU cores) must not make the engine wait for it: every new prompt would stall the
+whole batch. So the policy submits the work when a request arrives, ranks the request on a cheap
+prior (what it knows without the model) until the result is ready, and re-ranks it then. The
+*engine* decides when a result is ready, by the queue it gives the policy (`Policy.use_predictions`):
+
+- `Delayed(delay_s)` (replay): the results of a poll's submissions are computed in one batch, and
+  each is handed over at the first poll at least `delay_s` of simulated time after it was
+  submitted. With the default delay 0 every result is ready at the next step, before the policy
+  plans it -- a model that costs nothing, which is what the replay assumed before this module.
+- `BackgroundWorker(max_pending)` (live, in vLLM's engine process): a daemon thread first runs the
+  function's `warm_up` if it has one (loading a model), then takes whatever is pending, computes
+  it in one batch and hands the results over at the first poll after it is done; the step never
+  waits. The queue is bounded: a submission beyond `max_pending` waiting ones
+  is refused and that request stays on its prior (the engine is never blocked, no request lost).
+- `Scripted(deliveries)` (a trace-driven replay, `adapt.conformance`): every result is handed over
+  at the step at which the live engine handed it over, so decisions made on a prior agree too.
+
+A queue hands results over in submission order and never those of a request `discard`ed (it left
+before its result came). Each counts what it did (`PredictionStats`): the share of requests whose
+first decision was made on the prior, and the wait from submission to hand-over.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+BatchFunction = Callable[[list[Any]], Sequence[Any]]  # payloads -> one result per payload, in order
+QueueFactory = Callable[[BatchFunction], "PredictionQueue"]
+
+
+@dataclass
+class PredictionStats:
+    """What a queue did: `on_prior` counts requests still without a result at the first poll after
+    their submission (their first scheduling decision used the prior); `refused` those never
+    submitted (queue full); `waited_s` sums, over delivered results, submission to hand-over."""
+
+    submitted: int = 0
+    refused: int = 0
+    delivered: int = 0
+    on_prior: int = 0
+    waited_s: float = 0.0
+
+    def summary(self) -> dict[str, float | int]:
+        first_decisions = self.submitted + self.refused
+        return {
+            **asdict(self),
+            "share_on_prior": (self.on_prior + self.refused) / first_decisions if first_decisions else 0.0,
+            "mean_wait_s": self.waited_s / self.delivered if self.delivered else 0.0,
+        }
+
+
+class PredictionQueue:
+    """Base: submissions in order, discards, the statistics, and the hand-over log. Subclasses
+    decide when results are computed and when they are ready (`ready`)."""
+
+    def __init__(self, function: BatchFunction) -> None:
+        self.function = function
+        self.stats = PredictionStats()
+        # Keys handed over since the engine last took this list, where it keeps one (None: not
+        # kept); a live decision log records them, so a trace-driven replay hands over the same.
+        self.handed_over: list[str] | None = None
+        self._submitted_at: dict[str, float] = {}  # key -> when, until handed over or discarded
+        self._unpolled: list[str] = []  # submitted since the last poll
+
+    def submit(self, key: str, payload: Any, now: float) -> bool:
+        """Queue `payload`'s prediction under `key`; False if refused (the request keeps its prior)."""
+        self._submitted_at[key] = now
+        self._unpolled.append(key)
+        self.stats.submitted += 1
+        return True
+
+    def discard(self, key: str) -> None:
+        """The request left: its result, if it comes, is dropped."""
+        self._submitted_at.pop(key, None)
+
+    def ready(self, now: float) -> list[tuple[str, Any]]:
+        """The results ready by `now`, in submission order, each handed over once."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop any worker (the engine is done with this queue)."""
+
+    @property
+    def awaited(self) -> bool:
+        """Whether any submitted result has not been handed over yet."""
+        return bool(self._submitted_at)
+
+    @property
+    def next_ready_s(self) -> float:
+        """When the next result will be ready, where the queue knows (a policy's horizon)."""
+        return math.inf
+
+    def _hand_over(self, results: list[tuple[str, Any]], now: float) -> list[tuple[str, Any]]:
+        """Keep the results of requests still here, count them, and count every request polled for
+        the first time without its result as decided on its prior."""
+        kept = [(key, value) for key, value in results if key in self._submitted_at]
+        for key, _ in kept:
+            self.stats.waited_s += now - self._submitted_at.pop(key)
+        self.stats.delivered += len(kept)
+        if self.handed_over is not None:
+            self.handed_over.extend(key for key, _ in kept)
+        self.stats.on_prior += sum(key in self._submitted_at for key in self._unpolled)
+        self._unpolled = []
+        return kept
+
+
+class Delayed(PredictionQueue):
+    """Replay: each poll computes what was submitted since the last one, in one batch; a result is
+    handed over at the first poll `delay_s` or more after its submission (simulated time)."""
+
+    def __init__(self, function: BatchFunction, delay_s: float = 0.0) -> None:
+        if not delay_s >= 0:
+            raise ValueError(f"prediction delay: must be >= 0 s, got {delay_s}")
+        super().__init__(function)
+        self.delay_s = delay_s
+        self._pending: list[tuple[str, Any]] = []
+        self._computed: list[tuple[float, str, Any]] = []  # (ready at, key, result), in order
+
+    def submit(self, key: str, payload: Any, now: float) -> bool:
+        self._pending.append((key, payload))
+        return super().submit(key, payload, now)
+
+    def ready(self, now: float) -> list[tuple[str, Any]]:
+        batch = [(key, payload) for key, payload in self._pending if key in self._submitted_at]
+        self._pending = []
+        if batch:
+            results = self.function([payload for _, payload in batch])
+            for (key, _), result in zip(batch, results, strict=True):
+                self._computed.append((self._ready_at(key), key, result))
+        due = [(key, result) for at, key, result in self._computed if at <= now]
+        self._computed = [item for item in self._computed if item[0] > now]
+        return self._hand_over(due, now)
+
+    def _ready_at(self, key: str) -> float:
+        return self._submitted_at[key] + self.delay_s
+
+    @property
+    def next_ready_s(self) -> float:
+        pending = (self._ready_at(key) for key, _ in self._pending if key in self._submitted_at)
+        computed = (at for at, key, _ in self._computed if key in self._submitted_at)
+        return min(itertools.chain(pending, computed), default=math.inf)
+
+
+class Scripted(Delayed):
+    """A trace-driven replay: the result for `key` is handed over at the first poll at or after
+    `deliveries[key]` (the start of the live step that got it), computed as in `Delayed`."""
+
+    def __init__(self, function: BatchFunction, deliveries: dict[str, float]) -> None:
+        super().__init__(function)
+        self.deliveries = deliveries
+
+    def _ready_at(self, key: str) -> float:
+        return self.deliveries.get(key, math.inf)
+
+
+class BackgroundWorker(PredictionQueue):
+    """Live: a daemon thread computes pending payloads in batches; `ready` only takes finished
+    results (never waits). At most `max_pending` submissions wait at once; more are refused."""
+
+    def __init__(self, function: BatchFunction, max_pending: int = 256) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending: must be >= 1, got {max_pending}")
+        super().__init__(function)
+        self.max_pending = max_pending
+        self.errors = 0
+        self._lock = threading.Condition()
+        self._pending: list[tuple[str, Any]] = []
+        self._done: list[tuple[str, Any]] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name="adapt-predictions", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: str, payload: Any, now: float) -> bool:
+        with self._lock:
+            if len(self._pending) >= self.max_pending:
+                self.stats.refused += 1
+                return False
+            self._pending.append((key, payload))
+            self._lock.notify()
+        return super().submit(key, payload, now)
+
+    def ready(self, now: float) -> list[tuple[str, Any]]:
+        with self._lock:
+            done, self._done = self._done, []
+        return self._hand_over(done, now)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        self._thread.join(timeout=5)
+
+    def _work(self) -> None:
+        warm_up = getattr(self.function, "warm_up", None)
+        if warm_up is not None:  # e.g. load the model before the first request waits on it
+            try:
+                warm_up()
+            except Exception:
+                log.exception("prediction worker: warm-up failed (the first batch will retry)")
+        while True:
+            with self._lock:
+                while not self._pending and not self._closed:
+                    self._lock.wait()
+                if self._closed:
+                    return
+                batch, self._pending = self._pending, []
+            try:
+                results = list(self.function([payload for _, payload in batch]))
+            except Exception:  # a failed batch leaves its requests on their prior
+                log.exception("prediction worker: a batch of %d failed", len(batch))
+                with self._lock:
+                    self.errors += 1
+                continue
+            with self._lock:
+                self._done.extend((key, result) for (key, _), result in zip(batch, results, strict=True))

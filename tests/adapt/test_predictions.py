@@ -1,0 +1,120 @@
+"""Prediction queues (`adapt.predictions`): when a policy's model calls are handed over, by hand."""
+
+import threading
+import time
+
+import pytest
+
+from adapt.predictions import BackgroundWorker, Delayed, Scripted
+
+
+def doubled(payloads):
+    return [2 * p for p in payloads]
+
+
+def test_delayed_hands_over_in_submission_order_after_the_delay():
+    calls = []
+    queue = Delayed(lambda batch: calls.append(list(batch)) or doubled(batch), delay_s=0.5)
+    queue.submit("a", 1, now=0.0)
+    queue.submit("b", 2, now=0.25)
+    assert queue.next_ready_s == 0.5
+    assert queue.ready(0.4) == []  # computed in one batch at the first poll, not yet due
+    assert calls == [[1, 2]]
+    assert queue.ready(0.5) == [("a", 2)]
+    assert queue.next_ready_s == 0.75
+    assert queue.ready(1.0) == [("b", 4)]
+    assert queue.ready(2.0) == []
+    stats = queue.stats.summary()
+    # Both were polled without their result at their first poll (0.4): decided on the prior.
+    assert (stats["submitted"], stats["delivered"], stats["on_prior"]) == (2, 2, 2)
+    assert stats["share_on_prior"] == 1.0
+    assert stats["mean_wait_s"] == pytest.approx((0.5 + 0.75) / 2)
+
+
+def test_no_delay_means_ready_at_the_next_poll_and_never_on_the_prior():
+    queue = Delayed(doubled)
+    queue.submit("a", 1, now=3.0)
+    assert queue.ready(3.0) == [("a", 2)]
+    assert queue.stats.on_prior == 0 and queue.stats.summary()["share_on_prior"] == 0.0
+
+
+def test_a_discarded_request_gets_nothing_and_is_not_computed_if_not_yet_polled():
+    calls = []
+    queue = Delayed(lambda batch: calls.append(list(batch)) or doubled(batch), delay_s=1.0)
+    queue.submit("a", 1, now=0.0)
+    queue.submit("b", 2, now=0.0)
+    queue.discard("a")
+    assert queue.ready(1.0) == [("b", 4)]
+    assert calls == [[2]]
+    queue.submit("c", 3, now=1.0)
+    queue.ready(1.5)  # computed, not due
+    queue.discard("c")
+    assert queue.ready(5.0) == [] and not queue.awaited
+
+
+def test_scripted_hands_over_at_the_live_steps():
+    queue = Scripted(doubled, deliveries={"a": 2.0, "b": 1.0})
+    queue.handed_over = []
+    queue.submit("a", 1, now=0.0)
+    queue.submit("b", 2, now=0.0)
+    queue.submit("c", 3, now=0.0)  # never handed over live: never here either
+    assert queue.ready(1.0) == [("b", 4)]
+    assert queue.ready(2.0) == [("a", 2)]
+    assert queue.ready(100.0) == []
+    assert queue.handed_over == ["b", "a"]
+
+
+def test_delay_must_not_be_negative():
+    with pytest.raises(ValueError, match="prediction delay"):
+        Delayed(doubled, delay_s=-1.0)
+
+
+def _until(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_background_worker_never_blocks_the_caller_and_refuses_beyond_its_bound():
+    release = threading.Event()
+
+    def slow(batch):
+        release.wait(5)
+        return doubled(batch)
+
+    queue = BackgroundWorker(slow, max_pending=2)
+    try:
+        assert queue.submit("a", 1, now=0.0)  # the worker takes it and blocks on `release`
+        _until(lambda: not queue._pending)
+        started = time.monotonic()
+        assert queue.submit("b", 2, now=0.0) and queue.submit("c", 3, now=0.0)
+        assert not queue.submit("d", 4, now=0.0)  # two waiting: refused, stays on its prior
+        assert queue.ready(0.0) == []  # nothing done: returns at once
+        assert time.monotonic() - started < 1.0
+        release.set()
+        got = []
+        _until(lambda: got.extend(queue.ready(1.0)) or len(got) == 3)
+        assert got == [("a", 2), ("b", 4), ("c", 6)]
+        assert queue.stats.refused == 1 and queue.stats.summary()["share_on_prior"] == 1.0
+    finally:
+        release.set()
+        queue.close()
+
+
+def test_background_worker_survives_a_failing_batch():
+    def flaky(batch):
+        if 0 in batch:
+            raise RuntimeError("model down")
+        return doubled(batch)
+
+    queue = BackgroundWorker(flaky)
+    try:
+        queue.submit("bad", 0, now=0.0)
+        _until(lambda: queue.errors == 1)
+        queue.submit("good", 5, now=0.0)
+        got = []
+        _until(lambda: got.extend(queue.ready(1.0)) or got)
+        assert got == [("good", 10)] and queue.awaited  # "bad" stays on its prior
+    finally:
+        queue.close()
