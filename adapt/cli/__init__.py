@@ -273,6 +273,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         log_prompts=args.log_prompts,
         follow_policy_config=args.follow_policy_config,
+        metrics=args.metrics,
+        drift_margin=args.drift_margin,
         extra=extra,
     )
 
@@ -435,6 +437,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve the policy the policy-config champion names, swapping live when it moves"
         " (--policy serves while none is registered)",
+    )
+    serve.add_argument(
+        "--no-metrics",
+        dest="metrics",
+        action="store_false",
+        help="do not record the adapt_* Prometheus metrics (vLLM's own stay on /metrics)",
+    )
+    serve.add_argument(
+        "--drift-margin",
+        type=number(0.0, 1.0, low_open=False),
+        help="drift alarm when online length-bound coverage falls this far below the held-out"
+        " coverage registered for the serving version (default 0.05)",
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=integer(1, 65535), default=8000)
