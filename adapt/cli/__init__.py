@@ -279,6 +279,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from adapt.cli.status import run_status
+
+    return run_status(args.url, args.watch)
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from serving_hooks.tiny_model import make_tiny_model
 
@@ -454,6 +460,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=integer(1, 65535), default=8000)
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then any vLLM serve arguments")
     serve.set_defaults(func=cmd_serve)
+
+    status = sub.add_parser(
+        "status", help="a running adapt serve: policy, versions, swaps, SLOs, prediction quality, step time"
+    )
+    from adapt.cli.status import DEFAULT_URL
+
+    status.add_argument("url", nargs="?", default=DEFAULT_URL, help="the server's base URL")
+    status.add_argument("--watch", type=POSITIVE, metavar="SECONDS", help="refresh every SECONDS")
+    status.set_defaults(func=cmd_status)
 
     fidelity = sub.add_parser(
         "fidelity", help="live vLLM vs replay: step-by-step decision agreement and latency error per policy"
