@@ -9,10 +9,13 @@ with its `vllm:*` metrics, the engine core with these `adapt_*` ones -- writes i
 memory-mapped files there, and one scrape of `/metrics` reads them all, current as of the scrape,
 counters of several engine cores summed. We chose this over the engine core writing a snapshot
 file for a custom collector in the API server because that puts serialisation on the scheduler's
-thread and shows values a period late; the price is that an update is a write into a mapped file
-(about a microsecond, `experiments.bench_metrics`) and that vLLM's `/metrics` then omits the
-default registry's process and GC collectors. Outside a multiprocess directory (tests, the
-benchmark harness) the same metrics live in the recorder's own `registry`.
+thread and shows values a period late; the price is that vLLM's `/metrics` then omits the default
+registry's process and GC collectors, and that an update is a locked write into a mapped file
+(a few microseconds on this machine, `experiments.bench_metrics`). So the per-step and per-request
+paths only add to numbers in memory (`_Pending`), and `publish`, once per `publish_interval_s`
+and whenever the engine goes idle, writes them out: one write per counter child and per touched
+histogram bucket, whatever the traffic. Outside a multiprocess directory (tests, the benchmark
+harness) the same metrics live in the recorder's own `registry`.
 
 What is recorded (labels are bounded: SLO class = SLO kind, tier (the first MAX_TIERS seen, then
 "other"), cause, reason, component name; never a request id or prompt text):
@@ -42,7 +45,9 @@ no recorder and every hook costs one `is None` test.
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 from collections import Counter as Tally
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -96,18 +101,71 @@ def goodput_tokens(state: RequestState) -> int:
 
 
 class _Family:
-    """A labelled metric whose children are looked up once: `.labels()` takes a lock and builds
-    a key on every call, which the per-step path should not pay."""
+    """A metric whose children are looked up once (`.labels()` takes a lock and builds a key on
+    every call); `family(*labels)` is the child, or the metric itself when it has no labels."""
 
-    def __init__(self, metric: Any) -> None:
+    def __init__(self, metric: Any, buckets: tuple[float, ...] = ()) -> None:
         self.metric = metric
+        self.bounds = (*buckets, float("inf"))  # a histogram's bucket upper bounds
         self._children: dict[tuple[str, ...], Any] = {}
 
     def __call__(self, *labels: str) -> Any:
+        if not labels:
+            return self.metric
         child = self._children.get(labels)
         if child is None:
             child = self._children[labels] = self.metric.labels(*labels)
         return child
+
+
+class _Buckets:
+    """A histogram child's observations since the last flush, counted by bucket. `flush_into`
+    does what `Histogram.observe` does for each of them (add to the sum, add one to the bucket)
+    with one write per touched bucket: prometheus_client has no batched observe, so this writes
+    the child's `_sum` and `_buckets` values, whose layout a unit test pins
+    (tests/serving_hooks/test_metrics.py)."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.total = 0.0
+
+    def add(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # the first bucket with value <= bound
+        self.total += value
+
+    def flush_into(self, child: Any) -> None:
+        child._sum.inc(self.total)
+        for index, count in enumerate(self.counts):
+            if count:
+                child._buckets[index].inc(count)
+
+
+class _Pending:
+    """Counter increments and histogram observations held in memory until `flush`."""
+
+    def __init__(self) -> None:
+        self.counts: defaultdict[tuple[_Family, tuple[str, ...]], float] = defaultdict(float)
+        self.observed: dict[tuple[_Family, tuple[str, ...]], _Buckets] = {}
+
+    def inc(self, family: _Family, labels: tuple[str, ...] = (), amount: float = 1.0) -> None:
+        self.counts[(family, labels)] += amount
+
+    def observe(self, family: _Family, labels: tuple[str, ...], value: float) -> None:
+        buckets = self.observed.get((family, labels))
+        if buckets is None:
+            buckets = self.observed[(family, labels)] = _Buckets(family.bounds)
+        buckets.add(value)
+
+    def flush(self) -> None:
+        for (family, labels), amount in self.counts.items():
+            family(*labels).inc(amount)
+        for (family, labels), buckets in self.observed.items():
+            buckets.flush_into(family(*labels))
+        self.counts.clear()
+        self.observed.clear()
 
 
 class SchedulerMetrics:
@@ -135,6 +193,7 @@ class SchedulerMetrics:
         self._seen: dict[tuple[int, str], tuple[Any, int]] = {}
         self.bounds: dict[str, BoundWindow] = {}
         self.ranks: dict[str, RankWindow] = {}
+        self._pending = _Pending()
         self._define()
 
     @classmethod
@@ -151,17 +210,16 @@ class SchedulerMetrics:
     def _define(self) -> None:
         r = self.registry
 
-        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
-            metric = Gauge(name, doc, labels, registry=r, multiprocess_mode="mostrecent")
-            return _Family(metric) if labels else metric
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> _Family:
+            return _Family(Gauge(name, doc, labels, registry=r, multiprocess_mode="mostrecent"))
 
-        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
-            metric = Counter(name, doc, labels, registry=r)
-            return _Family(metric) if labels else metric
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> _Family:
+            return _Family(Counter(name, doc, labels, registry=r))
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> Any:
-            metric = Histogram(name, doc, labels, registry=r, buckets=buckets)
-            return _Family(metric) if labels else metric
+        def histogram(
+            name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()
+        ) -> _Family:
+            return _Family(Histogram(name, doc, labels, registry=r, buckets=buckets), buckets)
 
         self.step_seconds = histogram(
             "adapt_step_seconds",
@@ -261,52 +319,52 @@ class SchedulerMetrics:
 
     # ---------------------------------------------------------------- per step
     def step(self, policy_s: float, gap_s: float | None, fallback: bool) -> None:
-        self.step_seconds.observe(policy_s)
+        self._pending.observe(self.step_seconds, (), policy_s)
         if gap_s is not None:
-            self.engine_step_seconds.observe(gap_s)
+            self._pending.observe(self.engine_step_seconds, (), gap_s)
         if fallback:
-            self.fallback_steps_total.inc()
+            self._pending.inc(self.fallback_steps_total)
 
     def admitted(self, count: int) -> None:
         if count:
-            self.admitted_total.inc(count)
+            self._pending.inc(self.admitted_total, (), count)
 
     def deferred(self, count: int) -> None:
         if count:
-            self.deferred_total.inc(count)
+            self._pending.inc(self.deferred_total, (), count)
 
     def preempted(self, cause: str, count: int) -> None:
         if count:
-            self.preempted_total(cause).inc(count)
+            self._pending.inc(self.preempted_total, (cause,), count)
 
     def dropped(self, reason: str, count: int) -> None:
         if count:
-            self.dropped_total(reason).inc(count)
+            self._pending.inc(self.dropped_total, (reason,), count)
 
     def policy_error(self) -> None:
-        self.policy_errors_total.inc()
+        self._pending.inc(self.policy_errors_total)
 
     # ------------------------------------------------------------- per request
     def finished(self, state: RequestState, outcome: str, policy: Policy) -> None:
         """A request left the engine: `outcome` is finished, dropped (by the policy) or aborted
         (by the client). `state.finish_s` is set for a finished one."""
-        kind = state.slo.kind
+        pending, kind = self._pending, state.slo.kind
         if outcome == "aborted":
-            self.aborted_total(kind).inc()
+            pending.inc(self.aborted_total, (kind,))
             return
         tier = self._tier(state.slo.tier)
         if outcome == "dropped":
-            self.slo_requests_total(kind, tier, "dropped").inc()
+            pending.inc(self.slo_requests_total, (kind, tier, "dropped"))
             return
         met = slo_met(state)
-        self.slo_requests_total(kind, tier, "met" if met else "violated").inc()
+        pending.inc(self.slo_requests_total, (kind, tier, "met" if met else "violated"))
         if met:
-            self.goodput_tokens_total(kind, tier).inc(goodput_tokens(state))
+            pending.inc(self.goodput_tokens_total, (kind, tier), goodput_tokens(state))
         first, finish, n = state.first_token_s, state.finish_s, state.tokens_generated
         if first is not None:
-            self.ttft_seconds(kind).observe(max(0.0, first - state.arrival_s))
+            pending.observe(self.ttft_seconds, (kind,), max(0.0, first - state.arrival_s))
             if n > 1 and finish is not None:
-                self.tbt_seconds(kind).observe(max(0.0, finish - first) / (n - 1))
+                pending.observe(self.tbt_seconds, (kind,), max(0.0, finish - first) / (n - 1))
         self._observe_quality(state, policy)
 
     def _observe_quality(self, state: RequestState, policy: Policy) -> None:
@@ -334,6 +392,10 @@ class SchedulerMetrics:
         return "other"
 
     # ----------------------------------------------------------------- gauges
+    def flush(self) -> None:
+        """Write the counts and observations held in memory into the metrics."""
+        self._pending.flush()
+
     def due(self, now: float) -> bool:
         return now >= self._next_publish
 
@@ -347,14 +409,16 @@ class SchedulerMetrics:
         kv_usage: float,
         live: Any = None,
     ) -> dict[str, dict[str, Any]]:
-        """Set the gauges and count the swaps since the last call; returns the online quality per
-        component, for the status file (`LiveComponents.report_quality`)."""
+        """Write out the counts held since the last call, set the gauges and count the swaps;
+        returns the online quality per component, for the status file
+        (`LiveComponents.report_quality`)."""
         self._next_publish = now + self.publish_interval_s
+        self.flush()
         by_class = Tally(state.slo.kind for state in waiting)
         for kind in SLO_KINDS:
             self.waiting_requests(kind).set(by_class.get(kind, 0))
-        self.running_requests.set(running)
-        self.kv_usage.set(kv_usage)
+        self.running_requests().set(running)
+        self.kv_usage().set(kv_usage)
         self._publish_policy(policy, kv_usage)
         held_out = self._publish_components(policy, live)
         return self._publish_quality(held_out)
@@ -367,11 +431,11 @@ class SchedulerMetrics:
             self._policy = policy.name
         current_offset = getattr(policy, "current_offset", None)  # SLAI and its variants
         if current_offset is not None:
-            self.slai_offset.set(current_offset(kv_usage))
+            self.slai_offset().set(current_offset(kv_usage))
             rule = getattr(getattr(policy, "offset", None), "rule", None)
             thresholds = rule()["thresholds"] if rule is not None else []
             if thresholds:
-                self.slai_threshold.set(thresholds[0])
+                self.slai_threshold().set(thresholds[0])
 
     def _publish_components(self, policy: Policy, live: Any) -> dict[str, Mapping[str, float]]:
         """Versions, swaps and swap times of the live slots (or, without live slots, the version

@@ -486,10 +486,11 @@ class PolicyScheduler(AsyncScheduler):
         running requests taken out for this step."""
         if plan.drop:
             self._dropped_ids.update(s.id for s in plan.drop)
-            dropped = self.finish_requests([s.id for s in plan.drop], RequestStatus.FINISHED_ABORTED)
-            self._drops_to_report += dropped
-            if self.metrics is not None:
-                self.metrics.dropped("admission_control", len(dropped))
+            if self.metrics is not None:  # counted first: the last drop may publish (idle engine)
+                self.metrics.dropped("admission_control", sum(s.id in self.requests for s in plan.drop))
+            self._drops_to_report += self.finish_requests(
+                [s.id for s in plan.drop], RequestStatus.FINISHED_ABORTED
+            )
         self._preempt_order = []
         for state in plan.preempt:
             request = self.requests.get(state.id)

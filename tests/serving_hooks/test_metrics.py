@@ -65,6 +65,11 @@ def test_finished_requests_count_by_class_tier_and_outcome():
     metrics.finished(_request(paying), "dropped", policy)
     metrics.finished(_request(SLO(), first=0.2, finish=1.0, generated=3), "finished", policy)
     metrics.finished(_request(SLO()), "aborted", policy)
+    assert (
+        _value(metrics, "adapt_slo_requests_total", slo_class="best_effort", tier="none", outcome="met")
+        is None
+    )
+    metrics.flush()  # held in memory until then (what `publish` does every second)
     slo = "adapt_slo_requests_total"
     assert _value(metrics, slo, slo_class="deadline", tier="paying", outcome="met") == 1
     assert _value(metrics, slo, slo_class="deadline", tier="paying", outcome="violated") == 1
@@ -84,6 +89,7 @@ def test_tiers_beyond_the_first_few_share_one_label():
     for i in range(MAX_TIERS + 3):
         state = _request(SLO(tier=f"t{i}"), first=0.1, finish=0.2, generated=1)
         metrics.finished(state, "finished", _Bounded())
+    metrics.flush()
     labels = {
         sample.labels["tier"]
         for family in metrics.registry.collect()
@@ -156,6 +162,7 @@ def test_step_counters_and_waiting_by_class():
     metrics.preempted("kv_pressure", 1)
     metrics.dropped("admission_control", 2)
     metrics.policy_error()
+    metrics.flush()
     assert _value(metrics, "adapt_step_seconds_count") == 2
     assert _value(metrics, "adapt_step_seconds_sum") == pytest.approx(0.005)
     assert _value(metrics, "adapt_engine_step_seconds_count") == 1
@@ -191,3 +198,30 @@ def test_off_unless_asked(monkeypatch):
     monkeypatch.setenv("ADAPT_METRICS", "1")
     monkeypatch.setenv("ADAPT_DRIFT_MARGIN", "0.1")
     assert SchedulerMetrics.from_environment().drift_margin == 0.1
+
+
+def test_batched_observations_expose_what_observe_would():
+    """`_Buckets.flush_into` writes a histogram child's sum and bucket values directly (there is no
+    batched observe): the exposition must be the one `observe` gives for the same values."""
+    from prometheus_client import generate_latest
+
+    values = [0.0001, 0.0004, 0.002, 0.002, 0.03, 0.3, 7.0, 0.0]
+    observed, batched = SchedulerMetrics(), SchedulerMetrics()
+    for value in values:
+        observed.step_seconds.metric.observe(value)
+        observed.ttft_seconds("latency").observe(value)
+        batched.step(value, None, fallback=False)
+        batched.finished(
+            _request(SLO("latency", ttft_s=99.0), first=value, finish=value, generated=1),
+            "finished",
+            _Bounded(),
+        )
+    batched.flush()
+
+    def exposition(metrics, name):
+        lines = generate_latest(metrics.registry).decode().splitlines()
+        return [line for line in lines if line.startswith(name) and "_created" not in line]
+
+    for name in ("adapt_step_seconds", "adapt_ttft_seconds"):
+        assert exposition(batched, name) == exposition(observed, name)
+        assert any('le="+Inf"' in line and line.endswith(" 8.0") for line in exposition(batched, name))
