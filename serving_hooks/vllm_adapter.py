@@ -355,7 +355,7 @@ class PolicyScheduler(AsyncScheduler):
             now,
             policy=self.policy,
             waiting=[self._states[i] for i in self._waiting_order if i in self._states],
-            running=len(self.running),
+            running=sum(r.request_id in self._states for r in self.running),  # not those leaving now
             kv_usage=float(self.kv_cache_manager.usage),
             live=self.live,
         )

@@ -137,6 +137,8 @@ def test_metrics_count_a_known_load(tmp_path, monkeypatch, capsys):
         records = _request_log(tmp_path / "logs", expected=sum(sent.values()))
         samples = _wait_for_gauges(port, finished=sum(n for (_, o), n in sent.items() if o != "dropped"))
         assert any(name.startswith("vllm:") for name in samples)  # one scrape: vLLM's and ours
+        assert _value(samples, "adapt_running_requests") == 0  # published when the engine went idle
+        assert _value(samples, "adapt_waiting_requests") == 0
 
         by_outcome = Counter()
         for labels, value in samples["adapt_slo_requests_total"]:
