@@ -6,16 +6,18 @@ prometheus_client's `MultiProcessCollector` whenever `PROMETHEUS_MULTIPROC_DIR` 
 mode when it runs several API servers). `adapt serve` therefore gives the server a fresh
 `PROMETHEUS_MULTIPROC_DIR` (or keeps the operator's): every process of the server -- the API server
 with its `vllm:*` metrics, the engine core with these `adapt_*` ones -- writes its values to
-memory-mapped files there, and one scrape of `/metrics` reads them all, current as of the scrape,
-counters of several engine cores summed. We chose this over the engine core writing a snapshot
-file for a custom collector in the API server because that puts serialisation on the scheduler's
-thread and shows values a period late; the price is that vLLM's `/metrics` then omits the default
-registry's process and GC collectors, and that an update is a locked write into a mapped file
-(a few microseconds on this machine, `experiments.bench_metrics`). So the per-step and per-request
-paths only add to numbers in memory (`_Pending`), and `publish`, once per `publish_interval_s`
-and whenever the engine goes idle, writes them out: one write per counter child and per touched
-histogram bucket, whatever the traffic. Outside a multiprocess directory (tests, the benchmark
-harness) the same metrics live in the recorder's own `registry`.
+memory-mapped files there, and one scrape of `/metrics` reads them all, counters of several engine
+cores summed. We chose this over the engine core writing a snapshot file for a custom collector in
+the API server because it needs no format or channel of our own: prometheus_client writes the
+values and vLLM's own collector reads them, whereas a snapshot means serialising the registry on
+the scheduler's thread and parsing it back in the API server. The price: vLLM's `/metrics` then
+omits the default registry's process and GC collectors, and an update is a locked write into a
+mapped file (a few microseconds on this machine, `experiments.bench_metrics`). So the per-step and
+per-request paths only add to numbers in memory (`_Pending`), and `publish`, once per
+`publish_interval_s` (1 s) and whenever the engine goes idle, writes them out -- one write per
+counter child and per touched histogram bucket, whatever the traffic; a scrape sees counts up to
+that long late. Outside a multiprocess directory (tests, the benchmark harness) the same metrics
+live in the recorder's own `registry`.
 
 What is recorded (labels are bounded: SLO class = SLO kind, tier (the first MAX_TIERS seen, then
 "other"), cause, reason, component name; never a request id or prompt text):
@@ -65,8 +67,6 @@ DEFAULT_DRIFT_MARGIN = 0.05
 DEFAULT_DRIFT_LEAST = 100
 PUBLISH_INTERVAL_S = 1.0
 MAX_TIERS = 8
-PREEMPT_CAUSES = ("policy", "kv_pressure")
-DROP_REASONS = ("admission_control",)
 STEP_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 ENGINE_STEP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)

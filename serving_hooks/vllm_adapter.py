@@ -295,10 +295,11 @@ class PolicyScheduler(AsyncScheduler):
     # ------------------------------------------------------------- one step
     def schedule(self, *args: Any, **kwargs: Any):
         now = time.monotonic()
-        gap = None
+        gap = None  # for the metrics: the last step's time, unless the engine idled since
         if self._last_schedule is not None:
             gap = now - self._last_schedule
             self._mean_batch_s = gap if self._mean_batch_s == 0 else 0.9 * self._mean_batch_s + 0.1 * gap
+            gap = gap if self._running_ids else None
         self._last_schedule = now
         self._follow_live()
         self._apply_mechanics()
