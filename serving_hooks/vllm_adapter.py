@@ -23,7 +23,8 @@ Mechanics vLLM cannot honour refuse the policy at start (`adapt.mechanics.ENGINE
 `self.decisions` in the format `adapt.conformance` compares with a trace-driven replay.
 A policy that raises is logged and counted, and that step runs as plain vLLM FCFS: the engine never
 dies because of a policy. Under `adapt serve` (`ADAPT_WATCH_INTERVAL` set) the policy's learned
-components follow the registry's champions live (`serving_hooks.live`).
+components follow the registry's champions live (`serving_hooks.live`), and with `ADAPT_METRICS=1`
+the scheduler records Prometheus metrics for the server's `/metrics` (`serving_hooks.metrics`).
 vLLM's scheduler is not a stable public API, so the interface this file
 relies on is checked at import and an unsupported vLLM fails with a message saying what is missing.
 """
@@ -49,6 +50,7 @@ from adapt.replay.engine import EngineConfig
 from adapt.requests import SLO, CompletedRequest, ValidationError
 from adapt.steplog import ARRIVALS, POLICY_S, step_batch
 from serving_hooks.live import LiveComponents
+from serving_hooks.metrics import SchedulerMetrics
 from serving_hooks.monitor import Monitor
 from serving_hooks.policies import make_policy_from_spec
 from serving_hooks.xargs import program_from_extra_args, slo_from_extra_args
@@ -103,6 +105,8 @@ class PolicyScheduler(AsyncScheduler):
         self._undelivered: deque[dict] = deque()  # decision records whose output is still coming
         self._preempt_order: list[str] = []  # this step's possible victims, in eviction order
         self._output_at: float | None = None  # while vLLM processes a step's output: its moment
+        self._policy_preempts = 0  # this step's preemptions the plan asked for
+        self.metrics = SchedulerMetrics.from_environment()  # None unless ADAPT_METRICS=1
         self._follow_live()  # a policy-config champion replaces --policy from the first step
         log.info("adapt policy %s scheduling vLLM %s", self.policy.name, vllm.__version__)
 
@@ -155,19 +159,35 @@ class PolicyScheduler(AsyncScheduler):
         self._waiting_order.pop(request.request_id, None)
         if self.decisions is not None:
             self._freed_since.append(request.request_id)
+        dropped = request.request_id in self._dropped_ids
+        self._dropped_ids.discard(request.request_id)
         if state is not None:
             now = self._output_at or time.monotonic()
             self._take_output(request, state, now)  # a finishing request's last token, first
             state.phase = "finished"
             # A dropped or aborted request did not finish: policies tell the two apart by this,
             # as in the replay engine.
-            state.finish_s = None if request.status == RequestStatus.FINISHED_ABORTED else now
+            aborted = request.status == RequestStatus.FINISHED_ABORTED
+            state.finish_s = None if aborted else now
             self._call("on_finish", state, now)
             if self.monitor is not None:
-                self._log_request(request, state, now)
+                self._log_request(request, state, now, dropped)
                 if not self._states:  # idle: nothing may sit in the buffers while no step comes
                     self._flush_logs()
+            if self.metrics is not None:
+                outcome = "dropped" if dropped else "aborted" if aborted else "finished"
+                self._record_finish(state, outcome, now)
         return super()._free_request(request, *args, **kwargs)
+
+    def _record_finish(self, state: RequestState, outcome: str, now: float) -> None:
+        """Metrics of a request that left; when it was the last one, the gauges too (no step
+        comes while the engine is idle). Trouble is logged, never raised into the engine."""
+        try:
+            self.metrics.finished(state, outcome, self.policy)  # type: ignore[union-attr]
+            if not self._states:
+                self._publish_metrics(now)
+        except Exception:
+            log.exception("metrics: could not record request %s", state.id)
 
     def _flush_logs(self) -> None:
         try:
@@ -180,11 +200,9 @@ class PolicyScheduler(AsyncScheduler):
         except Exception:
             log.exception("monitor: could not flush the logs")
 
-    def _log_request(self, request: Any, state: RequestState, freed_at: float) -> None:
+    def _log_request(self, request: Any, state: RequestState, freed_at: float, dropped: bool) -> None:
         """One request-log record; logging trouble is reported, never raised into the engine."""
         try:
-            dropped = request.request_id in self._dropped_ids
-            self._dropped_ids.discard(request.request_id)
             output = int(request.num_output_tokens)
             finished = not dropped and request.status != RequestStatus.FINISHED_ABORTED and output > 0
             finish = freed_at
@@ -211,10 +229,15 @@ class PolicyScheduler(AsyncScheduler):
         try:
             getattr(self.policy, hook)(state, now)
         except Exception:  # a policy bug must not take the engine down
-            self.policy_errors += 1
+            self._policy_error()
             log.exception("policy %s.%s failed for %s", self.policy.name, hook, state.id)
             return False
         return True
+
+    def _policy_error(self) -> None:
+        self.policy_errors += 1
+        if self.metrics is not None:
+            self.metrics.policy_error()
 
     def replay_config(self) -> EngineConfig:
         """This engine's limits as a replay `EngineConfig`, for a replay that should decide as it
@@ -250,7 +273,7 @@ class PolicyScheduler(AsyncScheduler):
                 self.live.adopt(replacement)
             self.live.apply()
         except Exception:
-            self.policy_errors += 1
+            self._policy_error()
             log.exception("applying a new policy or component version failed; the old one serves")
 
     def _check(self, policy: Any) -> None:
@@ -284,15 +307,18 @@ class PolicyScheduler(AsyncScheduler):
     # ------------------------------------------------------------- one step
     def schedule(self, *args: Any, **kwargs: Any):
         now = time.monotonic()
+        gap = None  # for the metrics: the last step's time, unless the engine idled since
         if self._last_schedule is not None:
             gap = now - self._last_schedule
             self._mean_batch_s = gap if self._mean_batch_s == 0 else 0.9 * self._mean_batch_s + 0.1 * gap
+            gap = gap if self._running_ids else None
         self._last_schedule = now
         self._follow_live()
         self._apply_mechanics()
         self._sync()
         original = list(self.running)
         deferred: list[Any] = []
+        fallback = False
         try:
             view = self._view(now)  # the policy's time runs from here (`adapt.steplog.POLICY_S`)
             if self.decisions is not None:
@@ -303,7 +329,8 @@ class PolicyScheduler(AsyncScheduler):
             plan = self.policy.on_step(view)
             deferred = self._apply(plan)
         except Exception:
-            self.policy_errors += 1
+            self._policy_error()
+            fallback = True
             log.exception("policy %s failed; this step runs as vLLM FCFS", self.policy.name)
             self.running = original
         self._policy_s = time.monotonic() - now
@@ -315,6 +342,8 @@ class PolicyScheduler(AsyncScheduler):
                 self.waiting.add_request(request)
             self._held = []
         self._after_schedule(now)
+        if self.metrics is not None:
+            self._record_step(now, self._policy_s, gap, fallback, len(deferred))
         if self.decisions is not None:
             self._record_decision(now, output)
         if self.monitor is not None:
@@ -329,6 +358,31 @@ class PolicyScheduler(AsyncScheduler):
             queue.handed_over = []  # the decision log records which step got each result
         self.prediction_queues.append(queue)
         return queue
+
+    def _record_step(
+        self, now: float, policy_s: float, gap: float | None, fallback: bool, deferred: int
+    ) -> None:
+        try:
+            self.metrics.step(policy_s, gap, fallback)  # type: ignore[union-attr]
+            self.metrics.deferred(deferred)  # type: ignore[union-attr]
+            if self.metrics.due(now):  # type: ignore[union-attr]
+                self._publish_metrics(now)
+        except Exception:
+            log.exception("metrics: could not record a step")
+
+    def _publish_metrics(self, now: float) -> None:
+        """The gauges (every `SchedulerMetrics.publish_interval_s`), and the online prediction
+        quality into the status file."""
+        quality = self.metrics.publish(  # type: ignore[union-attr]
+            now,
+            policy=self.policy,
+            waiting=[self._states[i] for i in self._waiting_order if i in self._states],
+            running=sum(r.request_id in self._states for r in self.running),  # not those leaving now
+            kv_usage=float(self.kv_cache_manager.usage),
+            live=self.live,
+        )
+        if self.live is not None:
+            self.live.report_quality(quality)
 
     def _record_decision(self, now: float, output: Any) -> None:
         """This step in `adapt.conformance`'s format: what arrived and left since the last one,
@@ -458,6 +512,8 @@ class PolicyScheduler(AsyncScheduler):
         running requests taken out for this step."""
         if plan.drop:
             self._dropped_ids.update(s.id for s in plan.drop)
+            if self.metrics is not None:  # counted first: the last drop may publish (idle engine)
+                self.metrics.dropped("admission_control", sum(s.id in self.requests for s in plan.drop))
             self._drops_to_report += self.finish_requests(
                 [s.id for s in plan.drop], RequestStatus.FINISHED_ABORTED
             )
@@ -468,6 +524,7 @@ class PolicyScheduler(AsyncScheduler):
                 self.running.remove(request)
                 self._preempt_request(request, time.monotonic())
                 self._preempt_order.append(state.id)
+        self._policy_preempts = len(self._preempt_order)
         by_id = {r.request_id: r for r in self.running}
         if plan.running_order is not None:
             order = [s.id for s in plan.running_order]
@@ -528,6 +585,7 @@ class PolicyScheduler(AsyncScheduler):
                 self._call("on_admit", state, now)
         left = self._running_ids - running_now
         rank = {request_id: n for n, request_id in enumerate(self._preempt_order)}
+        preempted = 0
         for request_id in sorted(left, key=lambda i: rank.get(i, len(rank))):  # as they happened
             request = self.requests.get(request_id)
             state = self._states.get(request_id)
@@ -536,5 +594,11 @@ class PolicyScheduler(AsyncScheduler):
                 state.phase = "preempted"
                 state.tokens_computed = 0
                 state.num_preemptions += 1
+                preempted += 1
                 self._call("on_preempt", state, now)
         self._running_ids = running_now
+        if self.metrics is not None:
+            self.metrics.admitted(len(admitted))
+            self.metrics.preempted("policy", min(preempted, self._policy_preempts))
+            self.metrics.preempted("kv_pressure", max(0, preempted - self._policy_preempts))
+        self._policy_preempts = 0

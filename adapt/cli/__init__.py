@@ -273,8 +273,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         log_prompts=args.log_prompts,
         follow_policy_config=args.follow_policy_config,
+        metrics=args.metrics,
+        drift_margin=args.drift_margin,
         extra=extra,
     )
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from adapt.cli.status import run_status
+
+    return run_status(args.url, args.watch)
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -436,10 +444,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the policy the policy-config champion names, swapping live when it moves"
         " (--policy serves while none is registered)",
     )
+    serve.add_argument(
+        "--no-metrics",
+        dest="metrics",
+        action="store_false",
+        help="do not record the adapt_* Prometheus metrics (vLLM's own stay on /metrics)",
+    )
+    serve.add_argument(
+        "--drift-margin",
+        type=number(0.0, 1.0, low_open=False),
+        help="drift alarm when online length-bound coverage falls this far below the held-out"
+        " coverage registered for the serving version (default 0.05)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=integer(1, 65535), default=8000)
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then any vLLM serve arguments")
     serve.set_defaults(func=cmd_serve)
+
+    status = sub.add_parser(
+        "status", help="a running adapt serve: policy, versions, swaps, SLOs, prediction quality, step time"
+    )
+    from adapt.cli.status import DEFAULT_URL
+
+    status.add_argument("url", nargs="?", default=DEFAULT_URL, help="the server's base URL")
+    status.add_argument("--watch", type=POSITIVE, metavar="SECONDS", help="refresh every SECONDS")
+    status.set_defaults(func=cmd_status)
 
     fidelity = sub.add_parser(
         "fidelity", help="live vLLM vs replay: step-by-step decision agreement and latency error per policy"

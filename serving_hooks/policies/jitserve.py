@@ -60,6 +60,7 @@ FALLBACK_QUANTILE_WINDOW = 4096
 MEMO_SIZE = 50_000  # QRF bounds memoised by (prompt, generated count): repeated prompts are common
 MAX_PROGRAMS = 10_000  # compound programs whose calls are remembered for pattern matching
 _WAITING = ("waiting", "preempted")
+FALLBACK_BOUND = "online-quantile"  # `length_bound`'s name for the bound no component made
 
 
 class JITServe(Policy):
@@ -478,6 +479,22 @@ class JITServe(Policy):
             return float(tokens) if request.finish_s <= request.deadline_at else 0.0
         return float(tokens)
 
+    def length_bound(self, request: RequestState) -> tuple[str, float] | None:
+        """The bound in force for `request` on its total output, and what made it: the `qrf`
+        component for a single request, `patterns` for a compound call it matched, else the
+        online quantile of completed lengths. Read when a request finishes, to measure coverage
+        online (`serving_hooks.quality`); None before the request had a bound."""
+        if "jit_bound" not in request.cache:
+            return None
+        bound, at = request.cache["jit_bound"]
+        if request.program is None and self.qrf is not None:
+            source = self.components["qrf"]
+        elif request.program is not None and request.cache.get("stage_bound") is not None:
+            source = self.components["patterns"]
+        else:
+            source = FALLBACK_BOUND
+        return source, at + bound
+
     def describe(self) -> dict[str, Any]:
         return {
             "policy": self.name,
@@ -505,6 +522,9 @@ class JITServeOracle(JITServe):
 
     def _bound_is_stale(self, request: RequestState) -> bool:
         return False
+
+    def length_bound(self, request: RequestState) -> tuple[str, float] | None:
+        return None  # the truth: nothing to measure
 
     def _stage_share(self, request: RequestState) -> float:
         share = request.program.deadline_share  # type: ignore[union-attr]

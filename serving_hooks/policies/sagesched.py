@@ -195,6 +195,13 @@ class SageSched(PriorityPolicy):
         self.history = resolve_history(component)
         self.history.mode = mode
 
+    def length_estimate(self, request: RequestState) -> tuple[str, float] | None:
+        """The component and the mean of the output-length distribution `request` was ordered by,
+        read when it finishes to measure the predictions' rank correlation online
+        (`serving_hooks.quality`); None if it finished before it was predicted."""
+        distribution = request.cache.get("sage_distribution")
+        return None if distribution is None else (self.components["history"], float(distribution.mean))
+
     def describe(self) -> dict[str, Any]:
         return {
             "policy": self.name,

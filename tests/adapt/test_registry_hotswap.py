@@ -384,3 +384,20 @@ def test_server_store_lock_is_a_registered_model_with_stale_takeover(tmp_path):
             pass
     with second._model_lock("retrain", stale_after_s=3600):  # released, by whoever held it last
         pass
+
+
+def test_a_slot_holds_the_registered_metrics_of_the_version_it_serves(reg):
+    """What a server compares its online measurements with (the drift alarm, serving_hooks.quality)."""
+    v1 = reg.log(PolicyConfig("fcfs"), metrics={"coverage_at_0": 0.91, "coverage_at_50": 0.93})
+    v2 = reg.log(PolicyConfig("spf"))
+    reg.promote("policy-config", v1)
+    slot = Slot(reg, "policy-config", interval_s=60)
+    assert slot.held_out == {} and slot.last_swap_s is None
+    slot.swap_now()
+    assert slot.held_out == {"coverage_at_0": 0.91, "coverage_at_50": 0.93}
+    assert reg.version_metrics("policy-config", v1) == slot.held_out
+    first_swap = slot.last_swap_s
+    assert first_swap is not None and abs(time.time() - first_swap) < 60
+    reg.promote("policy-config", v2)
+    slot.swap_now()
+    assert slot.version == v2 and slot.held_out == {} and slot.last_swap_s >= first_swap

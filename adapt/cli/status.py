@@ -1,0 +1,167 @@
+"""`adapt status [URL] [--watch SECONDS]`: what a running `adapt serve` is doing, in a terminal.
+
+One screen from two reads of the server: `GET /v1/adapt/status` (policy, component versions,
+swaps, drift alarms; written by the engine core, `serving_hooks.live`) and `GET /metrics` (the
+`adapt_*` series, parsed with prometheus_client's own parser): SLO attainment by class, the online
+prediction quality next to the held-out figure, step times, queue and errors. Counters are totals
+since the server started, as Prometheus holds them; rates are Grafana's job
+(`deploy/grafana/adapt-dashboard.json`). A server started with `--no-metrics` still answers the
+status part.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from typing import Any
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+TIMEOUT_S = 5.0
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def _get(url: str) -> bytes | None:
+    """The body of `url`; None for a 503 (status not written yet) or a 404 (no such route)."""
+    try:
+        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+            return response.read()
+    except urllib.error.HTTPError as exc:
+        if exc.code in (404, 503):
+            return None
+        raise ConnectionError(f"{url}: HTTP {exc.code}") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ConnectionError(f"cannot reach {url} ({reason}); is adapt serve running there?") from None
+
+
+def read_server(url: str) -> tuple[dict[str, Any] | None, Samples]:
+    """(status JSON or None, every sample of /metrics by name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base = url.rstrip("/")
+    metrics_text = _get(f"{base}/metrics")
+    status_body = _get(f"{base}/v1/adapt/status")
+    samples: Samples = defaultdict(list)
+    for family in text_string_to_metric_families((metrics_text or b"").decode()):
+        for sample in family.samples:
+            samples[sample.name].append((sample.labels, sample.value))
+    return (json.loads(status_body) if status_body else None), samples
+
+
+def _by(samples: Samples, name: str, label: str) -> dict[str, float]:
+    """Values of one series summed over every label but `label`."""
+    totals: dict[str, float] = defaultdict(float)
+    for labels, value in samples.get(name, []):
+        totals[labels.get(label, "")] += value
+    return dict(totals)
+
+
+def _total(samples: Samples, name: str) -> float:
+    return sum(value for _, value in samples.get(name, []))
+
+
+def _mean_ms(samples: Samples, name: str) -> str:
+    count = _total(samples, f"{name}_count")
+    return f"{1000 * _total(samples, f'{name}_sum') / count:.2f} ms" if count else "-"
+
+
+def _fraction(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def render(status: dict[str, Any] | None, samples: Samples, now: float | None = None) -> str:
+    """The terminal summary of one read (see the module docstring)."""
+    now = time.time() if now is None else now
+    lines = []
+    policy = (status or {}).get("policy") or next(
+        (labels["policy"] for labels, value in samples.get("adapt_policy_info", []) if value == 1), "-"
+    )
+    lines.append(f"policy      {policy}")
+    if status is not None:
+        lines.append(
+            f"swaps       {status.get('swaps', 0)} ok, {status.get('failed_swaps', 0)} failed"
+            f" (policy swaps {status.get('policy_swaps', 0)})"
+        )
+    versions = {**(status or {}).get("components", {})}
+    for name, value in _by(samples, "adapt_component_version", "component").items():
+        versions.setdefault(name, int(value))
+    swaps = _by(samples, "adapt_component_swaps_total", "component")
+    failed = _by(samples, "adapt_component_failed_swaps_total", "component")
+    last = _by(samples, "adapt_component_last_swap_timestamp_seconds", "component")
+    for name, version in sorted(versions.items()):
+        since = f", last swap {now - last[name]:.0f} s ago" if name in last else ""
+        counts = f"  swaps {swaps[name]:.0f}, failed {failed.get(name, 0):.0f}" if name in swaps else ""
+        lines.append(f"  {name:<20} v{version if version is not None else '-'}{counts}{since}")
+    if not any(name.startswith("adapt_") for name in samples):
+        lines.append("(no adapt_* metrics: the server runs with --no-metrics or is not adapt serve)")
+        return "\n".join(lines)
+
+    outcomes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for labels, value in samples.get("adapt_slo_requests_total", []):
+        outcomes[labels["slo_class"]][labels["outcome"]] += value
+    goodput = _by(samples, "adapt_goodput_tokens_total", "slo_class")
+    lines.append("SLO         class         requests   met  violated  dropped  attainment  goodput tokens")
+    for kind, counts in sorted(outcomes.items()):
+        total = sum(counts.values())
+        attainment = counts["met"] / total if total else None
+        lines.append(
+            f"            {kind:<12}{total:>10.0f}{counts['met']:>6.0f}{counts['violated']:>10.0f}"
+            f"{counts['dropped']:>9.0f}{_fraction(attainment):>12}{goodput.get(kind, 0):>16.0f}"
+        )
+    quality = (status or {}).get("quality") or {}
+    coverage = _by(samples, "adapt_length_bound_coverage", "component")
+    ranks = _by(samples, "adapt_length_rank_correlation", "component")
+    if coverage or ranks:
+        lines.append("quality     component           window  coverage  held-out  over-est  rank corr  drift")
+        held = _by(samples, "adapt_length_bound_heldout_coverage", "component")
+        over = _by(samples, "adapt_length_bound_overestimate_ratio", "component")
+        window = _by(samples, "adapt_length_bound_window_requests", "component")
+        alarm = _by(samples, "adapt_length_bound_drift_alarm", "component")
+        for name in sorted({*coverage, *ranks}):
+            count = window.get(name, quality.get(name, {}).get("requests", 0))
+            lines.append(
+                f"            {name:<20}{count:>6.0f}{_fraction(coverage.get(name)):>10}"
+                f"{_fraction(held.get(name)):>10}{_fraction(over.get(name)):>10}"
+                f"{_fraction(ranks.get(name)):>11}  {'ALARM' if alarm.get(name) else 'ok'}"
+            )
+    drift = (status or {}).get("drift_alarms") or []
+    if drift:
+        lines.append(f"DRIFT       online coverage below held-out: {', '.join(drift)}")
+    preempted = _by(samples, "adapt_requests_preempted_total", "cause")
+    dropped = _by(samples, "adapt_requests_dropped_total", "reason")
+    lines.append(
+        f"steps       policy {_mean_ms(samples, 'adapt_step_seconds')} per step (mean),"
+        f" engine step {_mean_ms(samples, 'adapt_engine_step_seconds')},"
+        f" FCFS fallbacks {_total(samples, 'adapt_fallback_steps_total'):.0f},"
+        f" policy errors {_total(samples, 'adapt_policy_errors_total'):.0f}"
+    )
+    waiting = _by(samples, "adapt_waiting_requests", "slo_class")
+    lines.append(
+        f"queue       running {_total(samples, 'adapt_running_requests'):.0f},"
+        f" waiting {', '.join(f'{k} {v:.0f}' for k, v in sorted(waiting.items()) if v) or '0'},"
+        f" KV usage {_total(samples, 'adapt_kv_usage_ratio'):.2f}"
+    )
+    lines.append(
+        f"requests    admitted {_total(samples, 'adapt_requests_admitted_total'):.0f},"
+        f" preempted {', '.join(f'{k} {v:.0f}' for k, v in sorted(preempted.items())) or '0'},"
+        f" dropped {', '.join(f'{k} {v:.0f}' for k, v in sorted(dropped.items())) or '0'}"
+    )
+    return "\n".join(lines)
+
+
+def run_status(url: str, watch_s: float | None) -> int:
+    """Print the summary once, or every `watch_s` seconds until interrupted."""
+    while True:
+        status, samples = read_server(url)
+        text = render(status, samples)
+        if watch_s is None:
+            print(text)
+            return 0
+        sys.stdout.write("\033[2J\033[H" + f"{url}  {time.strftime('%H:%M:%S')}\n" + text + "\n")
+        sys.stdout.flush()
+        time.sleep(watch_s)

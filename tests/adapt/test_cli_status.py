@@ -1,0 +1,99 @@
+"""`adapt status` against a stand-in server: the summary a real recorder's metrics and a status
+file produce, and one clear line (exit 2) when nothing answers."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from prometheus_client import generate_latest
+
+from adapt.cli import main
+from adapt.policy import RequestState
+from adapt.requests import SLO
+from serving_hooks.metrics import SchedulerMetrics
+
+
+def _recorded() -> SchedulerMetrics:
+    from types import SimpleNamespace
+
+    from serving_hooks.policies import make_policy_from_spec
+
+    metrics = SchedulerMetrics(window=10, drift_least=5)
+    policy = make_policy_from_spec("jitserve")
+    for i in range(6):
+        state = RequestState(f"r{i}", 0.0, 10, 64, SLO("deadline", deadline_s=1.0))
+        state.first_token_s, state.finish_s, state.tokens_generated = 0.1, 0.5 + 0.2 * i, 20 + 10 * i
+        state.cache["jit_bound"] = (40.0, 0)  # outputs 20..70 under a bound of 40: 3 of 6 covered
+        metrics.finished(state, "finished", policy)
+    metrics.finished(RequestState("d", 0.0, 10, 64, SLO()), "dropped", policy)
+    metrics.step(0.002, 0.03, fallback=False)
+    slot = SimpleNamespace(
+        name="qrf-length",
+        version=4,
+        swaps=2,
+        failed_swaps=1,
+        held_out={"coverage_at_0": 0.95},
+        last_swap_s=None,
+    )
+    quality = metrics.publish(
+        0.0,
+        policy=policy,
+        waiting=[],
+        running=3,
+        kv_usage=0.4,
+        live=SimpleNamespace(slots={"q": slot}, config_slot=None),
+    )
+    assert quality["online-quantile"]["coverage"] == 0.5  # jitserve without a qrf champion
+    return metrics
+
+
+@pytest.fixture
+def server():
+    metrics_text = generate_latest(_recorded().registry)
+    status = {
+        "policy": "jitserve",
+        "components": {"qrf-length": 4},
+        "swaps": 2,
+        "failed_swaps": 1,
+        "policy_swaps": 0,
+        "quality": {},
+        "drift_alarms": ["online-quantile"],
+    }
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = metrics_text if self.path == "/metrics" else json.dumps(status).encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def test_status_summarises_a_running_server(server, capsys):
+    assert main(["status", server]) == 0
+    out = capsys.readouterr().out
+    assert "policy      jitserve" in out
+    assert "qrf-length" in out and "v4" in out and "swaps 2, failed 1" in out
+    deadline_row = next(line for line in out.splitlines() if line.strip().startswith("deadline"))
+    # r0..r5 finish at 0.5 .. 1.5 against a 1.0 s deadline: 0.5, 0.7, 0.9 met; 1.1, 1.3, 1.5 not
+    assert deadline_row.split()[1:5] == ["6", "3", "3", "0"] and "0.500" in deadline_row
+    quality_row = next(line for line in out.splitlines() if line.strip().startswith("online-quantile"))
+    assert quality_row.split()[1:3] == ["6", "0.500"]
+    assert "DRIFT" in out and "policy 2.00 ms" in out
+
+
+def test_status_says_when_no_server_answers(capsys):
+    assert main(["status", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach http://127.0.0.1:9" in err and "adapt serve" in err
