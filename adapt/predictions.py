@@ -51,6 +51,11 @@ class PredictionStats:
     on_prior: int = 0
     waited_s: float = 0.0
 
+    @classmethod
+    def combined(cls, parts: Sequence[PredictionStats]) -> PredictionStats:
+        """Every part's counts added up (one engine's queues together)."""
+        return cls(*(sum(getattr(p, name) for p in parts) for name in cls.__dataclass_fields__))
+
     def summary(self) -> dict[str, float | int]:
         first_decisions = self.submitted + self.refused
         return {

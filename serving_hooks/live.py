@@ -54,6 +54,7 @@ class LiveComponents:
         self.config_version: int | None = None
         self.policy_swaps = 0
         self.quality: dict[str, dict[str, Any]] = {}
+        self.predictions: dict[str, Any] | None = None
         self._last_status: dict[str, Any] | None = None
         self._follow(policy)
         self.apply()
@@ -118,12 +119,17 @@ class LiveComponents:
             "reconnects": sum(slot.reconnects for slot in slots),
             "quality": self.quality,
             "drift_alarms": sorted(name for name, q in self.quality.items() if q.get("drift_alarm")),
+            "predictions": self.predictions,
         }
 
-    def report_quality(self, quality: dict[str, dict[str, Any]]) -> None:
-        """The online prediction quality per component (`serving_hooks.metrics`), published with
-        the status; the file is rewritten only when a figure changed, at most once a publish."""
+    def report_quality(
+        self, quality: dict[str, dict[str, Any]], predictions: dict[str, Any] | None = None
+    ) -> None:
+        """The online prediction quality per component (`serving_hooks.metrics`) and what the
+        policy's off-step predictions did (`adapt.predictions.PredictionStats.summary`), published
+        with the status; the file is rewritten only when a figure changed, at most once a publish."""
         self.quality = quality
+        self.predictions = predictions
         self._publish()
 
     def _publish(self) -> None:

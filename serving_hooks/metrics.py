@@ -311,6 +311,18 @@ class SchedulerMetrics:
             "1 when online coverage is more than the margin below the registered held-out coverage",
             ("component",),
         )
+        self.prediction_prior_share = gauge(
+            "adapt_prediction_prior_share",
+            "Share of requests first scheduled on a prior because their model prediction was not ready",
+        )
+        self.prediction_wait = gauge(
+            "adapt_prediction_wait_seconds",
+            "Mean wait from arrival to prediction hand-over",
+        )
+        self.prediction_refused = gauge(
+            "adapt_prediction_refused",
+            "Predictions refused by a full worker queue (the policy used its prior)",
+        )
         self.rank_correlation = gauge(
             "adapt_length_rank_correlation",
             "Spearman correlation of predicted and actual output lengths over the window",
@@ -408,6 +420,7 @@ class SchedulerMetrics:
         running: int,
         kv_usage: float,
         live: Any = None,
+        predictions: Mapping[str, Any] | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Write out the counts held since the last call, set the gauges and count the swaps;
         returns the online quality per component, for the status file
@@ -420,6 +433,10 @@ class SchedulerMetrics:
         self.running_requests().set(running)
         self.kv_usage().set(kv_usage)
         self._publish_policy(policy, kv_usage)
+        if predictions is not None:  # `adapt.predictions.PredictionStats.summary`
+            self.prediction_prior_share().set(predictions["share_on_prior"])
+            self.prediction_wait().set(predictions["mean_wait_s"])
+            self.prediction_refused().set(predictions["refused"])
         held_out = self._publish_components(policy, live)
         return self._publish_quality(held_out)
 

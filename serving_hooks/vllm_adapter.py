@@ -45,7 +45,7 @@ from vllm.v1.request import RequestStatus
 
 from adapt.mechanics import check_policy
 from adapt.policy import EngineView, Plan, RequestState
-from adapt.predictions import BackgroundWorker, BatchFunction, PredictionQueue
+from adapt.predictions import BackgroundWorker, BatchFunction, PredictionQueue, PredictionStats
 from adapt.replay.engine import EngineConfig
 from adapt.requests import SLO, CompletedRequest, ValidationError
 from adapt.steplog import ARRIVALS, POLICY_S, step_batch
@@ -380,9 +380,16 @@ class PolicyScheduler(AsyncScheduler):
             running=sum(r.request_id in self._states for r in self.running),  # not those leaving now
             kv_usage=float(self.kv_cache_manager.usage),
             live=self.live,
+            predictions=self.prediction_summary(),
         )
         if self.live is not None:
-            self.live.report_quality(quality)
+            self.live.report_quality(quality, self.prediction_summary())
+
+    def prediction_summary(self) -> dict[str, Any] | None:
+        """What the serving policy's off-step model calls did (None: it makes none)."""
+        if not self.prediction_queues:
+            return None
+        return PredictionStats.combined([queue.stats for queue in self.prediction_queues]).summary()
 
     def _record_decision(self, now: float, output: Any) -> None:
         """This step in `adapt.conformance`'s format: what arrived and left since the last one,

@@ -132,6 +132,13 @@ def render(status: dict[str, Any] | None, samples: Samples, now: float | None = 
     drift = (status or {}).get("drift_alarms") or []
     if drift:
         lines.append(f"DRIFT       online coverage below held-out: {', '.join(drift)}")
+    predictions = (status or {}).get("predictions")
+    if predictions:  # `adapt.predictions.PredictionStats.summary`
+        lines.append(
+            f"predictions off the step: {predictions['submitted']} submitted, first scheduled on a"
+            f" prior {_fraction(predictions['share_on_prior'])}, mean wait"
+            f" {1000 * predictions['mean_wait_s']:.1f} ms, refused {predictions['refused']}"
+        )
     preempted = _by(samples, "adapt_requests_preempted_total", "cause")
     dropped = _by(samples, "adapt_requests_dropped_total", "reason")
     lines.append(

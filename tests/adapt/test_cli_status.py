@@ -61,7 +61,11 @@ def server():
         "policy_swaps": 0,
         "quality": {},
         "drift_alarms": ["online-quantile"],
-    }
+        "predictions": {
+            "submitted": 8, "refused": 2, "delivered": 8, "on_prior": 3, "waited_s": 0.2,
+            "share_on_prior": 0.5, "mean_wait_s": 0.025,
+        },
+    }  # fmt: skip
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -91,6 +95,7 @@ def test_status_summarises_a_running_server(server, capsys):
     quality_row = next(line for line in out.splitlines() if line.strip().startswith("online-quantile"))
     assert quality_row.split()[1:3] == ["6", "0.500"]
     assert "DRIFT" in out and "policy 2.00 ms" in out
+    assert "first scheduled on a prior 0.500, mean wait 25.0 ms, refused 2" in out
 
 
 def test_status_says_when_no_server_answers(capsys):
