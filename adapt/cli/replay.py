@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from adapt.cli.usage import COUNT, DURATION, RATE, SEED, UsageError, add_parallel_arguments, given
+from adapt.cli.usage import COUNT, DELAY, DURATION, RATE, SEED, UsageError, add_parallel_arguments, given
 from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.cluster import ROUTERS
 from adapt.replay.cost import GPUS, MODELS, add_overlap_argument
@@ -66,6 +66,14 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-running", type=COUNT, default=256, help="max running sequences (vLLM max_num_seqs)"
+    )
+    parser.add_argument(
+        "--prediction-delay",
+        type=DELAY,
+        default=0.0,
+        metavar="S",
+        help="seconds from a request's arrival until its policy's model prediction (SageSched's"
+        " embedding) is ready; it is ranked on a prior until then (default 0: at once)",
     )
     parser.add_argument("--replicas", type=COUNT, default=1, help="engine replicas behind a router")
     parser.add_argument("--router", choices=ROUTERS, default="least-outstanding")
@@ -191,7 +199,10 @@ def run_replay_command(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     config = EngineConfig(
-        token_budget=budget, max_running=args.max_running, keep_token_times=args.keep_token_times
+        token_budget=budget,
+        max_running=args.max_running,
+        keep_token_times=args.keep_token_times,
+        prediction_delay_s=args.prediction_delay,
     )
     cost = None
     if args.cost_model != "roofline":

@@ -83,6 +83,8 @@ POSITIVE = number()
 RATE = number(1e-6, 1e9, low_open=False, says="> 0, at least 1e-06 and below 1e+09")
 # Seconds, bounded as trace timestamps are (adapt.traces.MAX_TIMESTAMP_S).
 DURATION = number(0.0, 1e10, says="> 0 and below 1e+10")
+# Seconds that may be zero (a delay), bounded as DURATION is.
+DELAY = number(0.0, 1e10, low_open=False, says=">= 0 and below 1e+10")
 COUNT = integer()
 SEED = integer(0)
 
