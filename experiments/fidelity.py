@@ -24,7 +24,9 @@ deadline on a quarter) so that SLO-aware policies have something to act on. Two 
    cost model is then fitted on both runs). The replay's policy rankings (mean E2E, median TTFT)
    are compared with the live ones (Kendall tau). Each run also reports the share of its live step
    time spent in the policy (not charged by replay) and the machine's load average: another
-   process on the machine stretches live steps, and the drift figure shows it.
+   process on the machine stretches live steps, and the drift figure shows it. A policy with
+   model calls off the step (SageSched's embeddings) is replayed with the live run's mean wait
+   for them as `prediction_delay_s`.
 
 Without `--model` a tiny random model is generated (DESIGN.md section 6).
 """
@@ -125,7 +127,8 @@ def worker(model: str, policy: str, rows: list[dict[str, Any]], out: Path, setti
     (out / "client.json").write_text(json.dumps(seen))
     (out / "decisions.json").write_text(json.dumps(scheduler.decisions))
     config = dataclasses.asdict(scheduler.replay_config())
-    (out / "engine.json").write_text(json.dumps({**config, "policy_errors": scheduler.policy_errors}))
+    summary = {"policy_errors": scheduler.policy_errors, "predictions": scheduler.prediction_summary()}
+    (out / "engine.json").write_text(json.dumps({**config, **summary}))
 
 
 def serve(model: str, policy: str, rows: list[dict[str, Any]], out: Path, settings: dict[str, int]) -> None:
@@ -145,6 +148,9 @@ def engine_config(out: Path) -> Any:
 
     fields = json.loads((out / "engine.json").read_text())
     fields.pop("policy_errors")
+    predictions = fields.pop("predictions", None)
+    if predictions:  # the live prediction latency: replay hands results over as late
+        fields["prediction_delay_s"] = predictions["mean_wait_s"]
     return EngineConfig(**fields)
 
 
