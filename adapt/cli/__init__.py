@@ -282,7 +282,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from adapt.cli.status import run_status
 
-    return run_status(args.url, args.watch)
+    fleet = [url.strip() for url in args.fleet.split(",") if url.strip()] if args.fleet else None
+    if args.fleet is not None and not fleet:
+        raise UsageError("--fleet: give the replicas' URLs, comma-separated")
+    return run_status(args.url, args.watch, fleet)
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -468,6 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     status.add_argument("url", nargs="?", default=DEFAULT_URL, help="the server's base URL")
     status.add_argument("--watch", type=POSITIVE, metavar="SECONDS", help="refresh every SECONDS")
+    status.add_argument(
+        "--fleet",
+        metavar="URL,URL,...",
+        help="summarise these replicas instead (exit 1 if one does not answer)",
+    )
     status.set_defaults(func=cmd_status)
 
     fidelity = sub.add_parser(

@@ -1,4 +1,5 @@
-"""`adapt status [URL] [--watch SECONDS]`: what a running `adapt serve` is doing, in a terminal.
+"""`adapt status [URL] [--watch SECONDS]`: what a running `adapt serve` is doing, in a terminal;
+`adapt status --fleet URL,URL,...`: one row per replica and the components whose versions differ.
 
 One screen from two reads of the server: `GET /v1/adapt/status` (policy, component versions,
 swaps, drift alarms; written by the engine core, `serving_hooks.live`) and `GET /metrics` (the
@@ -87,9 +88,7 @@ def render(status: dict[str, Any] | None, samples: Samples, now: float | None = 
             f"swaps       {status.get('swaps', 0)} ok, {status.get('failed_swaps', 0)} failed"
             f" (policy swaps {status.get('policy_swaps', 0)})"
         )
-    versions = {**(status or {}).get("components", {})}
-    for name, value in _by(samples, "adapt_component_version", "component").items():
-        versions.setdefault(name, int(value))
+    versions = _versions(status, samples)
     swaps = _by(samples, "adapt_component_swaps_total", "component")
     failed = _by(samples, "adapt_component_failed_swaps_total", "component")
     last = _by(samples, "adapt_component_last_swap_timestamp_seconds", "component")
@@ -161,14 +160,76 @@ def render(status: dict[str, Any] | None, samples: Samples, now: float | None = 
     return "\n".join(lines)
 
 
-def run_status(url: str, watch_s: float | None) -> int:
-    """Print the summary once, or every `watch_s` seconds until interrupted."""
+Read = tuple[str, dict[str, Any] | None, Samples, str | None]  # url, status, samples, error
+
+
+def read_fleet(urls: list[str]) -> list[Read]:
+    """Every replica's read; one that does not answer is a row with its error, not a failure."""
+    reads = []
+    for url in urls:
+        try:
+            status, samples = read_server(url)
+            reads.append((url, status, samples, None))
+        except ConnectionError as exc:
+            reads.append((url, None, {}, str(exc)))
+    return reads
+
+
+def _versions(status: dict[str, Any] | None, samples: Samples) -> dict[str, int]:
+    versions = {**(status or {}).get("components", {})}
+    for name, value in _by(samples, "adapt_component_version", "component").items():
+        versions.setdefault(name, int(value))
+    return versions
+
+
+def render_fleet(reads: list[Read]) -> str:
+    """One row per replica (policy, versions, swaps, requests, SLO attainment, drift alarms), then
+    every component whose replicas serve different versions: the split an operator acts on."""
+    header = f"{'replica':<29}{'policy':<14}{'versions':<31}{'swaps':>5}{'requests':>11}{'attainment':>12}"
+    lines = [header]
+    serving: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for url, status, samples, error in reads:
+        if error is not None:
+            lines.append(f"{url:<29}UNREACHABLE: {error}")
+            continue
+        versions = _versions(status, samples)
+        for name, version in versions.items():
+            serving[name][version].append(url)
+        outcomes = _by(samples, "adapt_slo_requests_total", "outcome")
+        total = sum(outcomes.values())
+        attainment = outcomes.get("met", 0) / total if total else None
+        policy = (status or {}).get("policy", "-")
+        listed = ", ".join(f"{name} v{version}" for name, version in sorted(versions.items())) or "-"
+        swaps = f"{(status or {}).get('swaps', 0)}/{(status or {}).get('failed_swaps', 0)}"
+        drift = (status or {}).get("drift_alarms") or []
+        lines.append(
+            f"{url:<29}{policy:<14}{listed:<31}{swaps:>5}{total:>11.0f}{_fraction(attainment):>12}"
+            + (f"  DRIFT {', '.join(drift)}" if drift else "")
+        )
+    for name, by_version in sorted(serving.items()):
+        if len(by_version) > 1:
+            split = "; ".join(
+                f"v{version} on {len(urls)} ({', '.join(urls)})"
+                for version, urls in sorted(by_version.items())
+            )
+            lines.append(f"SPLIT       {name}: {split}")
+    lines.append("swaps: ok/failed; attainment: SLO met over every request that left, all classes")
+    return "\n".join(lines)
+
+
+def run_status(url: str, watch_s: float | None, fleet: list[str] | None = None) -> int:
+    """Print the summary (of one server, or of a fleet: exit 1 if a replica does not answer)
+    once, or every `watch_s` seconds until interrupted."""
     while True:
-        status, samples = read_server(url)
-        text = render(status, samples)
+        if fleet:
+            reads = read_fleet(fleet)
+            text, code = render_fleet(reads), int(any(error for *_, error in reads))
+        else:
+            text, code = render(*read_server(url)), 0
         if watch_s is None:
             print(text)
-            return 0
-        sys.stdout.write("\033[2J\033[H" + f"{url}  {time.strftime('%H:%M:%S')}\n" + text + "\n")
+            return code
+        title = "fleet" if fleet else url
+        sys.stdout.write("\033[2J\033[H" + f"{title}  {time.strftime('%H:%M:%S')}\n" + text + "\n")
         sys.stdout.flush()
         time.sleep(watch_s)

@@ -50,6 +50,22 @@ def _recorded() -> SchedulerMetrics:
     return metrics
 
 
+def _serve(metrics_text: bytes, status: dict):
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = metrics_text if self.path == "/metrics" else json.dumps(status).encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
 @pytest.fixture
 def server():
     metrics_text = generate_latest(_recorded().registry)
@@ -67,20 +83,8 @@ def server():
         },
     }  # fmt: skip
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = metrics_text if self.path == "/metrics" else json.dumps(status).encode()
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd, url = _serve(metrics_text, status)
+    yield url
     httpd.shutdown()
 
 
@@ -102,3 +106,33 @@ def test_status_says_when_no_server_answers(capsys):
     assert main(["status", "http://127.0.0.1:9"]) == 2
     err = capsys.readouterr().err
     assert "cannot reach http://127.0.0.1:9" in err and "adapt serve" in err
+
+
+def test_fleet_status_shows_each_replica_and_the_version_split(capsys):
+    """Two replicas answer (one still on qrf-length v3 after v4 was promoted), one does not."""
+    metrics_text = generate_latest(_recorded().registry)  # 7 requests left, 3 met the SLO
+    base = {"policy": "jitserve", "swaps": 2, "failed_swaps": 0, "policy_swaps": 0, "quality": {}}
+    lagging = {**base, "components": {"qrf-length": 3, "pattern-graph": 2}, "failed_swaps": 1}
+    servers = [
+        _serve(metrics_text, {**base, "components": {"qrf-length": 4, "pattern-graph": 2}}),
+        _serve(metrics_text, lagging),
+    ]
+    urls = [url for _, url in servers] + ["http://127.0.0.1:9"]
+    try:
+        assert main(["status", "--fleet", ",".join(urls)]) == 1  # a replica did not answer
+    finally:
+        for httpd, _ in servers:
+            httpd.shutdown()
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("http")}
+    assert "qrf-length v4" in rows[urls[0]] and "qrf-length v3" in rows[urls[1]]
+    assert rows[urls[0]].split()[-2:] == ["7", "0.429"] and " 2/1 " in rows[urls[1]]
+    assert "UNREACHABLE" in rows[urls[2]]
+    split = next(line for line in out.splitlines() if line.startswith("SPLIT"))
+    assert f"qrf-length: v3 on 1 ({urls[1]}); v4 on 1 ({urls[0]})" in split
+    assert "pattern-graph" not in split  # every replica serves v2
+
+
+def test_fleet_needs_urls(capsys):
+    assert main(["status", "--fleet", " , "]) == 2
+    assert "--fleet" in capsys.readouterr().err
