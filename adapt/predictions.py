@@ -10,11 +10,12 @@ prior (what it knows without the model) until the result is ready, and re-ranks 
   each is handed over at the first poll at least `delay_s` of simulated time after it was
   submitted. With the default delay 0 every result is ready at the next step, before the policy
   plans it -- a model that costs nothing, which is what the replay assumed before this module.
-- `BackgroundWorker(max_pending)` (live, in vLLM's engine process): a daemon thread first runs the
-  function's `warm_up` if it has one (loading a model), then takes whatever is pending, computes
-  it in one batch and hands the results over at the first poll after it is done; the step never
-  waits. The queue is bounded: a submission beyond `max_pending` waiting ones
-  is refused and that request stays on its prior (the engine is never blocked, no request lost).
+- `BackgroundWorker(max_pending)` (live, in vLLM's engine process): a daemon thread, started by
+  the first submission, first runs the function's `warm_up` if it has one (loading a model), then
+  takes whatever is pending, computes it in one batch and hands the results over at the first poll
+  after it is done; the step never waits. The engine closes it when it shuts down. The queue is
+  bounded: a submission beyond `max_pending` waiting ones is refused and that request stays on its
+  prior (the engine is never blocked, no request lost).
 - `Scripted(deliveries)` (a trace-driven replay, `adapt.conformance`): every result is handed over
   at the step at which the live engine handed it over, so decisions made on a prior agree too.
 
@@ -183,11 +184,16 @@ class BackgroundWorker(PredictionQueue):
         self._pending: list[tuple[str, Any]] = []
         self._done: list[tuple[str, Any]] = []
         self._closed = False
-        self._thread = threading.Thread(target=self._work, name="adapt-predictions", daemon=True)
-        self._thread.start()
+        # Started by the first submission, not here: the engine is still starting up when it
+        # creates the queue, and a model loading in another thread meanwhile (torch initialising
+        # twice at once) can abort the process.
+        self._thread: threading.Thread | None = None
 
     def submit(self, key: str, payload: Any, now: float) -> bool:
         with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="adapt-predictions", daemon=True)
+                self._thread.start()
             if len(self._pending) >= self.max_pending:
                 self.stats.refused += 1
                 return False
@@ -204,7 +210,8 @@ class BackgroundWorker(PredictionQueue):
         with self._lock:
             self._closed = True
             self._lock.notify()
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=30)  # a batch in flight finishes first (never killed mid-model)
 
     def _work(self) -> None:
         warm_up = getattr(self.function, "warm_up", None)

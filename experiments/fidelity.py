@@ -124,6 +124,8 @@ def worker(model: str, policy: str, rows: list[dict[str, Any]], out: Path, setti
         elif pending:
             time.sleep(max(0.0, pending[0][1]["arrival_s"] - (time.monotonic() - started)))
     scheduler._flush_logs()
+    for queue in scheduler.prediction_queues:  # no model thread left running at exit
+        queue.close()
     (out / "client.json").write_text(json.dumps(seen))
     (out / "decisions.json").write_text(json.dumps(scheduler.decisions))
     config = dataclasses.asdict(scheduler.replay_config())

@@ -350,6 +350,13 @@ class PolicyScheduler(AsyncScheduler):
             self._log_step(now, output)
         return output
 
+    def shutdown(self) -> None:
+        """vLLM's shutdown, after the prediction workers stop (a thread still inside a model at
+        interpreter exit can abort the process)."""
+        for queue in self.prediction_queues:
+            queue.close()
+        super().shutdown()
+
     def _prediction_queue(self, function: BatchFunction) -> PredictionQueue:
         """A background worker for one of the policy's model calls (`Policy.use_predictions`),
         bounded by `ADAPT_PREDICTION_QUEUE` waiting submissions (default 256)."""
