@@ -11,7 +11,8 @@ prior (what it knows without the model) until the result is ready, and re-ranks 
   submitted. With the default delay 0 every result is ready at the next step, before the policy
   plans it -- a model that costs nothing, which is what the replay assumed before this module.
 - `BackgroundWorker(max_pending)` (live, in vLLM's engine process): a daemon thread, started by
-  the first submission, first runs the function's `warm_up` if it has one (loading a model), then
+  the first submission, first runs the function's `warm_up` if it has one and the engine did not
+  run it when it started (loading a model), then
   takes whatever is pending, computes it in one batch and hands the results over at the first poll
   after it is done; the step never waits. The engine closes it when it shuts down. The queue is
   bounded: a submission beyond `max_pending` waiting ones is refused and that request stays on its
@@ -174,10 +175,16 @@ class BackgroundWorker(PredictionQueue):
     """Live: a daemon thread computes pending payloads in batches; `ready` only takes finished
     results (never waits). At most `max_pending` submissions wait at once; more are refused."""
 
-    def __init__(self, function: BatchFunction, max_pending: int = 256) -> None:
+    def __init__(self, function: BatchFunction, max_pending: int = 256, warm_up_now: bool = False) -> None:
+        """`warm_up_now`: run the function's `warm_up` here, in the caller's thread -- an engine
+        that is starting (nothing to serve yet) loads the model before its first request instead
+        of serving the first ones on their prior; a live swap leaves it to the worker thread."""
         if max_pending < 1:
             raise ValueError(f"max_pending: must be >= 1, got {max_pending}")
         super().__init__(function)
+        self._warmed = False
+        if warm_up_now:
+            self._warm_up()
         self.max_pending = max_pending
         self.errors = 0
         self._lock = threading.Condition()
@@ -213,13 +220,18 @@ class BackgroundWorker(PredictionQueue):
         if self._thread is not None:
             self._thread.join(timeout=30)  # a batch in flight finishes first (never killed mid-model)
 
-    def _work(self) -> None:
+    def _warm_up(self) -> None:
+        """The function's `warm_up` (e.g. loading its model), once."""
         warm_up = getattr(self.function, "warm_up", None)
-        if warm_up is not None:  # e.g. load the model before the first request waits on it
+        if warm_up is not None and not self._warmed:
             try:
                 warm_up()
             except Exception:
                 log.exception("prediction worker: warm-up failed (the first batch will retry)")
+        self._warmed = True
+
+    def _work(self) -> None:
+        self._warm_up()
         while True:
             with self._lock:
                 while not self._pending and not self._closed:

@@ -78,7 +78,9 @@ class PolicyScheduler(AsyncScheduler):
         self._check(self.policy)
         # Model calls of the serving policy run in background workers, never inside a step.
         self.prediction_queues: list[PredictionQueue] = []
+        self._starting = True  # models load now, before the first request (not on a live swap)
         self.policy.use_predictions(self._prediction_queue)
+        self._starting = False
         self.policy_errors = 0
         self._states: dict[str, RequestState] = {}
         self._running_ids: set[str] = set()
@@ -360,7 +362,8 @@ class PolicyScheduler(AsyncScheduler):
     def _prediction_queue(self, function: BatchFunction) -> PredictionQueue:
         """A background worker for one of the policy's model calls (`Policy.use_predictions`),
         bounded by `ADAPT_PREDICTION_QUEUE` waiting submissions (default 256)."""
-        queue = BackgroundWorker(function, max_pending=int(os.environ.get("ADAPT_PREDICTION_QUEUE", "256")))
+        bound = int(os.environ.get("ADAPT_PREDICTION_QUEUE", "256"))
+        queue = BackgroundWorker(function, max_pending=bound, warm_up_now=self._starting)
         if os.environ.get("ADAPT_RECORD_DECISIONS") == "1":
             queue.handed_over = []  # the decision log records which step got each result
         self.prediction_queues.append(queue)

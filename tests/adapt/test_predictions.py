@@ -118,3 +118,31 @@ def test_background_worker_survives_a_failing_batch():
         assert got == [("good", 10)] and queue.awaited  # "bad" stays on its prior
     finally:
         queue.close()
+
+
+class _Model:
+    """A batch function with a warm-up that counts its calls and the thread it ran in."""
+
+    def __init__(self):
+        self.warm_ups = []
+
+    def warm_up(self):
+        self.warm_ups.append(threading.current_thread().name)
+
+    def __call__(self, batch):
+        return doubled(batch)
+
+
+@pytest.mark.parametrize("now", [True, False])
+def test_the_model_warms_up_once_at_start_or_in_the_worker(now):
+    model = _Model()
+    queue = BackgroundWorker(model, warm_up_now=now)
+    try:
+        assert model.warm_ups == ([threading.current_thread().name] if now else [])
+        queue.submit("a", 1, now=0.0)
+        got = []
+        _until(lambda: got.extend(queue.ready(1.0)) or got)
+        assert got == [("a", 2)]
+        assert len(model.warm_ups) == 1 and (now or model.warm_ups == ["adapt-predictions"])
+    finally:
+        queue.close()
