@@ -205,9 +205,22 @@ class SemanticHistory(LearnedComponent):
         """Distributions for requests whose prompts are already embedded; one FAISS search for the
         batch. `exclude_hashes` leaves each request's own prompt out of its neighbours (evaluation
         on data the window has seen)."""
+        return self.predict_with_matches(prompt_tokens, embeddings, has_text, exclude_hashes)[0]
+
+    def predict_with_matches(
+        self,
+        prompt_tokens: Sequence[int],
+        embeddings: np.ndarray,
+        has_text: Sequence[bool] | np.ndarray,
+        exclude_hashes: Sequence[int] | None = None,
+    ) -> tuple[list[LengthDistribution], np.ndarray]:
+        """`predict_embedded`, and per request whether it had enough close neighbours (at least
+        `min_neighbors` above the similarity threshold): the share that does is how well the
+        window still matches the traffic (`serving_hooks.quality`)."""
         count = len(prompt_tokens)
+        matched = np.zeros(count, dtype=bool)
         if self.size == 0:
-            return [LengthDistribution.uniform(1, COLD_PRIOR_MAX_TOKENS) for _ in range(count)]
+            return [LengthDistribution.uniform(1, COLD_PRIOR_MAX_TOKENS) for _ in range(count)], matched
         exclude = [0] * count if exclude_hashes is None else list(exclude_hashes)
         has_text = np.asarray(has_text, dtype=bool)
         results: list[LengthDistribution | None] = [None] * count
@@ -237,7 +250,8 @@ class SemanticHistory(LearnedComponent):
                 if hit.size == 0:
                     continue
                 close = hit[sim >= self.threshold][: self.max_neighbors]
-                chosen = close if close.size >= self.min_neighbors else hit[: self.fallback_neighbors]
+                matched[row] = close.size >= self.min_neighbors
+                chosen = close if matched[row] else hit[: self.fallback_neighbors]
                 results[row] = self._distribution(chosen)
         for row in range(count):
             if results[row] is None:
@@ -248,8 +262,8 @@ class SemanticHistory(LearnedComponent):
                     else LengthDistribution.uniform(1, COLD_PRIOR_MAX_TOKENS)
                 )
         if self.mode == "point":
-            return [LengthDistribution.point(d.mean) for d in results]  # type: ignore[union-attr]
-        return results  # type: ignore[return-value]
+            return [LengthDistribution.point(d.mean) for d in results], matched  # type: ignore[union-attr]
+        return results, matched  # type: ignore[return-value]
 
     def predict(self, prompt_tokens: Sequence[int], texts: Sequence[str | None]) -> list[LengthDistribution]:
         """Distributions for raw requests (embeds the texts in one batch)."""

@@ -57,7 +57,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from adapt.policy import Policy, RequestState
 from adapt.requests import SLO_KINDS
-from serving_hooks.quality import DEFAULT_WINDOW, BoundWindow, RankWindow, drift_alarm, held_out_coverage
+from serving_hooks.quality import (
+    DEFAULT_WINDOW,
+    BoundWindow,
+    RankWindow,
+    ShareWindow,
+    drift_alarm,
+    held_out_coverage,
+)
 
 ENABLE_ENV = "ADAPT_METRICS"
 WINDOW_ENV = "ADAPT_QUALITY_WINDOW"
@@ -193,6 +200,7 @@ class SchedulerMetrics:
         self._seen: dict[tuple[int, str], tuple[Any, int]] = {}
         self.bounds: dict[str, BoundWindow] = {}
         self.ranks: dict[str, RankWindow] = {}
+        self.matches: dict[str, ShareWindow] = {}
         self._pending = _Pending()
         self._define()
 
@@ -323,6 +331,11 @@ class SchedulerMetrics:
             "adapt_prediction_refused",
             "Predictions refused by a full worker queue (the policy used its prior)",
         )
+        self.neighbour_share = gauge(
+            "adapt_semantic_neighbour_share",
+            "Share of the window's requests with text that had enough close neighbours in the history",
+            ("component",),
+        )
         self.rank_correlation = gauge(
             "adapt_length_rank_correlation",
             "Spearman correlation of predicted and actual output lengths over the window",
@@ -392,6 +405,12 @@ class SchedulerMetrics:
             name, tokens = predicted
             ranks = self.ranks.get(name) or self.ranks.setdefault(name, RankWindow(self.window))
             ranks.observe(state.tokens_generated, tokens)
+        neighbours = getattr(policy, "neighbour_match", None)
+        match = neighbours(state) if neighbours is not None else None
+        if match is not None:
+            name, held = match
+            share = self.matches.get(name) or self.matches.setdefault(name, ShareWindow(self.window))
+            share.observe(held)
 
     def _tier(self, tier: str | None) -> str:
         if tier is None:
@@ -508,6 +527,9 @@ class SchedulerMetrics:
                 "held_out_coverage": None if reference is None else round(reference, 3),
                 "drift_alarm": alarm,
             }
+        for name, matches in self.matches.items():
+            self.neighbour_share(name).set(matches.share)  # type: ignore[arg-type]
+            quality.setdefault(name, {}).update(neighbour_share=round(matches.share, 3))  # type: ignore[arg-type]
         for name, ranks in self.ranks.items():
             correlation = ranks.correlation()
             if correlation is not None:

@@ -65,6 +65,27 @@ class BoundWindow:
         return self._ratio_sum / len(self._items) if self._items else None
 
 
+class ShareWindow:
+    """The share of the last `size` requests for which something held (e.g. SageSched found enough
+    close neighbours in its semantic history)."""
+
+    def __init__(self, size: int = DEFAULT_WINDOW) -> None:
+        if size < 1:
+            raise ValueError(f"window size: must be >= 1, got {size}")
+        self._items: deque[bool] = deque(maxlen=size)
+
+    def observe(self, held: bool) -> None:
+        self._items.append(bool(held))
+
+    @property
+    def count(self) -> int:
+        return len(self._items)
+
+    @property
+    def share(self) -> float | None:
+        return sum(self._items) / len(self._items) if self._items else None
+
+
 class RankWindow:
     """Spearman rank correlation of predicted vs actual lengths over the last `size` requests."""
 

@@ -131,6 +131,8 @@ def render(status: dict[str, Any] | None, samples: Samples, now: float | None = 
     drift = (status or {}).get("drift_alarms") or []
     if drift:
         lines.append(f"DRIFT       online coverage below held-out: {', '.join(drift)}")
+    for name, share in sorted(_by(samples, "adapt_semantic_neighbour_share", "component").items()):
+        lines.append(f"neighbours  {name}: {share:.3f} of requests with text had enough close neighbours")
     predictions = (status or {}).get("predictions")
     if predictions:  # `adapt.predictions.PredictionStats.summary`
         lines.append(

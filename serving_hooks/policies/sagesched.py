@@ -202,6 +202,15 @@ class SageSched(PriorityPolicy):
         distribution = request.cache.get("sage_distribution")
         return None if distribution is None else (self.components["history"], float(distribution.mean))
 
+    def neighbour_match(self, request: RequestState) -> tuple[str, bool] | None:
+        """The component and whether `request` had enough close neighbours in the window, for a
+        request with text whose embedding was used (None otherwise: a request without text never
+        matches, and counting it would measure the traffic's share of text instead)."""
+        cache = request.cache
+        if not cache.get("sage_has_text") or cache.get("sage_prior", True):
+            return None
+        return self.components["history"], bool(cache["sage_matched"])
+
     def describe(self) -> dict[str, Any]:
         return {
             "policy": self.name,
@@ -273,9 +282,10 @@ class SageSched(PriorityPolicy):
             if request.id in embedded:
                 embeddings[row], has_text[row] = embedded[request.id]
                 del self._awaiting[request.id]
-        distributions = self.history.predict_embedded([r.prompt_tokens for r in batch], embeddings, has_text)
-        for request, distribution, embedding, text_flag in zip(
-            batch, distributions, embeddings, has_text, strict=True
+        prompts = [r.prompt_tokens for r in batch]
+        distributions, matched = self.history.predict_with_matches(prompts, embeddings, has_text)
+        for request, distribution, embedding, text_flag, match in zip(
+            batch, distributions, embeddings, has_text, matched.tolist(), strict=True
         ):
             if self.uniform_mix > 0:
                 high = min(request.max_tokens or UNIFORM_MAX_TOKENS, UNIFORM_MAX_TOKENS)
@@ -287,6 +297,7 @@ class SageSched(PriorityPolicy):
                 sage_has_text=bool(text_flag),
                 sage_hash=prompt_hash(request.prompt_text),
                 sage_prior=request.id in self._awaiting,
+                sage_matched=match,
             )
         self._refresh(batch)
         for request in batch:

@@ -225,3 +225,25 @@ def test_batched_observations_expose_what_observe_would():
     for name in ("adapt_step_seconds", "adapt_ttft_seconds"):
         assert exposition(batched, name) == exposition(observed, name)
         assert any('le="+Inf"' in line and line.endswith(" 8.0") for line in exposition(batched, name))
+
+
+class _Matching(Policy):
+    """SageSched's signal alone: request i had enough close neighbours when i is even."""
+
+    name = "matching"
+
+    def on_step(self, view):  # pragma: no cover - never scheduled here
+        raise AssertionError
+
+    def neighbour_match(self, request):
+        return None if request.id == "textless" else ("semantic-history", int(request.id[1:]) % 2 == 0)
+
+
+def test_semantic_neighbour_share_reaches_gauge_and_status():
+    metrics = SchedulerMetrics(window=4)
+    policy = _Matching()
+    for request_id in ("r1", "r2", "r3", "r4", "r6", "textless"):  # the window keeps r2, r3, r4, r6
+        metrics.finished(_request(SLO(), finish=1.0, generated=5, request_id=request_id), "finished", policy)
+    quality = metrics.publish(0.0, policy=policy, waiting=[], running=0, kv_usage=0.0)
+    assert _value(metrics, "adapt_semantic_neighbour_share", component="semantic-history") == 0.75
+    assert quality["semantic-history"]["neighbour_share"] == 0.75

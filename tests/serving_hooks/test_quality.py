@@ -2,7 +2,7 @@
 
 import pytest
 
-from serving_hooks.quality import BoundWindow, RankWindow, drift_alarm, held_out_coverage
+from serving_hooks.quality import BoundWindow, RankWindow, ShareWindow, drift_alarm, held_out_coverage
 
 
 def test_bound_window_coverage_and_overestimate_by_hand():
@@ -70,3 +70,11 @@ def test_drift_alarm_needs_enough_requests_and_a_held_out_figure():
     assert not drift_alarm(window, held_out=0.74, margin=0.05, least_requests=10)  # 0.7 >= 0.69
     assert not drift_alarm(window, held_out=0.9, margin=0.05, least_requests=11)  # too few yet
     assert not drift_alarm(window, held_out=None, margin=0.05, least_requests=1)
+
+
+def test_share_window_by_hand():
+    window = ShareWindow(size=4)
+    assert window.share is None
+    for held in (True, False, True, True, False):  # the first falls out: F, T, T, F
+        window.observe(held)
+    assert window.count == 4 and window.share == 0.5

@@ -180,6 +180,9 @@ def test_threshold_neighbours_then_fallback_then_length():
     # Halfway between both groups: cosine 0.707 < 0.8 with all, so the 3 most similar serve.
     far = history.predict_embedded([10], unit(basis(0) + basis(1))[None], [True])[0]
     assert far.support.size == 3
+    queries = np.vstack([unit(basis(0) + 0.1 * basis(1)), unit(basis(0) + basis(1))])
+    _, matched = history.predict_with_matches([10, 10], queries, [True, True])
+    assert matched.tolist() == [True, False]  # enough close neighbours; only the fallback
     # No text: neighbours by prompt length.
     history.observe([1000], [7], np.zeros((1, 384), np.float32), [False])
     by_length = history.predict_embedded([1000], np.zeros((1, 384), np.float32), [False])[0]
