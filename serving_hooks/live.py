@@ -117,6 +117,7 @@ class LiveComponents:
             "swaps": sum(slot.swaps for slot in slots),
             "failed_swaps": sum(slot.failed_swaps for slot in slots),
             "reconnects": sum(slot.reconnects for slot in slots),
+            "registry_errors": sum(slot.registry_errors for slot in slots),
             "quality": self.quality,
             "drift_alarms": sorted(name for name, q in self.quality.items() if q.get("drift_alarm")),
             "predictions": self.predictions,

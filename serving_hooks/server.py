@@ -87,6 +87,11 @@ def server_command(
         "MLFLOW_TRACKING_URI": tracking.tracking_uri(),
         "HF_HUB_OFFLINE": "1",
         "ADAPT_FOLLOW_POLICY_CONFIG": "1" if follow_policy_config else "0",
+        # A slot backs off by itself when the registry is unreachable (`adapt.hotswap`); MLflow's
+        # own retries (~4 minutes by default) would hold one poll through an outage and delay
+        # the replica's recovery by as much. An operator's own settings are kept.
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1"),
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", "10"),
     }
     if log_dir is not None:
         env["ADAPT_LOG_DIR"] = str(Path(log_dir).resolve())

@@ -21,10 +21,55 @@ from pathlib import Path
 SERVER_START_TIMEOUT_S = 120.0
 
 
+class MlflowServer:
+    """`mlflow server` on a fixed loopback port over a backend store, with served artifacts; it can
+    be stopped and started again on the same port (a registry outage, as its clients see it)."""
+
+    def __init__(self, backend_uri: str, artifacts: Path, log: Path) -> None:
+        self.backend_uri, self.artifacts, self.log = backend_uri, artifacts, log
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        command = [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            self.backend_uri,
+            "--serve-artifacts",
+            "--artifacts-destination",
+            f"file://{self.artifacts}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "2",
+        ]
+        with open(self.log, "a") as log:
+            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        _wait_healthy(self.url, self._process, self.log)
+
+    def stop(self) -> None:
+        if self._process is None:
+            return
+        self._process.terminate()
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._process = None
+
+
 @dataclass(frozen=True)
 class SharedStore:
     tracking_uri: str  # http://127.0.0.1:PORT, the MLflow server
     database_uri: str  # postgresql+psycopg2://.../optuna, Optuna's storage (its own database)
+    server: MlflowServer  # to stop and restart it
 
 
 def free_port() -> int:
@@ -48,40 +93,12 @@ def shared_store(root: Path) -> Iterator[SharedStore]:
     # MLflow and Optuna both keep their schema version in an `alembic_version` table: one database each.
     database.psql("CREATE DATABASE mlflow;")
     database.psql("CREATE DATABASE optuna;")
-    port = free_port()
-    log = open(root / "mlflow-server.log", "w")  # noqa: SIM115  (closed below, after the server)
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--backend-store-uri",
-            postgres_uri(database, "mlflow"),
-            "--serve-artifacts",
-            "--artifacts-destination",
-            f"file://{root / 'artifacts'}",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "2",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
+    server = MlflowServer(postgres_uri(database, "mlflow"), root / "artifacts", root / "mlflow-server.log")
     try:
-        _wait_healthy(url, server, root / "mlflow-server.log")
-        yield SharedStore(url, postgres_uri(database, "optuna"))
+        server.start()
+        yield SharedStore(server.url, postgres_uri(database, "optuna"), server)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+        server.stop()
         database.cleanup()
 
 
