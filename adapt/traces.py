@@ -503,7 +503,11 @@ def _load_requestlog(path: Path) -> Trace:
         [r.prompt_tokens for r in records],
         [r.output_tokens for r in records],
         prompt_text=texts if all(t is not None for t in texts) and texts else None,
-        columns={"ttft_s": [r.ttft_s for r in records], "ttlt_s": [r.ttlt_s for r in records]},
+        columns={
+            "ttft_s": [r.ttft_s for r in records],
+            "ttlt_s": [r.ttlt_s for r in records],
+            "request_id": [r.request_id for r in records],
+        },
     )
 
 

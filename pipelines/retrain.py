@@ -8,7 +8,9 @@ Made for cron, systemd timers and Kubernetes CronJobs:
   registered again, so re-running on unchanged data changes nothing;
 - a failure in one component is reported and leaves its champion untouched; the others still run.
 
-Data comes from a directory the serving side fills (the vLLM monitor's logs, or files you drop in):
+Data comes from a directory the serving side fills (the vLLM monitor's logs, or files you drop in;
+subdirectories included, e.g. one per replica of a fleet on shared storage; a file whose content
+was read already, a step or a request logged twice, counts once):
 `steps*.csv|jsonl|parquet` step logs for `cost-model`, `requests*.jsonl` request logs for
 `ewsjf-meta-policy` (its queue layout is refit on the logged prompt lengths, keeping Theta),
 `prompts*.jsonl[.gz]` prompt/response files for `semantic-history`, `qrf-length` and
@@ -19,6 +21,7 @@ Components tuned on replay (`slai-offset`, EWSJF's Theta) are retrained by `adap
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from collections.abc import Callable
@@ -55,7 +58,15 @@ Retrainer = Callable[[Registry, Path, float], RetrainResult]
 
 
 def _files(data_dir: Path, patterns: tuple[str, ...]) -> list[Path]:
-    return sorted({p for pattern in patterns for p in data_dir.glob(pattern) if p.is_file()})
+    """The files matching `patterns` in `data_dir` and below (a fleet's replicas each write to a
+    subdirectory of one shared directory), each content once: a log copied twice -- a re-sync,
+    a backup beside it -- is read once."""
+    found = sorted({p for pattern in patterns for p in data_dir.rglob(pattern) if p.is_file()})
+    by_content: dict[str, Path] = {}
+    for path in found:
+        with open(path, "rb") as handle:
+            by_content.setdefault(hashlib.file_digest(handle, "sha256").hexdigest(), path)
+    return sorted(by_content.values())
 
 
 def _result(name: str, outcome: TrainOutcome, detail: str) -> RetrainResult:
@@ -70,7 +81,8 @@ def retrain_cost_model(registry: Registry, data_dir: Path, margin: float) -> Ret
         return RetrainResult("cost-model", "no data", detail=f"no steps*.csv|jsonl|parquet in {data_dir}")
     import pandas as pd
 
-    frame = pd.concat([load_step_log(f) for f in files], ignore_index=True)
+    # A step logged twice (a file appended to and copied again) is one step.
+    frame = pd.concat([load_step_log(f) for f in files], ignore_index=True).drop_duplicates(ignore_index=True)
     if "start_s" in frame.columns:  # each file is sorted; together they need sorting again
         frame = frame.sort_values("start_s", kind="stable").reset_index(drop=True)
     outcome = train_cost_model(registry, frame, promote_if_better=True, margin=margin, skip_unchanged=True)
@@ -81,7 +93,16 @@ def retrain_ewsjf_layout(registry: Registry, data_dir: Path, margin: float) -> R
     files = _files(data_dir, ("requests*.jsonl",))
     if not files:
         return RetrainResult("ewsjf-meta-policy", "no data", detail=f"no requests*.jsonl in {data_dir}")
-    lengths = np.concatenate([load_trace(f, "requestlog").prompt_tokens for f in files]).astype(np.float64)
+    # Each request once, however many files log it: ids are unique per engine only, so a logged
+    # request is known by its id, arrival and lengths together.
+    lengths_by_request: dict[tuple, int] = {}
+    for f in files:
+        trace = load_trace(f, "requestlog")
+        keys = zip(
+            trace.columns["request_id"], trace.arrival_s.tolist(), trace.output_tokens.tolist(), strict=True
+        )
+        lengths_by_request.update(zip(keys, trace.prompt_tokens.tolist(), strict=True))
+    lengths = np.fromiter(lengths_by_request.values(), np.float64, len(lengths_by_request))
     outcome = train_ewsjf_meta(
         registry, lengths=lengths, promote_if_better=True, margin=margin, skip_unchanged=True
     )

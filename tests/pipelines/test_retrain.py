@@ -140,3 +140,28 @@ def test_the_retrain_lock_is_per_store_not_per_data_directory(tmp_path, capsys):
         other = f"sqlite:///{tmp_path / 'other.db'}"
         assert main(["--tracking-uri", other, "retrain", "--once", "--data-dir", str(second)]) == 0
     assert main(["--tracking-uri", uri, "retrain", "--once", "--data-dir", str(second)]) == 0
+
+
+def test_retrain_reads_every_replicas_logs_once(tmp_path, capsys):
+    """A fleet's replicas log to subdirectories of one shared directory; a log copied again (a
+    re-sync, a backup) is the same data, so retrain finds nothing new in it."""
+    import shutil
+
+    shared = tmp_path / "shared"
+    for replica in (0, 1):
+        (shared / f"replica-{replica}").mkdir(parents=True)
+        write_logs(shared / f"replica-{replica}", seed=replica, n=300, tag=str(replica))
+    uri = f"sqlite:///{tmp_path / 'r.db'}"
+    base = ["--tracking-uri", uri, "retrain", "--once", "--data-dir", str(shared)]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "cost-model           registered v1" in out and "ewsjf-meta-policy    registered v1" in out
+    shutil.copytree(shared / "replica-0", shared / "backup" / "replica-0")
+    assert main(base) == 0
+    statuses = [line.split()[1] for line in capsys.readouterr().out.splitlines()]
+    assert statuses[:2] == ["unchanged", "unchanged"]
+    (shared / "replica-2").mkdir()
+    write_logs(shared / "replica-2", seed=2, n=300, tag="2")
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "cost-model           registered v2" in out and "ewsjf-meta-policy    registered v2" in out
