@@ -302,8 +302,8 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     # gains 30% long-input summarisation a third of the way in. At 12 req/s the post-shift traffic
     # is a little above what EWSJF sustains (short TTFT rises window after window whatever the
     # layout), which is where the layout matters: measured with `experiments.drift_study`, a stale
-    # chat layout serves the short requests up to 4x slower than a refitted one; at 11 req/s the
-    # engine keeps up and the layouts are within noise of each other (0.14-0.15 s).
+    # chat layout serves the short requests 1.4-5x slower than the retraining loop's layouts; at
+    # 11 req/s the engine keeps up and the layouts are within noise of each other (0.14-0.15 s).
     "drift-chat-to-summaries": WorkloadSpec(
         "drift-chat-to-summaries",
         "ShareGPT chat, then (a third of the way in, abruptly) 30% arXiv summarisation; stales"

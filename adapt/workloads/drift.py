@@ -16,9 +16,8 @@ which Refine-and-Prune fits to the prompt lengths of the request log:
 
 Each is a pure function of (rate, number of requests, seed) like every named workload; the shift
 is placed at `shift_share` of the expected duration (num_requests / rate), so a scenario scales
-with its size. `pre_shift_lengths` / `post_shift_lengths` draw prompt lengths of the traffic before
-and after the shift from other seeds: what a champion was trained on, and what an oracle retrained
-at the shift would see.
+with its size. `pre_shift_lengths` draws prompt lengths of the traffic before the shift from
+another seed: what a champion serving it was trained on.
 """
 
 from __future__ import annotations
@@ -94,14 +93,3 @@ def pre_shift_lengths(count: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     short = _rows("sharegpt_lengths.csv.gz", *SHORT_RANGE)
     return short.prompt_tokens[rng.integers(0, len(short), size=count)].astype(np.float64)
-
-
-def post_shift_lengths(count: int, seed: int, long_share: float = 0.3) -> np.ndarray:
-    """Prompt lengths of the traffic after the shift (and after the ramp, if any)."""
-    rng = np.random.default_rng(seed)
-    short = _rows("sharegpt_lengths.csv.gz", *SHORT_RANGE)
-    long = _rows("arxiv_summarization_lengths.csv.gz", *LONG_RANGE)
-    is_long = rng.random(count) < long_share
-    lengths = short.prompt_tokens[rng.integers(0, len(short), size=count)].astype(np.float64)
-    lengths[is_long] = long.prompt_tokens[rng.integers(0, len(long), size=int(is_long.sum()))]
-    return lengths
