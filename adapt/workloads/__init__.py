@@ -303,7 +303,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     # is a little above what EWSJF sustains (short TTFT rises window after window whatever the
     # layout), which is where the layout matters: measured with `experiments.drift_study`, a stale
     # chat layout serves the short requests 1.4-5x slower than the retraining loop's layouts; at
-    # 11 req/s the engine keeps up and the layouts are within noise of each other (0.14-0.15 s).
+    # 11 req/s the engine keeps up and the stale layout costs 0-30% (seeds 0 and 1).
     "drift-chat-to-summaries": WorkloadSpec(
         "drift-chat-to-summaries",
         "ShareGPT chat, then (a third of the way in, abruptly) 30% arXiv summarisation; stales"
