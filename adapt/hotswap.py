@@ -208,3 +208,36 @@ class Slot:
                     self._serving.version,
                     delay,
                 )
+
+
+class PolicySlots:
+    """One slot per learned component a policy declares (`Policy.components`), applied to it by
+    `apply()` between engine steps -- never during one: what `serving_hooks.live` does inside vLLM,
+    for an engine that is not vLLM (the replay engine's retraining loop). The slots are polled by
+    `apply()` itself (`Slot.swap_now`), not by threads, so swaps happen at the engine's (simulated)
+    time, not the wall clock's."""
+
+    def __init__(self, registry: Registry, policy: Any, alias: str = CHAMPION) -> None:
+        self.policy = policy
+        self.slots = {attribute: Slot(registry, name, alias) for attribute, name in policy.components.items()}
+        self.applied: dict[str, int | None] = dict.fromkeys(self.slots)
+
+    def apply(self) -> dict[str, int]:
+        """Follow each alias once; hand every component whose version moved to the policy.
+        Returns {component name: version} of what went live now."""
+        swapped = {}
+        for attribute, slot in self.slots.items():
+            slot.swap_now()
+            component, version = slot.snapshot()
+            if component is not None and version != self.applied[attribute]:
+                self.policy.use_component(attribute, component)
+                self.applied[attribute] = version
+                swapped[slot.name] = version
+        return swapped
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "components": {slot.name: self.applied[a] for a, slot in self.slots.items()},
+            "swaps": sum(slot.swaps for slot in self.slots.values()),
+            "failed_swaps": sum(slot.failed_swaps for slot in self.slots.values()),
+        }

@@ -12,7 +12,8 @@ Data comes from a directory the serving side fills (the vLLM monitor's logs, or 
 subdirectories included, e.g. one per replica of a fleet on shared storage; a file whose content
 was read already, a step or a request logged twice, counts once):
 `steps*.csv|jsonl|parquet` step logs for `cost-model`, `requests*.jsonl` request logs for
-`ewsjf-meta-policy` (its queue layout is refit on the logged prompt lengths, keeping Theta),
+`ewsjf-meta-policy` (its queue layout is refit on the logged prompt lengths, keeping Theta, and
+gated on a replay of the logged requests),
 `prompts*.jsonl[.gz]` prompt/response files for `semantic-history`, `qrf-length` and
 `neural-length`, and
 `programs*.jsonl` compound-program graphs for `pattern-graph`.
@@ -31,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from adapt.registry import Registry, StoreLocked
+from adapt.requests import Request
 from adapt.steplog import load_step_log
 from adapt.traces import Trace, load_trace
 from pipelines.cost_model import train_cost_model
@@ -39,6 +41,7 @@ from pipelines.jitserve import train_pattern_graph
 from pipelines.outcome import TrainOutcome
 
 EXIT_OK, EXIT_FAILED, EXIT_LOCKED = 0, 1, 75  # 75 = EX_TEMPFAIL: try again later
+REPLAY_MOST = 2000  # logged requests a layout's gate replays (the most recent), to keep it to seconds
 
 
 RetrainLocked = StoreLocked  # another retrain run holds the store's lock
@@ -93,25 +96,51 @@ def retrain_ewsjf_layout(registry: Registry, data_dir: Path, margin: float) -> R
     files = _files(data_dir, ("requests*.jsonl",))
     if not files:
         return RetrainResult("ewsjf-meta-policy", "no data", detail=f"no requests*.jsonl in {data_dir}")
-    # Each request once, however many files log it: ids are unique per engine only, so a logged
-    # request is known by its id, arrival and lengths together.
-    lengths_by_request: dict[tuple, int] = {}
-    for f in files:
-        trace = load_trace(f, "requestlog")
-        keys = zip(
-            trace.columns["request_id"], trace.arrival_s.tolist(), trace.output_tokens.tolist(), strict=True
-        )
-        lengths_by_request.update(zip(keys, trace.prompt_tokens.tolist(), strict=True))
-    lengths = np.fromiter(lengths_by_request.values(), np.float64, len(lengths_by_request))
+    logs = _unique_requests([load_trace(f, "requestlog") for f in files])
+    lengths = np.concatenate([log.prompt_tokens for log in logs]).astype(np.float64)
     outcome = train_ewsjf_meta(
-        registry, lengths=lengths, promote_if_better=True, margin=margin, skip_unchanged=True
+        registry,
+        lengths=lengths,
+        promote_if_better=True,
+        margin=margin,
+        skip_unchanged=True,
+        replay_requests=logged_requests(logs),
     )
     queues = outcome.metrics.get("queues", float("nan"))
-    return _result(
-        "ewsjf-meta-policy",
-        outcome,
-        f"{queues:.0f} queues, score {outcome.metrics.get('layout_score', float('nan')):.3f}",
-    )
+    ttft = outcome.metrics.get("replay_ttft_mean", float("nan"))
+    return _result("ewsjf-meta-policy", outcome, f"{queues:.0f} queues, replayed mean TTFT {ttft:.3f} s")
+
+
+def _unique_requests(logs: list[Trace]) -> list[Trace]:
+    """Each logged request once, however many logs hold it. Ids are unique per engine only, so a
+    request is known by its id, arrival and output length together."""
+    seen: set[tuple] = set()
+    unique = []
+    for log in logs:
+        keys = zip(log.columns["request_id"], log.arrival_s.tolist(), log.output_tokens.tolist(), strict=True)
+        fresh = []
+        for row, key in enumerate(keys):
+            if key not in seen:
+                seen.add(key)
+                fresh.append(row)
+        unique.append(log.take(fresh))
+    return unique
+
+
+def logged_requests(logs: list[Trace], most: int = REPLAY_MOST) -> list[Request]:
+    """The most recent `most` finished requests of request logs, as requests to replay: their
+    logged arrivals (shifted to start at 0) and true lengths -- the traffic a gate should judge
+    a scheduling component on."""
+    arrivals = np.concatenate([log.arrival_s for log in logs])
+    prompts = np.concatenate([log.prompt_tokens for log in logs])
+    outputs = np.concatenate([log.output_tokens for log in logs])
+    keep = np.argsort(arrivals, kind="stable")[-most:]
+    start = float(arrivals[keep[0]]) if len(keep) else 0.0
+    return [
+        Request(f"log{i}", float(arrivals[row]) - start, int(prompts[row]), int(outputs[row]))
+        for i, row in enumerate(keep.tolist())
+        if outputs[row] > 0
+    ]
 
 
 def _prompt_responses(data_dir: Path) -> Trace | None:

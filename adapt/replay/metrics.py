@@ -241,22 +241,7 @@ class ReplayResult:
 
     def write_request_log(self, path: str | Path) -> Path:
         """The run as a request log (JSONL of `CompletedRequest`), the format the pipelines read."""
-        path = Path(path)
-        with open(path, "w") as handle:
-            for r in self.records:
-                record = CompletedRequest(
-                    request_id=r.request_id,
-                    arrival_s=r.arrival_s,
-                    prompt_tokens=r.prompt_tokens,
-                    output_tokens=r.output_tokens if r.dropped is None else 0,
-                    first_token_s=r.first_token_s,
-                    finish_s=r.finish_s,
-                    outcome="dropped" if r.dropped is not None else "finished",
-                    label=r.label,
-                    preemptions=r.preemptions,
-                )
-                handle.write(json.dumps(record.to_dict()) + "\n")
-        return path
+        return write_request_log(self.records, path)
 
     def makespan_s(self) -> float:
         if not len(self.table):
@@ -282,6 +267,30 @@ class ReplayResult:
         for sketch in self.tbt.values():
             merged.merge(sketch)
         return merged.quantile
+
+
+def completed_request(r: RequestRecord) -> CompletedRequest:
+    """A replayed request as the record a serving engine's request log holds for it."""
+    return CompletedRequest(
+        request_id=r.request_id,
+        arrival_s=r.arrival_s,
+        prompt_tokens=r.prompt_tokens,
+        output_tokens=r.output_tokens if r.dropped is None else 0,
+        first_token_s=r.first_token_s,
+        finish_s=r.finish_s,
+        outcome="dropped" if r.dropped is not None else "finished",
+        label=r.label,
+        preemptions=r.preemptions,
+    )
+
+
+def write_request_log(records: Iterable[RequestRecord], path: str | Path) -> Path:
+    """`records` as a request log (JSONL of `CompletedRequest`), as `adapt serve --log-dir` writes."""
+    path = Path(path)
+    with open(path, "w") as handle:
+        for r in records:
+            handle.write(json.dumps(completed_request(r).to_dict()) + "\n")
+    return path
 
 
 def weighted_percentile(chunks: Sequence[tuple[np.ndarray, float]], q: float) -> float | None:
@@ -556,6 +565,13 @@ class Recorder:
         self._table.append(self._open.pop(request_id))
         self._sequence.append(self._order.pop(request_id))
         self.done_count += 1
+
+    def closed_since(self, start: int) -> list[RequestRecord]:
+        """Records of the requests that left the engine (finished or dropped) after the first
+        `start` of them, in the order they left -- what a serving engine's request log gained
+        meanwhile. Read-only, so it may be called while the replay runs (unlike `result`)."""
+        rows = np.arange(start, len(self._table), dtype=np.int64)
+        return self._table.select(rows).records()
 
     def result(self, sim_wall_s: float) -> ReplayResult:
         """The run so far, rows in arrival order (requests still in the engine included as they are)."""

@@ -18,6 +18,7 @@ from adapt.replay.engine import EngineConfig
 from adapt.requests import SLO, Request
 from adapt.traces import Trace, load_trace
 from adapt.workloads.builders import SLOClass, build_requests, poisson_arrivals, scale_to_rate
+from adapt.workloads.drift import chat_to_summaries, chat_to_summaries_gradual
 
 DATA_DIR = Path(__file__).parent / "data"
 
@@ -296,6 +297,36 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         1500,
         jitserve_mix,
         token_budget=512,
+    ),
+    # Drift scenarios (`adapt.workloads.drift`): ewsjf-mixed's sources and engine, chat traffic that
+    # gains 30% long-input summarisation a third of the way in. At 12 req/s the post-shift traffic
+    # is a little above what EWSJF sustains (short TTFT rises window after window whatever the
+    # layout), which is where the layout matters: measured with `experiments.drift_study`, a stale
+    # chat layout serves the short requests 1.4-5x slower than the retraining loop's layouts; at
+    # 11 req/s the engine keeps up and the stale layout costs 0-30% (seeds 0 and 1).
+    "drift-chat-to-summaries": WorkloadSpec(
+        "drift-chat-to-summaries",
+        "ShareGPT chat, then (a third of the way in, abruptly) 30% arXiv summarisation; stales"
+        " EWSJF's queue layout; llama-2-13b on 4 x A100",
+        "llama-2-13b",
+        "a100-80g",
+        4,
+        12.0,
+        5400,
+        chat_to_summaries,
+        token_budget=2048,
+    ),
+    "drift-chat-to-summaries-gradual": WorkloadSpec(
+        "drift-chat-to-summaries-gradual",
+        "ShareGPT chat, then 0 -> 30% arXiv summarisation over the middle third; stales EWSJF's"
+        " queue layout; llama-2-13b on 4 x A100",
+        "llama-2-13b",
+        "a100-80g",
+        4,
+        12.0,
+        5400,
+        chat_to_summaries_gradual,
+        token_budget=2048,
     ),
 }
 

@@ -1,0 +1,121 @@
+"""The online-adaptation loop, closed inside a replay: serve, log, retrain, gate, hot-swap.
+
+Every `every_s` seconds of simulated time, between two engine steps (`adapt.replay.checkpoints`):
+
+1. the requests that left the engine since the last checkpoint are written as a request log,
+   `requests-<n>.jsonl` in `log_dir`, in the format `adapt serve --log-dir` writes;
+2. `adapt retrain`'s own code (`pipelines.retrain.retrain_once`, the catalogue's retrainers for the
+   components the policy uses) refits on the newest `history` logs, and its gate decides;
+3. the policy's slots (`adapt.hotswap.PolicySlots`) follow the champion alias, so a promoted
+   version is swapped into the running policy before the next step, as `adapt serve` does.
+
+`before_retrain(at_s, data_dir)` lets a caller put its own candidates through the same registry
+and gate at a checkpoint (the drift study's deliberately bad one); what it returns is recorded
+with the retrain's decisions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from adapt.hotswap import PolicySlots
+from adapt.registry import Registry
+from adapt.replay.checkpoints import checkpoint_times, run_with_checkpoints
+from adapt.replay.engine import ReplayEngine
+from adapt.replay.metrics import ReplayResult, write_request_log
+from adapt.requests import Request
+from pipelines.retrain import Retrainer, RetrainResult, retrain_once
+
+
+@dataclass
+class Decision:
+    """One gate decision at a checkpoint, and whether its version went live in the replay."""
+
+    at_s: float
+    component: str
+    status: str  # registered | unchanged | no data | failed
+    version: int | None
+    promoted: bool
+    detail: str
+    source: str = "retrain"  # retrain | what a `before_retrain` hook calls its candidate
+    swapped: bool = False
+
+
+BeforeRetrain = Callable[[float, Path], list[Decision]]
+
+
+class RetrainLoop:
+    """The loop for one engine and one registry (see module doc)."""
+
+    def __init__(
+        self,
+        engine: ReplayEngine,
+        registry: Registry,
+        log_dir: str | Path,
+        retrainers: dict[str, Retrainer],
+        *,
+        history: int = 2,
+        margin: float = 0.0,
+        before_retrain: BeforeRetrain | None = None,
+    ) -> None:
+        if history < 1:
+            raise ValueError(f"history: must be >= 1 log, got {history}")
+        self.engine = engine
+        self.registry = registry
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        used = set(engine.policy.components.values())
+        self.retrainers = {name: r for name, r in retrainers.items() if name in used}
+        self.history = history
+        self.margin = margin
+        self.before_retrain = before_retrain
+        self.slots = PolicySlots(registry, engine.policy)
+        self.decisions: list[Decision] = []
+        self.swaps: list[tuple[float, str, int]] = []  # (at_s, component, version) that went live
+        self._logged = 0
+        self._logs: list[Path] = []
+        self.apply(0.0)  # the champion serves from the start
+
+    def apply(self, at_s: float) -> dict[str, int]:
+        """Swap in whatever the champion aliases point at now (between steps)."""
+        swapped = self.slots.apply()
+        self.swaps.extend((at_s, name, version) for name, version in swapped.items())
+        return swapped
+
+    def checkpoint(self, at_s: float) -> None:
+        """Log, retrain, gate, swap (see module doc)."""
+        records = self.engine.recorder.closed_since(self._logged)
+        self._logged += len(records)
+        if records:
+            path = self.log_dir / f"requests-{len(self._logs):06d}.jsonl"
+            self._logs.append(write_request_log(records, path))
+        data_dir = self._window(at_s)
+        decisions = self.before_retrain(at_s, data_dir) if self.before_retrain else []
+        with contextlib.redirect_stderr(io.StringIO()):  # retrain's per-component progress lines
+            results = retrain_once(self.registry, data_dir, self.retrainers, margin=self.margin)
+        decisions.extend(_decision(at_s, result) for result in results)
+        swapped = self.apply(at_s)
+        for decision in decisions:
+            decision.swapped = swapped.get(decision.component) == decision.version
+        self.decisions.extend(decisions)
+
+    def _window(self, at_s: float) -> Path:
+        """A data directory holding (links to) the newest `history` request logs."""
+        window = self.log_dir / f"window-{at_s:09.1f}"
+        window.mkdir()
+        for log in self._logs[-self.history :]:
+            (window / log.name).symlink_to(log.resolve())
+        return window
+
+    def run(self, requests: Sequence[Request], every_s: float, until_s: float) -> ReplayResult:
+        """Replay `requests` with a checkpoint every `every_s` seconds up to `until_s`."""
+        times = checkpoint_times(every_s, until_s)
+        return run_with_checkpoints(self.engine, requests, times, self.checkpoint)
+
+
+def _decision(at_s: float, result: RetrainResult) -> Decision:
+    return Decision(at_s, result.component, result.status, result.version, result.promoted, result.detail)
