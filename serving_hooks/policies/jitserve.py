@@ -160,8 +160,10 @@ class JITServe(Policy):
     # ------------------------------------------------------------ lifecycle
     def on_arrival(self, request: RequestState, now: float) -> None:
         self._requests[request.id] = request
-        self._unscored.append(request)
+        self._unscored.append(request)  # scored at the next step, with that step's other arrivals
         self._arrivals.append(request)
+        if self.qrf is not None and request.program is None:
+            self._ask_bound(request, now)  # its forest bound starts now, off the step
         if request.program is not None:
             stages = self._programs.setdefault(request.program.program_id, {})
             stages.setdefault(request.program.stage, []).append(request)
