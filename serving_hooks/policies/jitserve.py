@@ -459,6 +459,9 @@ class JITServe(Policy):
             for request in requests:
                 if request.program is None:
                     self._ask_bound(request, now)
+                    if "jit_bound" not in request.cache:  # its prior until the forest's bound comes
+                        generated = request.tokens_generated
+                        request.cache["jit_bound"] = (self._fallback_bound(generated), generated)
             requests = [r for r in requests if r.program is not None]
         for request in requests:
             if "jit_bound" in request.cache and not self._bound_is_stale(request):
@@ -480,7 +483,8 @@ class JITServe(Policy):
         """The forest's bound at the last multiple g of `refine_every` tokens generated (counted
         down from there): from the memo at once if it holds it, else asked of the prediction queue
         under "id@g", once per g. Until it is handed over the request keeps what it has -- its
-        previous bound counted down, or for a new request the online quantile -- marked
+        previous bound counted down, or for a new request the online quantile, given at its first
+        step (`_refresh_bounds`: at a step, both engines have seen the same completions) -- marked
         `jit_prior`."""
         g = request.tokens_generated - request.tokens_generated % self.refine_every
         if g <= request.cache.get("jit_asked", -1):
@@ -492,9 +496,6 @@ class JITServe(Policy):
             return
         key = f"{request.id}@{g}"
         asked = _Asked(request, row, self.qrf, (self.qrf, self.quantile, row), now)
-        if "jit_bound" not in request.cache:
-            generated = request.tokens_generated
-            request.cache["jit_bound"] = (self._fallback_bound(generated), generated)
         request.cache["jit_prior"] = True
         # Remembered even if the queue refuses it: whether a bound was asked for must not depend on
         # the queue (a trace-driven replay's never refuses), only whether it comes.
