@@ -29,6 +29,19 @@ online by an epsilon-greedy bandit over `cutoffs`, rewarded with the goodput of 
 finish during the frame. Admission control drops requests never scheduled within `waiting_time_s`
 (reported as `dropped`, never lost). Bounds are refreshed every `refine_every` generated tokens.
 
+The forest is never called inside a scheduling step (`adapt.predictions`, as SageSched's
+embeddings): a single request's `qrf-length` bound is asked when it arrives and, at a frame, when
+its bound is `refine_every` tokens old, under the key "id@g"; in replay the asks since the last
+step are predicted in one batch and handed over after the engine's prediction delay (by default at
+once, before the step plans: the results of a forest called in the step), live in vLLM's engine
+process by a background worker. Until a request's bound is handed over it keeps what it has -- its
+previous bound counted down, or for a new request the online quantile -- marked `jit_prior` in its
+cache; a waiting request is re-ranked when its bound comes, a running one uses it from the next
+frame. Bounds are memoised by (prompt tokens, prompt text, g), filled only at hand-over, so what the
+policy decides depends only on what was handed over and when: a trace-driven replay that hands each
+bound over at the live step that got it decides as the live engine did. The pattern graph's stage
+bound (a nearest-graph match once per compound call, ~0.2 ms) stays in the step.
+
 The batch size B caps the running requests: a smaller batch decodes faster, which is what lets
 the admitted requests meet TBTs and deadlines under overload. Its default, 48, was the best of
 32/48/64 on `jitserve-mix` (llama-3-8b / A100, 2.0-3.0 req/s, seed 0); `None` means the engine's
