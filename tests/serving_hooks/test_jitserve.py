@@ -276,6 +276,22 @@ def test_a_request_that_leaves_before_its_bound_gets_nothing():
     )
 
 
+def test_bounds_asked_before_a_new_queue_are_asked_again_there():
+    """A live engine hands the policy a new queue (a policy swap): no asked bound is lost."""
+    policy = JITServe(qrf=FakeBounds(), waiting_time_s=None)
+    _, slow = late_bounds(60.0)
+    policy.use_predictions(slow)
+    essay = asking("essay", 0.0, "write an essay")
+    policy.on_arrival(essay, 0.0)
+    policy.on_step(EngineView(0.1, [essay], [], 0.0, 2048, 8, 0.03))
+    assert essay.cache["jit_prior"]
+    queues, quick = late_bounds(0.0)
+    policy.use_predictions(quick)
+    policy.on_step(EngineView(0.2, [essay], [], 0.0, 2048, 8, 0.03, step_index=1))
+    assert essay.cache["jit_bound"] == (900.0, 0) and not essay.cache["jit_prior"]
+    assert queues[0].stats.delivered == 1
+
+
 def test_replay_results_unchanged_with_bounds_ready_at_the_next_step():
     """The replay default (delay 0): every bound is there before the step that asked plans, so the
     replay is the one of a forest called inside the step (as before bounds moved off it)."""
