@@ -29,6 +29,19 @@ online by an epsilon-greedy bandit over `cutoffs`, rewarded with the goodput of 
 finish during the frame. Admission control drops requests never scheduled within `waiting_time_s`
 (reported as `dropped`, never lost). Bounds are refreshed every `refine_every` generated tokens.
 
+The forest is never called inside a scheduling step (`adapt.predictions`, as SageSched's
+embeddings): a single request's `qrf-length` bound is asked when it arrives and, at a frame, when
+its bound is `refine_every` tokens old, under the key "id@g"; in replay the asks since the last
+step are predicted in one batch and handed over after the engine's prediction delay (by default at
+once, before the step plans: the results of a forest called in the step), live in vLLM's engine
+process by a background worker. Until a request's bound is handed over it keeps what it has -- its
+previous bound counted down, or for a new request the online quantile -- marked `jit_prior` in its
+cache; a waiting request is re-ranked when its bound comes, a running one uses it from the next
+frame. Bounds are memoised by (prompt tokens, prompt text, g), filled only at hand-over, so what the
+policy decides depends only on what was handed over and when: a trace-driven replay that hands each
+bound over at the live step that got it decides as the live engine did. The pattern graph's stage
+bound (a nearest-graph match once per compound call, ~0.2 ms) stays in the step.
+
 The batch size B caps the running requests: a smaller batch decodes faster, which is what lets
 the admitted requests meet TBTs and deadlines under overload. Its default, 48, was the best of
 32/48/64 on `jitserve-mix` (llama-3-8b / A100, 2.0-3.0 req/s, seed 0); `None` means the engine's
@@ -47,12 +60,13 @@ import heapq
 import itertools
 import math
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from sortedcontainers import SortedList
 
 from adapt.policy import EngineView, Horizon, Plan, Policy, RequestState
+from adapt.predictions import Delayed, PredictionQueue, QueueFactory
 from serving_hooks.policies.gmax import KINDS, RequestTable, estimates, select_batch
 
 DEFAULT_STEP_S = 0.03  # decode step time assumed before the engine has measured one
@@ -129,6 +143,13 @@ class JITServe(Policy):
         self._arm_value = np.zeros(len(self.cutoffs))
         self._arm_count = np.zeros(len(self.cutoffs))
         self._bound_memo: dict[tuple[int, str, int], float] = {}
+        # Forest bounds asked off the step (`adapt.predictions`): submission key "id@g" -> what was
+        # asked (`_Asked`), until handed over or the request leaves; each request's keys.
+        self._predictions: PredictionQueue = Delayed(LengthBounds())
+        self._asked: dict[str, _Asked] = {}
+        self._asked_by: dict[str, list[str]] = {}
+        self._frame_rank: dict[str, float] = {}  # the last frame's rank of each waiting request
+        self._reranked: set[str] = set()  # ... and those re-queued since (a bound came)
         self._lengths: list[int] = []  # completed output lengths (fallback bound), sorted
         self._lengths_fifo: deque[int] = deque()
         self._programs: dict[str, dict[int, list[RequestState]]] = {}
@@ -136,15 +157,26 @@ class JITServe(Policy):
         self.preemptions = 0
 
     def use_component(self, attribute: str, component: Any) -> None:
-        """A new version applies to bounds and sub-deadlines computed from now on."""
+        """A new version applies to bounds and sub-deadlines computed from now on (bounds the old
+        one is still computing are used for their requests but not memoised)."""
         super().use_component(attribute, component)
         self._bound_memo.clear()
+
+    def use_predictions(self, queues: QueueFactory) -> None:
+        """Forest bounds run where the engine says; ones already asked are asked again there (none
+        is lost when a live engine swaps this policy in with requests in flight)."""
+        self._predictions.close()
+        self._predictions = queues(LengthBounds())
+        for key, asked in self._asked.items():
+            self._predictions.submit(key, asked.payload, asked.at_s)
 
     # ------------------------------------------------------------ lifecycle
     def on_arrival(self, request: RequestState, now: float) -> None:
         self._requests[request.id] = request
-        self._unscored.append(request)
+        self._unscored.append(request)  # scored at the next step, with that step's other arrivals
         self._arrivals.append(request)
+        if self.qrf is not None and request.program is None:
+            self._ask_bound(request, now)  # its forest bound starts now, off the step
         if request.program is not None:
             stages = self._programs.setdefault(request.program.program_id, {})
             stages.setdefault(request.program.stage, []).append(request)
@@ -161,6 +193,9 @@ class JITServe(Policy):
         self._queue(request, rank=1)
 
     def on_finish(self, request: RequestState, now: float) -> None:
+        for key in self._asked_by.pop(request.id, ()):
+            del self._asked[key]
+            self._predictions.discard(key)
         self._unqueue(request)
         self._table.release(request.id)
         self._requests.pop(request.id, None)
@@ -208,7 +243,10 @@ class JITServe(Policy):
             self._order.remove(entry)
 
     def _admission_order(self):
-        frame = ((*self._frame_keys[i], -1, rid) for i, rid in enumerate(self._frame_ids))
+        reranked = self._reranked
+        frame = (
+            (*self._frame_keys[i], -1, rid) for i, rid in enumerate(self._frame_ids) if rid not in reranked
+        )
         seen: set[str] = set()
         for entry in heapq.merge(frame, self._order):
             rid = entry[-1]
@@ -221,16 +259,24 @@ class JITServe(Policy):
     def on_step(self, view: EngineView) -> Plan:
         step_s = view.mean_batch_time_s or DEFAULT_STEP_S
         drop = self._admission_control(view.now)
+        fresh: list[RequestState] = []
         if self._unscored:
             fresh = [r for r in self._unscored if r.id in self._requests and r.phase != "finished"]
             self._unscored = []
-            self._refresh_bounds(fresh)
+            self._refresh_bounds(fresh, view.now)
+        new_frame = view.step_index - self._frame_start >= self.frame_steps
+        if new_frame:  # the frame re-scores running requests: refresh their stale bounds first
+            running = [r for r in view.running if r.phase in ("prefill", "decode")]
+            self._refresh_bounds([r for r in running if self._bound_is_stale(r)], view.now)
+        if self._asked:  # bounds asked for so far (this step's too) that are ready now
+            self._take_bounds(view.now, step_s, fresh)
+        if fresh:
             for request, priority in zip(fresh, self.priorities(fresh, view.now, step_s), strict=True):
                 self._priority[request.id] = float(priority)
                 if request.phase in _WAITING:
                     self._queue(request, rank=1)
         preempt: list[RequestState] = []
-        if view.step_index - self._frame_start >= self.frame_steps:
+        if new_frame:
             preempt = self._plan_frame(view, step_s)
         room = self._batch(view) - len(view.running) + len(preempt)
         admit = itertools.islice(self._admission_order(), max(0, room))
@@ -242,8 +288,10 @@ class JITServe(Policy):
         return min(self.batch_size or view.max_running, view.max_running)
 
     def horizon(self, view: EngineView) -> Horizon:
-        # The view is the step just planned: the frame has this many steps left after it.
-        return Horizon(steps=max(0, self._frame_start + self.frame_steps - view.step_index - 1))
+        # The view is the step just planned: the frame has this many steps left after it; a bound
+        # still to come re-ranks its request when it is ready.
+        steps = max(0, self._frame_start + self.frame_steps - view.step_index - 1)
+        return Horizon(steps=steps, until_s=self._predictions.next_ready_s if self._asked else math.inf)
 
     def _admission_control(self, now: float) -> list[RequestState]:
         if self.waiting_time_s is None:
@@ -266,8 +314,7 @@ class JITServe(Policy):
         candidates = waiting + running
         if not candidates:
             return []
-        self._refresh_bounds([r for r in running if self._bound_is_stale(r)])
-        for request in running:
+        for request in running:  # (their stale bounds were refreshed at the start of the step)
             self._write(request)
         priority = self.priorities(candidates, view.now, step_s)
         for request, value in zip(running, priority[len(waiting) :].tolist(), strict=True):
@@ -306,6 +353,8 @@ class JITServe(Policy):
         self._frame_keys = np.column_stack([rank[order], -priority[order]]).tolist()
         self._frame_ids = [waiting[i].id for i in order.tolist()]
         self._priority.update(zip((r.id for r in waiting), priority.tolist(), strict=True))
+        self._frame_rank = dict(zip(self._frame_ids, rank[order].tolist(), strict=True))
+        self._reranked.clear()
         self._order.clear()
         self._entry.clear()
 
@@ -415,25 +464,18 @@ class JITServe(Policy):
         _, at = request.cache.get("jit_bound", (None, -self.refine_every))
         return request.tokens_generated - at >= self.refine_every
 
-    def _refresh_bounds(self, requests: list[RequestState]) -> None:
-        """Predict bounds in one batch: QRF for single requests, the pattern graph for compound
-        calls, the online quantile where neither is available."""
-        singles = [r for r in requests if r.program is None]
-        if self.qrf is not None and singles:
-            # Refined every `refine_every` tokens: predict at the last multiple, count down since.
-            at = [r.tokens_generated - r.tokens_generated % self.refine_every for r in singles]
-            keys = [(r.prompt_tokens, r.prompt_text or "", g) for r, g in zip(singles, at, strict=True)]
-            missing = list(dict.fromkeys(k for k in keys if k not in self._bound_memo))
-            if missing:
-                prompt_tokens, texts, generated = zip(*missing, strict=True)
-                bounds = self.qrf.predict_bound(
-                    prompt_tokens, texts, generated, [""] * len(missing), quantile=self.quantile
-                )
-                if len(self._bound_memo) + len(missing) > MEMO_SIZE:
-                    self._bound_memo.clear()
-                self._bound_memo.update(zip(missing, map(float, bounds), strict=True))
-            for request, key in zip(singles, keys, strict=True):
-                request.cache["jit_bound"] = (self._bound_memo[key], key[2])
+    def _refresh_bounds(self, requests: list[RequestState], now: float) -> None:
+        """Give each request a bound: the pattern graph's for compound calls, the online quantile
+        where no component applies, and for single requests the forest's, asked off the step
+        (`_ask_bound`)."""
+        if self.qrf is not None:
+            for request in requests:
+                if request.program is None:
+                    self._ask_bound(request, now)
+                    if "jit_bound" not in request.cache:  # its prior until the forest's bound comes
+                        generated = request.tokens_generated
+                        request.cache["jit_bound"] = (self._fallback_bound(generated), generated)
+            requests = [r for r in requests if r.program is not None]
         for request in requests:
             if "jit_bound" in request.cache and not self._bound_is_stale(request):
                 continue
@@ -449,6 +491,63 @@ class JITServe(Policy):
             if bound is None:
                 bound = self._fallback_bound(request.tokens_generated)
             request.cache["jit_bound"] = (bound, request.tokens_generated)
+
+    def _ask_bound(self, request: RequestState, now: float) -> None:
+        """The forest's bound at the last multiple g of `refine_every` tokens generated (counted
+        down from there): from the memo at once if it holds it, else asked of the prediction queue
+        under "id@g", once per g. Until it is handed over the request keeps what it has -- its
+        previous bound counted down, or for a new request the online quantile, given at its first
+        step (`_refresh_bounds`: at a step, both engines have seen the same completions) -- marked
+        `jit_prior`."""
+        g = request.tokens_generated - request.tokens_generated % self.refine_every
+        if g <= request.cache.get("jit_asked", -1):
+            return  # asked already (its answer may still come; a refused one never does)
+        request.cache["jit_asked"] = g
+        row = (request.prompt_tokens, request.prompt_text or "", g)
+        if row in self._bound_memo:
+            self._use_bound(request, self._bound_memo[row], g)
+            return
+        key = f"{request.id}@{g}"
+        asked = _Asked(request, row, self.qrf, (self.qrf, self.quantile, row), now)
+        request.cache["jit_prior"] = True
+        # Remembered even if the queue refuses it: whether a bound was asked for must not depend on
+        # the queue (a trace-driven replay's never refuses), only whether it comes.
+        self._asked[key] = asked
+        self._asked_by.setdefault(request.id, []).append(key)
+        self._predictions.submit(key, asked.payload, now)
+
+    def _take_bounds(self, now: float, step_s: float, fresh: list[RequestState]) -> None:
+        """Use the forest bounds handed over by `now` (memoised); a waiting request that got one
+        takes its new place in line (this step's arrivals are scored after this, running requests
+        at the next frame)."""
+        reranked: dict[str, RequestState] = {}
+        for key, bound in self._predictions.ready(now):
+            asked = self._asked.pop(key)
+            request = asked.request
+            self._asked_by[request.id].remove(key)
+            if asked.qrf is self.qrf:  # (not a version swapped out since it was asked)
+                if len(self._bound_memo) >= MEMO_SIZE:
+                    self._bound_memo.clear()
+                self._bound_memo[asked.row] = bound
+            if asked.row[2] >= request.cache.get("jit_qrf_at", -1):  # not older than the one in force
+                self._use_bound(request, bound, asked.row[2])
+                if request.phase in _WAITING and request.id in self._priority:
+                    reranked[request.id] = request
+        for request in fresh:
+            reranked.pop(request.id, None)
+        if reranked:
+            waiting = list(reranked.values())
+            for request in waiting:
+                self._write(request)
+            for request, priority in zip(waiting, self.priorities(waiting, now, step_s), strict=True):
+                self._priority[request.id] = float(priority)
+                self._reranked.add(request.id)
+                self._queue(request, rank=self._frame_rank.get(request.id, 1))
+
+    def _use_bound(self, request: RequestState, bound: float, g: int) -> None:
+        request.cache["jit_bound"] = (bound, g)
+        request.cache["jit_qrf_at"] = g
+        request.cache["jit_prior"] = g < request.cache["jit_asked"]
 
     def _fallback_bound(self, generated: int) -> float:
         """The `quantile` of completed output lengths above `generated`, minus `generated`."""
@@ -481,13 +580,14 @@ class JITServe(Policy):
 
     def length_bound(self, request: RequestState) -> tuple[str, float] | None:
         """The bound in force for `request` on its total output, and what made it: the `qrf`
-        component for a single request, `patterns` for a compound call it matched, else the
+        component for a single request it bounded (a request that finished before its first forest
+        bound came had the online quantile), `patterns` for a compound call it matched, else the
         online quantile of completed lengths. Read when a request finishes, to measure coverage
         online (`serving_hooks.quality`); None before the request had a bound."""
         if "jit_bound" not in request.cache:
             return None
         bound, at = request.cache["jit_bound"]
-        if request.program is None and self.qrf is not None:
+        if request.program is None and "jit_qrf_at" in request.cache:
             source = self.components["qrf"]
         elif request.program is not None and request.cache.get("stage_bound") is not None:
             source = self.components["patterns"]
@@ -516,7 +616,7 @@ class JITServeOracle(JITServe):
     needs_oracle = True
     components = {}  # noqa: RUF012  (it knows the truth: nothing learned to swap)
 
-    def _refresh_bounds(self, requests: list[RequestState]) -> None:
+    def _refresh_bounds(self, requests: list[RequestState], now: float) -> None:
         for request in requests:  # the true total, counted down by `gmax.remaining`
             request.cache["jit_bound"] = (float(request.oracle_output_tokens), 0)  # type: ignore[arg-type]
 
@@ -529,6 +629,38 @@ class JITServeOracle(JITServe):
     def _stage_share(self, request: RequestState) -> float:
         share = request.program.deadline_share  # type: ignore[union-attr]
         return 1.0 if share is None else share
+
+
+class _Asked(NamedTuple):
+    """A forest bound asked off the step: for whom, its memo row (prompt tokens, text, g), the
+    component asked, the queue's payload, and when."""
+
+    request: RequestState
+    row: tuple[int, str, int]
+    qrf: Any
+    payload: tuple[Any, float, tuple[int, str, int]]
+    at_s: float
+
+
+class LengthBounds:
+    """The model call JITServe makes off the scheduling step: a `qrf-length` bound per payload
+    (component, quantile, (prompt tokens, prompt text, g)), each distinct row predicted once, one
+    forest call per component and quantile (rows are predicted independently: the same bound as
+    one by one)."""
+
+    def __call__(self, payloads: list[tuple[Any, float, tuple[int, str, int]]]) -> list[float]:
+        groups: dict[tuple[int, float], tuple[Any, float, dict[tuple[int, str, int], None]]] = {}
+        for qrf, quantile, row in payloads:
+            groups.setdefault((id(qrf), quantile), (qrf, quantile, {}))[2][row] = None
+        bounds: dict[tuple[int, float, tuple[int, str, int]], float] = {}
+        for qrf, quantile, rows in groups.values():
+            prompt_tokens, texts, generated = zip(*rows, strict=True)
+            blank = [""] * len(rows)
+            predicted = qrf.predict_bound(prompt_tokens, texts, generated, blank, quantile=quantile)
+            bounds.update(
+                ((id(qrf), quantile, row), float(b)) for row, b in zip(rows, predicted, strict=True)
+            )
+        return [bounds[id(qrf), quantile, row] for qrf, quantile, row in payloads]
 
 
 def _version(component: Any) -> Any:

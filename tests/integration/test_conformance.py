@@ -55,3 +55,33 @@ def test_sagesched_embeds_off_the_step_and_replay_hands_over_at_the_same_steps(t
     assert handed_at and handed_at.keys() <= arrived_at.keys()
     assert any(handed_at[key] > arrived_at[key] for key in handed_at)  # some came steps later
     assert result.agreement == 1.0, result.describe()
+
+
+def test_jitserve_bounds_its_requests_off_the_step_and_replay_hands_over_at_the_same_steps(
+    tiny_model, tmp_path, monkeypatch
+):
+    """With a `qrf-length` (a small one fitted here on the bundled AlpacaEval lengths), live
+    JITServe asks the forest for a request's bound on arrival and every `refine_every` tokens in a
+    background worker; a request runs on its fallback (or its last bound counted down) until the
+    bound comes, and the trace-driven replay hands each over at the live step that got it."""
+    import numpy as np
+
+    from adapt.registry import Registry
+    from adapt.traces import load_trace, split_by_instruction
+    from adapt.workloads import bundled
+    from predictors.qrf_length import QrfLength
+
+    uri = f"sqlite:///{tmp_path / 'registry.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the live engine's process inherits it
+    train, _ = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
+    train = train.take(np.arange(0, len(train), 5))
+    small = QrfLength(n_estimators=5, max_depth=8, prompt_features=16, generated_features=0)
+    version = Registry(uri, cache_dir=tmp_path / "cache").log(small.fit(train))
+    live, result = _lockstep(tiny_model, tmp_path, f"jitserve:qrf=v{version}")
+    arrived_at = {a[0]: step["index"] for step in live for a in step["arrived"]}
+    handed_at = {key: step["index"] for step in live for key in step["predicted"]}
+    asked_at = {key: int(key.rsplit("@", 1)[1]) for key in handed_at}
+    assert handed_at and {key.rsplit("@", 1)[0] for key in handed_at} <= arrived_at.keys()
+    assert any(g > 0 for g in asked_at.values())  # refreshed as requests generated
+    assert any(handed_at[key] > arrived_at[key.rsplit("@", 1)[0]] for key in handed_at if key.endswith("@0"))
+    assert result.agreement == 1.0, result.describe()

@@ -167,6 +167,207 @@ def test_admission_control_drops_unscheduled_requests_after_waiting_time():
     assert plan.drop == [late]
 
 
+# ------------------------------------------------- bounds off the scheduling step
+class FakeBounds:
+    """A `qrf-length` stand-in: 900 tokens for an essay, 20 for anything else, minus those
+    generated (>= 1); it records the prompts of each call."""
+
+    metadata: dict = {}  # noqa: RUF012
+
+    def __init__(self):
+        self.calls: list[list[str]] = []
+
+    def predict_bound(self, prompt_tokens, texts, generated, generated_texts, quantile=None):
+        self.calls.append(list(texts))
+        return np.array(
+            [max(1.0, (900.0 if "essay" in t else 20.0) - g) for t, g in zip(texts, generated, strict=True)]
+        )
+
+
+def late_bounds(delay_s):
+    from adapt.predictions import Delayed
+
+    queues = []
+    return queues, lambda fn: queues.append(Delayed(fn, delay_s=delay_s)) or queues[-1]
+
+
+def asking(rid, arrival, text, slo=None, **kwargs):
+    request = state(rid, arrival=arrival, slo=slo or SLO(kind="deadline", deadline_s=20.0), **kwargs)
+    request.prompt_text = text
+    return request
+
+
+def test_a_request_is_on_its_fallback_bound_until_the_forests_comes_then_re_ranked():
+    qrf = FakeBounds()
+    policy = JITServe(qrf=qrf, waiting_time_s=None)
+    queues, factory = late_bounds(0.5)
+    policy.use_predictions(factory)
+    essay, short = asking("essay", 0.0, "write an essay"), asking("short", 0.1, "say hi")
+    policy.on_arrival(essay, 0.0)
+    policy.on_arrival(short, 0.1)
+
+    def step(now, index):
+        view = EngineView(now, [essay, short], [], 0.0, 2048, 8, 0.03, step_index=index)
+        return [r.id for r in policy.on_step(view).admit], policy.horizon(view)
+
+    # No forest bound yet: both on the online quantile (1,024 tokens: 31 s, past the 20 s
+    # deadline), so equal priorities, arrival order.
+    order, horizon = step(0.1, 0)
+    assert order == ["essay", "short"]
+    assert essay.cache["jit_prior"] and short.cache["jit_prior"]
+    assert essay.cache["jit_bound"] == (1024.0, 0) and policy.length_bound(essay) == (
+        "online-quantile",
+        1024.0,
+    )
+    assert horizon.until_s == 0.5  # asked on arrival: the essay's bound re-ranks it then
+    # The forest's bounds come (computed in one call for both): 20 tokens fit the deadline, 900 do not.
+    order, horizon = step(0.6, 1)
+    assert qrf.calls == [["write an essay", "say hi"]]
+    assert order == ["short", "essay"] and not essay.cache["jit_prior"] and not short.cache["jit_prior"]
+    assert essay.cache["jit_bound"] == (900.0, 0) and policy.length_bound(essay) == ("qrf-length", 900.0)
+    assert horizon.until_s == math.inf
+    assert queues[0].stats.summary()["share_on_prior"] == 1.0
+    # The same prompt again: from the memo, at once, no model call.
+    again = asking("again", 0.7, "write an essay")
+    policy.on_arrival(again, 0.7)
+    step(0.7, 2)
+    assert again.cache["jit_bound"] == (900.0, 0) and not again.cache["jit_prior"] and len(qrf.calls) == 1
+
+
+def test_a_running_request_counts_its_old_bound_down_until_the_refreshed_one_comes():
+    policy = JITServe(qrf=FakeBounds(), frame_steps=2, waiting_time_s=None)
+    _, factory = late_bounds(0.5)
+    policy.use_predictions(factory)
+    running = asking("essay", 0.0, "write an essay", phase="decode")
+    policy.on_arrival(running, 0.0)
+
+    def step(now, index):
+        policy.on_step(EngineView(now, [], [running], 0.0, 2048, 8, 0.03, step_index=index))
+
+    step(0.0, 0)
+    policy.on_admit(running, 0.0)
+    step(0.6, 1)
+    assert running.cache["jit_bound"] == (900.0, 0) and not running.cache["jit_prior"]
+    running.tokens_generated = 60  # stale (refined every 50): the next frame asks for g = 50
+    step(0.7, 2)
+    assert running.cache["jit_bound"] == (900.0, 0) and running.cache["jit_prior"]
+    assert policy.length_bound(running) == ("qrf-length", 900.0)  # the forest's, counted down
+    step(1.2, 3)
+    assert running.cache["jit_bound"] == (850.0, 50) and not running.cache["jit_prior"]
+
+
+def test_a_request_that_leaves_before_its_bound_gets_nothing():
+    qrf = FakeBounds()
+    policy = JITServe(qrf=qrf, waiting_time_s=None)
+    queues, factory = late_bounds(0.5)
+    policy.use_predictions(factory)
+    gone, stays = asking("gone", 0.0, "write an essay"), asking("stays", 0.0, "say hi")
+    for request in (gone, stays):
+        policy.on_arrival(request, 0.0)
+    policy.on_step(EngineView(0.1, [gone, stays], [], 0.0, 2048, 8, 0.03))
+    policy.on_finish(gone, 0.2)  # dropped: it leaves without finishing
+    policy.on_step(EngineView(0.6, [stays], [], 0.0, 2048, 8, 0.03, step_index=1))
+    assert qrf.calls == [["write an essay", "say hi"]]  # computed, but never handed over
+    assert gone.cache["jit_prior"] and "jit_qrf_at" not in gone.cache and "gone" not in str(policy._asked)
+    assert stays.cache["jit_bound"] == (20.0, 0)
+    assert (
+        not queues[0].awaited
+        and policy.horizon(EngineView(0.6, [stays], [], 0.0, 2048, 8, 0.03)).until_s == math.inf
+    )
+
+
+def test_bounds_asked_before_a_new_queue_are_asked_again_there():
+    """A live engine hands the policy a new queue (a policy swap): no asked bound is lost."""
+    policy = JITServe(qrf=FakeBounds(), waiting_time_s=None)
+    _, slow = late_bounds(60.0)
+    policy.use_predictions(slow)
+    essay = asking("essay", 0.0, "write an essay")
+    policy.on_arrival(essay, 0.0)
+    policy.on_step(EngineView(0.1, [essay], [], 0.0, 2048, 8, 0.03))
+    assert essay.cache["jit_prior"]
+    queues, quick = late_bounds(0.0)
+    policy.use_predictions(quick)
+    policy.on_step(EngineView(0.2, [essay], [], 0.0, 2048, 8, 0.03, step_index=1))
+    assert essay.cache["jit_bound"] == (900.0, 0) and not essay.cache["jit_prior"]
+    assert queues[0].stats.delivered == 1
+
+
+def test_replay_results_unchanged_with_bounds_ready_at_the_next_step():
+    """The replay default (delay 0): every bound is there before the step that asked plans, so the
+    replay is the one of a forest called inside the step (as before bounds moved off it)."""
+
+    class InStep(JITServe):
+        def _ask_bound(self, request, now):
+            g = request.tokens_generated - request.tokens_generated % self.refine_every
+            if g > request.cache.get("jit_asked", -1):
+                request.cache["jit_asked"] = g
+                bound = self.qrf.predict_bound(
+                    [request.prompt_tokens], [request.prompt_text or ""], [g], [""]
+                )
+                self._use_bound(request, float(bound[0]), g)
+
+    deadline = SLO(kind="deadline", deadline_s=5.0)  # 20 tokens fit, 900 or 1,024 do not
+    requests = [
+        Request(
+            f"r{i}",
+            0.05 * i,
+            10 + 7 * i,
+            5 + (i * 37) % 120,
+            slo=LATENCY if i % 2 else deadline,
+            prompt_text="write an essay" if i % 3 else "say hi",
+        )
+        for i in range(40)
+    ]
+    records = []
+    for policy in (JITServe(qrf=FakeBounds(), frame_steps=3), InStep(qrf=FakeBounds(), frame_steps=3)):
+        result, _ = run_engine(requests, policy, max_running=2)
+        records.append(sorted(map(repr, result.values())))
+    assert records[0] == records[1]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), delay=st.sampled_from([0.0, 0.05, 0.3, 5.0]), running=st.integers(1, 6))
+def test_no_request_lost_when_bounds_come_late(seed, delay, running):
+    """However late the forest's bounds come (some after their request finished), every request
+    -- single or compound call -- completes with all its tokens or is dropped with a reason."""
+    rng = np.random.default_rng(seed)
+    requests = [
+        Request(
+            f"r{i}",
+            float(0.02 * i),
+            int(rng.integers(5, 60)),
+            int(rng.integers(1, 130)),
+            slo=LATENCY if i % 2 else SLO(kind="deadline", deadline_s=3.0),
+            prompt_text=("write an essay" if i % 3 else "say hi") if i % 5 else None,
+        )
+        for i in range(25)
+    ]
+    for pid, stages in generate_programs(2, seed):
+        shrunk = [
+            type(s)(calls=tuple((max(1, p // 100), max(1, o // 100)) for p, o in s.calls), tool_s=s.tool_s)
+            for s in stages
+        ]
+        requests.extend(program_requests(pid, shrunk, start_s=0.1))
+    requests.sort(key=lambda r: r.arrival_s)
+    _, factory = late_bounds(delay)
+    engine = CheckedEngine(
+        JITServe(qrf=FakeBounds(), frame_steps=3, waiting_time_s=None),
+        ConstantCost(0.01),
+        EngineConfig(max_running=running, kv_capacity_tokens=4000),
+        predictions=factory,
+    )
+    result = engine.run(requests)
+    assert engine.violations == []
+    records = {r.request_id: r for r in result.records}
+    assert set(records) == {r.request_id for r in requests}
+    for request in requests:
+        record = records[request.request_id]
+        if record.dropped is None:
+            assert engine.completions[request.request_id] == request.output_tokens
+        else:
+            assert record.dropped == "parent dropped" and request.program is not None
+
+
 # ------------------------------------------------------------- pattern graph
 def _graph(pid, *stages):
     return ProgramGraph(pid, tuple(stages))
