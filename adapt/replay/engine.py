@@ -320,6 +320,9 @@ class ReplayEngine:
             self._queues = {"running": [r.id for r in self.running], "waiting": list(self.waiting)}
         plan = self.policy.on_step(view)
         scheduled, changed, acted = self._schedule(plan)
+        # Every running request ran (counted before the step: one finishing in it leaves the list,
+        # and what is left -- a prefill at a 1-token budget, say -- need not have been a decode).
+        everyone_ran = len(scheduled) == len(self.running)
         if self.decisions is not None:
             self._record_decision(trace.index if trace is not None else self.step_index, scheduled)
         previous, self._in_flight = self._in_flight, None
@@ -336,7 +339,8 @@ class ReplayEngine:
             and not self.config.async_scheduling
             and not acted
             and self.running
-            and len(scheduled) == len(self.running)
+            and everyone_ran
+            and len(scheduled) == len(self.running)  # and none finished: the plan may change
             and self._decodes_only
         ):
             self._decode_run(view)

@@ -86,6 +86,7 @@ class SLAI(PriorityPolicy):
         self.decode_limit = decode_limit
         self.reserve_below = reserve_below
         self.best_effort_batches = best_effort_batches
+        self._plan_flips = False
 
     def current_offset(self, kv_usage: float) -> float:
         return self.offset(kv_usage) if callable(self.offset) else float(self.offset)
@@ -126,6 +127,9 @@ class SLAI(PriorityPolicy):
                 lst = last + tbt - slack
             (critical if view.now >= lst else optional).append((lst, request))
         critical.sort(key=lambda item: item[0])
+        # A critical decode with slack (LST after its last token) is not critical once its next
+        # token is out: the next step's plan differs from this one (`horizon`).
+        self._plan_flips = any(lst > request.last_token_s for lst, request in critical)
         optional.sort(key=lambda item: item[0])
         room = self.max_active - len(view.running)
         budget = view.token_budget - len(critical) - sum(r.tokens_to_compute for r in started)
@@ -150,7 +154,10 @@ class SLAI(PriorityPolicy):
         return reserved
 
     def horizon(self, view: EngineView) -> Horizon:
-        """Wake up when the earliest deferred decode becomes critical."""
+        """Wake up when the earliest deferred decode becomes critical; re-plan at once when a
+        critical decode of this plan stops being critical after its token."""
+        if self._plan_flips:
+            return Horizon(steps=0)
         offset = self.current_offset(view.kv_usage)
         times = [
             last_schedulable_time(r, offset, view.mean_batch_time_s, self.best_effort_batches)

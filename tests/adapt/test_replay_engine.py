@@ -145,6 +145,33 @@ def make_requests(rows):
 # Regression: at a 1-token budget a prefill chunk of 1 token looked like a decode step, and the
 # fast path advanced it as a decode run (tokens generated from a prompt not yet computed).
 @example(rows=[(0.0, 5, 4, "x"), (0.0, 3, 6, "x")], policy="fcfs", budget=1, max_running=2, kv_blocks=30)
+# Regression: a request finishing in a step left only a 1-token prefill running, which the fast
+# path then advanced as a decode run (the running count matched what the step had scheduled).
+@example(
+    rows=[(0.0, 68, 20, "x"), (0.0, 8, 27, "x"), (0.0, 96, 26, "y")],
+    policy="slai",
+    budget=1,
+    max_running=2,
+    kv_blocks=67,
+)
+# Regression: a decode run right after a request finished, though the finish freed a slot that
+# SLAI's next plan fills with an admission instead of the deferred decode.
+@example(
+    rows=[(0.0, 20, 2, "x"), (0.0, 5, 4, "x"), (0.0, 100, 10, "y"), (7.877, 56, 37, "y")],
+    policy="slai",
+    budget=2,
+    max_running=2,
+    kv_blocks=53,
+)
+# Regression: SLAI's critical decode stops being critical once its token is out, so the next
+# plan differs (it reserves the budget for an admission); the fast path repeated the old one.
+@example(
+    rows=[(0.0, 49, 5, "y"), (0.0, 48, 1, "y"), (0.0, 5, 40, "x"), (0.0, 61, 6, "x")],
+    policy="slai",
+    budget=1,
+    max_running=2,
+    kv_blocks=80,
+)
 @given(
     rows=request_lists,
     policy=st.sampled_from(tuple(POLICIES)),
