@@ -159,12 +159,16 @@ class SLAI(PriorityPolicy):
         if self._plan_flips:
             return Horizon(steps=0)
         offset = self.current_offset(view.kv_usage)
-        times = [
-            last_schedulable_time(r, offset, view.mean_batch_time_s, self.best_effort_batches)
-            for r in view.running
-            if r.phase == "decode"
-        ]
-        return Horizon(steps=1, until_s=min(times, default=math.inf))
+        pending = math.inf
+        for request in view.running:
+            if request.phase != "decode" or request.last_token_s is None:
+                continue
+            lst = last_schedulable_time(request, offset, view.mean_batch_time_s, self.best_effort_batches)
+            # A decode without slack (best effort at 0 batches, a TBT inside the offset's margin)
+            # is critical from its last token on: the passing time changes nothing for it.
+            if request.last_token_s < lst < pending:
+                pending = lst
+        return Horizon(steps=1, until_s=pending)
 
     def describe(self) -> dict[str, Any]:
         offset = self.offset.rule() if hasattr(self.offset, "rule") else self.offset
