@@ -207,6 +207,7 @@ def policy_share(out: Path) -> float:
 def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
     """Replay run `out`'s requests (arrival, prompt, output, SLO) with `cost` and compare each
     request's TTFT and E2E with its client's measurement."""
+    from adapt.predictions import Delayed, PredictionStats
     from adapt.replay.engine import ReplayEngine
     from adapt.requests import Request
     from serving_hooks.policies import make_policy_from_spec
@@ -214,6 +215,13 @@ def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
 
     real = real_requests(out)
     rows = json.loads((out / "workload.json").read_text())["rows"]
+    # The prompt text the live engine gave a policy that reads it (its token ids, detokenised),
+    # from the decision log: replay must embed the same text.
+    texts = {
+        arrival[0]: arrival[4].get("prompt_text")
+        for step in json.loads((out / "decisions.json").read_text())
+        for arrival in step["arrived"]
+    }
     requests = []
     for record in real:
         row = rows[int(record["request_id"].rsplit("-", 1)[0][1:])]
@@ -221,10 +229,17 @@ def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
         requests.append(
             Request(
                 record["request_id"], record["arrival_s"], row["prompt"], row["output"], slo=slo,
-                max_tokens=row["output"],
+                max_tokens=row["output"], prompt_text=texts.get(record["request_id"]),
             )
         )  # fmt: skip
-    result = ReplayEngine(make_policy_from_spec(policy), cost, engine_config(out)).run(requests)
+    config = engine_config(out)
+    queues: list[Any] = []  # the replay's prediction queues, for their prior/prediction split
+
+    def delayed(function: Any) -> Any:
+        queues.append(Delayed(function, delay_s=config.prediction_delay_s))
+        return queues[-1]
+
+    result = ReplayEngine(make_policy_from_spec(policy), cost, config, predictions=delayed).run(requests)
     simulated = {r.request_id: r for r in result.records}
     errors: dict[str, list[float]] = {"ttft": [], "e2e": []}  # signed: (simulated - real) / real
     live = {"ttft": [], "e2e": []}
@@ -241,11 +256,16 @@ def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
                 errors[key].append((predicted - measured) / measured)
     preempted_live = sum(r.get("preemptions", 0) for r in real)
 
-    def summary(values: dict[str, list[float]], preemptions: int) -> dict[str, float]:
+    live_predictions = json.loads((out / "engine.json").read_text()).get("predictions")
+    replay_predictions = PredictionStats.combined([q.stats for q in queues]).summary() if queues else None
+
+    def summary(values: dict[str, list[float]], preemptions: int, predictions: Any) -> dict[str, Any]:
         return {
             "ttft_p50": float(np.median(values["ttft"])),
             "e2e_mean": float(np.mean(values["e2e"])),
             "preemptions": preemptions,
+            # share of requests first scheduled on a prior (off-step predictions; None: none made)
+            "prior_share": None if not predictions else predictions["share_on_prior"],
         }
 
     e2e, ttft = np.abs(errors["e2e"]), np.abs(errors["ttft"])
@@ -255,8 +275,8 @@ def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
         "ttft_median_abs_pct_error": 100 * float(np.median(ttft)),
         "e2e_bias_pct": 100 * float(np.median(errors["e2e"])),
         "compared_requests": len(e2e),
-        "live": summary(live, preempted_live),
-        "replay": summary(sim, result.preemptions),
+        "live": summary(live, preempted_live, live_predictions),
+        "replay": summary(sim, result.preemptions, replay_predictions),
     }
 
 
@@ -358,6 +378,10 @@ def print_table(report: dict[str, Any]) -> None:
             f"ranking by {name}: live {ranking['live']}; replay {ranking['replay']};"
             f" tau {ranking['kendall_tau']:.2f}"
         )
+    for r in report["results"]:
+        live, replay = r["live"]["prior_share"], r["replay"]["prior_share"]
+        if live is not None and replay is not None:
+            print(f"{r['policy']}: first scheduled on a prior, live {live:.3f} vs replay {replay:.3f}")
     for r in report["results"]:
         if r["first_divergence"]:
             print(f"{r['policy']}: {r['first_divergence']}")
