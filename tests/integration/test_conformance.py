@@ -50,6 +50,15 @@ def test_sagesched_embeds_off_the_step_and_replay_hands_over_at_the_same_steps(t
     length-only prior and re-ranked when their embedding comes, steps later; the trace-driven
     replay hands each embedding over at the live step that got it and decides identically."""
     live, result = _lockstep(tiny_model, tmp_path, "sagesched")
+    out = tmp_path / "run"
+    # The ordinary (not lockstep) replay with the live run's prediction latency schedules about
+    # as many requests first on their prior as live did.
+    from experiments.fidelity import engine_config, fit_cost_model, predict
+
+    cost = fit_cost_model([out], int(engine_config(out).kv_capacity_tokens))
+    predicted = predict(out, cost, "sagesched")
+    assert predicted["compared_requests"] == 150
+    assert abs(predicted["live"]["prior_share"] - predicted["replay"]["prior_share"]) <= 0.05
     arrived_at = {a[0]: step["index"] for step in live for a in step["arrived"]}
     handed_at = {key: step["index"] for step in live for key in step["predicted"]}
     assert handed_at and handed_at.keys() <= arrived_at.keys()
