@@ -15,15 +15,12 @@ outcome, policy and engine step time, length-bound coverage, component versions.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import shutil
 import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import defaultdict
 from itertools import pairwise
 from pathlib import Path
@@ -34,21 +31,10 @@ CLIENTS = 5
 SCRAPE_EVERY_S = 2.0
 
 
-def _post(port: int, body: dict[str, Any]) -> None:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            response.read()
-    except urllib.error.HTTPError as exc:
-        exc.read()
-
-
 def _client(port: int, model: str, seed: int, until: float) -> None:
     """Requests of every SLO class, one after another, until `until`."""
+    from experiments.quickstart_serve import post_completion
+
     rng = random.Random(seed)
     n = 0
     while time.time() < until:
@@ -67,20 +53,18 @@ def _client(port: int, model: str, seed: int, until: float) -> None:
                 "stage": n % 3,
             }
         body = {"model": model, "prompt": f"request {seed}-{n}", "max_tokens": rng.choice([16, 64, 160])}
-        _post(port, {**body, "ignore_eos": rng.random() < 0.5, **({"vllm_xargs": xargs} if xargs else {})})
+        post_completion(
+            port, {**body, "ignore_eos": rng.random() < 0.5, **({"vllm_xargs": xargs} if xargs else {})}
+        )
 
 
-def _scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
-    from prometheus_client.parser import text_string_to_metric_families
+def _scrape_adapt(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """The `adapt_*` samples of one scrape of the server's `/metrics` (vLLM's are not drawn)."""
+    from adapt.cli.status import scrape
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    samples: dict[str, list] = defaultdict(list)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.startswith("adapt_"):
-                samples[sample.name].append((sample.labels, sample.value))
-    return samples
+    return {
+        name: found for name, found in scrape(f"http://127.0.0.1:{port}").items() if name.startswith("adapt_")
+    }
 
 
 def _series(scrapes: list[tuple[float, dict]], name: str, key: str) -> dict[str, list[tuple[float, float]]]:
@@ -210,7 +194,7 @@ def main() -> None:
                 client.start()
             scrapes, promoted_at = [], None
             while any(client.is_alive() for client in clients):
-                scrapes.append((time.time() - start, _scrape(port)))
+                scrapes.append((time.time() - start, _scrape_adapt(port)))
                 if promoted_at is None and time.time() > start + args.seconds / 2:
                     registry.promote(
                         "pattern-graph", registry.log(PatternGraph().fit(generate_graphs(80, seed=2)))
@@ -218,7 +202,7 @@ def main() -> None:
                     promoted_at = time.time() - start
                 time.sleep(SCRAPE_EVERY_S)
             time.sleep(SCRAPE_EVERY_S)
-            scrapes.append((time.time() - start, _scrape(port)))
+            scrapes.append((time.time() - start, _scrape_adapt(port)))
             plot(scrapes, promoted_at or 0.0, Path(args.out))
             print(f"wrote {args.out} from {len(scrapes)} scrapes")
             adapt(["status", f"http://127.0.0.1:{port}"])

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,21 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def post_completion(port: int, body: dict[str, Any], timeout_s: float = 120) -> tuple[int, dict[str, Any]]:
+    """POST `body` to the server's `/v1/completions`: (HTTP status, reply JSON). An HTTP error is a
+    status with its error body, not an exception; a connection that fails raises OSError."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
 
 
 def adapt_status(port: int) -> dict[str, Any]:

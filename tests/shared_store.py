@@ -8,7 +8,6 @@ Optuna's RDB storage (a study shared by several tuning workers).
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from experiments.quickstart_serve import free_port
 
 SERVER_START_TIMEOUT_S = 120.0
 
@@ -70,12 +71,6 @@ class SharedStore:
     tracking_uri: str  # http://127.0.0.1:PORT, the MLflow server
     database_uri: str  # postgresql+psycopg2://.../optuna, Optuna's storage (its own database)
     server: MlflowServer  # to stop and restart it
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def postgres_uri(server, database: str = "postgres") -> str:

@@ -40,17 +40,22 @@ def _get(url: str) -> bytes | None:
         raise ConnectionError(f"cannot reach {url} ({reason}); is adapt serve running there?") from None
 
 
-def read_server(url: str) -> tuple[dict[str, Any] | None, Samples]:
-    """(status JSON or None, every sample of /metrics by name)."""
+def scrape(url: str) -> Samples:
+    """Every sample of the server's `/metrics`, by name (parsed with prometheus_client's parser)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    base = url.rstrip("/")
-    metrics_text = _get(f"{base}/metrics")
-    status_body = _get(f"{base}/v1/adapt/status")
+    metrics_text = _get(f"{url.rstrip('/')}/metrics")
     samples: Samples = defaultdict(list)
     for family in text_string_to_metric_families((metrics_text or b"").decode()):
         for sample in family.samples:
             samples[sample.name].append((sample.labels, sample.value))
+    return samples
+
+
+def read_server(url: str) -> tuple[dict[str, Any] | None, Samples]:
+    """(status JSON or None, every sample of /metrics by name)."""
+    samples = scrape(url)
+    status_body = _get(f"{url.rstrip('/')}/v1/adapt/status")
     return (json.loads(status_body) if status_body else None), samples
 
 

@@ -5,19 +5,16 @@ up a promotion made after it is back. `adapt status --fleet` shows the replicas 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from adapt.cli import main
 from adapt.registry import Registry
 from adapt.workloads.compound import generate_graphs
-from experiments.quickstart_serve import adapt_status, free_port, wait_for_status
+from experiments.quickstart_serve import adapt_status, free_port, post_completion, wait_for_status
 from predictors.pattern_graph import PatternGraph
 from serving_hooks.server import server_command
 from serving_hooks.tiny_model import VLLM_CPU_ARGS, make_tiny_model
@@ -33,16 +30,8 @@ def _complete(port: int, model: str, i: int) -> int:
     """One small compound-call request; its HTTP status (0 if the connection failed)."""
     xargs = {"slo_kind": "compound", "deadline_s": 60, "program_id": f"p{i // 3}", "stage": i % 3}
     body = {"model": model, "prompt": f"request {i}", "max_tokens": 4, "vllm_xargs": xargs}
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
-    )
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
+        return post_completion(port, body, timeout_s=60)[0]
     except OSError:
         return 0
 

@@ -9,15 +9,14 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections import Counter, defaultdict
+from collections import Counter
 
 import pytest
 
+from adapt.cli.status import scrape
 from adapt.registry import Registry
 from adapt.workloads.compound import generate_graphs
-from experiments.quickstart_serve import adapt_status, free_port, wait_for_status
+from experiments.quickstart_serve import adapt_status, free_port, post_completion, wait_for_status
 from predictors.pattern_graph import PatternGraph
 from serving_hooks.server import server_command
 from serving_hooks.tiny_model import VLLM_CPU_ARGS
@@ -35,31 +34,6 @@ ONE_AT_A_TIME = {  # class -> (vllm_xargs, how many, expected outcome); sent one
 BURST = 6  # best-effort requests of 200 tokens sent together: all but the first wait long enough
 # Fewer than 20 requests finish in all, so jitserve bounds every single request by its fallback,
 # 1024 tokens on the total (it needs 20 finished lengths for its online quantile).
-
-
-def _post(port: int, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
-
-
-def _scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    samples: dict[str, list] = defaultdict(list)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[sample.name].append((sample.labels, sample.value))
-    return samples
 
 
 def _value(samples, name: str, **labels: str) -> float:
@@ -104,7 +78,7 @@ def test_metrics_count_a_known_load(tmp_path, monkeypatch, capsys):
             for i in range(count):
                 extra = {"stage": i} if label == "compound" else {}
                 body = {"model": str(model), "prompt": f"{label} {i}", "max_tokens": 8}
-                code, reply = _post(port, {**body, "vllm_xargs": {**xargs, **extra}})
+                code, reply = post_completion(port, {**body, "vllm_xargs": {**xargs, **extra}})
                 assert code == 200 and not _was_dropped(code, reply), (label, code, reply)
                 sent[(xargs["slo_kind"], outcome)] += 1
 
@@ -114,7 +88,7 @@ def test_metrics_count_a_known_load(tmp_path, monkeypatch, capsys):
         while adapt_status(port)["components"]["pattern-graph"] != second:  # applied between steps:
             assert time.time() < deadline, "the promoted version never went live"
             time.sleep(1.0)
-            code, reply = _post(port, {"model": str(model), "prompt": "nudge", "max_tokens": 2})
+            code, reply = post_completion(port, {"model": str(model), "prompt": "nudge", "max_tokens": 2})
             assert code == 200 and not _was_dropped(code, reply)  # a step for the swap to happen at
             sent[("best_effort", "met")] += 1
 
@@ -122,7 +96,7 @@ def test_metrics_count_a_known_load(tmp_path, monkeypatch, capsys):
 
         def one(i: int) -> None:
             body = {"model": str(model), "prompt": f"burst {i}", "max_tokens": 200, "ignore_eos": True}
-            replies.append(_post(port, body))
+            replies.append(post_completion(port, body))
 
         clients = [threading.Thread(target=one, args=(i,)) for i in range(BURST)]
         for client in clients:
@@ -204,7 +178,7 @@ def _wait_for_gauges(port: int, finished: int) -> dict:
     engine goes idle, right after the last one left)."""
     deadline = time.time() + 30
     while True:
-        samples = _scrape(port)
+        samples = scrape(f"http://127.0.0.1:{port}")
         window = sum(v for _, v in samples.get("adapt_length_bound_window_requests", []))
         if window >= finished or time.time() > deadline:
             return samples

@@ -4,14 +4,12 @@
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from adapt.registry import Registry
 from adapt.workloads.compound import generate_graphs
-from experiments.quickstart_serve import adapt_status, free_port, wait_for_status
+from experiments.quickstart_serve import adapt_status, free_port, post_completion, wait_for_status
 from predictors.pattern_graph import PatternGraph
 from serving_hooks.server import server_command
 from serving_hooks.tiny_model import VLLM_CPU_ARGS
@@ -31,19 +29,6 @@ def test_validate_xargs_names_the_field():
     assert validate_xargs({"program_id": "p", "stage": -1}).startswith("vllm_xargs.stage")
     assert validate_xargs({"stage": 1}).startswith("vllm_xargs.stage")
     assert validate_xargs([1]).startswith("vllm_xargs")
-
-
-def _post(port, body):
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def _check_logs(directory, expected):
@@ -105,9 +90,10 @@ def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_pat
         def stream():
             for i in range(12):
                 xargs = {"slo_kind": "compound", "deadline_s": 60, "program_id": f"p{i // 3}", "stage": i % 3}
-                code, _ = _post(
+                code, _ = post_completion(
                     port,
                     {"model": str(model), "prompt": f"request {i}", "max_tokens": 16, "vllm_xargs": xargs},
+                    timeout_s=60,
                 )
                 codes.append(code)
 
@@ -122,7 +108,7 @@ def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_pat
         assert status["swaps"] >= 2 and status["failed_swaps"] == 0
         _check_logs(tmp_path / "logs", expected=12)
 
-        code, body = _post(
+        code, body = post_completion(
             port,
             {
                 "model": str(model),
@@ -130,6 +116,7 @@ def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_pat
                 "max_tokens": 2,
                 "vllm_xargs": {"slo_kind": "deadline", "deadline_s": -1},
             },
+            timeout_s=60,
         )
         assert code == 400 and "vllm_xargs.deadline_s" in body["error"]["message"]
     finally:
