@@ -354,9 +354,12 @@ class PolicyScheduler(AsyncScheduler):
 
     def shutdown(self) -> None:
         """vLLM's shutdown, after the prediction workers stop (a thread still inside a model at
-        interpreter exit can abort the process)."""
+        interpreter exit can abort the process) and the logs' buffers are written out (a server
+        stopped under load would otherwise lose its last second of request and step records)."""
         for queue in self.prediction_queues:
             queue.close()
+        if self.monitor is not None:
+            self._flush_logs()
         super().shutdown()
 
     def _prediction_queue(self, function: BatchFunction) -> PredictionQueue:

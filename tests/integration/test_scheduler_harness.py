@@ -153,3 +153,31 @@ def test_requests_the_policy_drops_are_reported_to_their_client(tiny_model, monk
                     reported[out.request_id] = out.finish_reason
     assert sorted(reported) == sorted(r.request_id for r in requests)  # every client hears back
     assert FinishReason.ABORT in reported.values()  # waited longer than 0 s: dropped, and told so
+
+
+def test_a_server_stopped_under_load_keeps_every_record_it_made(tiny_model, monkeypatch, tmp_path):
+    """The request and step logs buffer up to a second of records; shutting the engine down with
+    requests still in flight writes them out instead of dropping them."""
+    from vllm.v1.request import RequestStatus
+
+    from experiments.bench_scheduler import make_requests, make_scheduler, step
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    monkeypatch.setenv("ADAPT_POLICY", "fcfs")
+    monkeypatch.setenv("ADAPT_LOG_DIR", str(tmp_path))
+    scheduler = make_scheduler(tiny_model, PolicyScheduler, 8, 4000)
+    requests = make_requests(40, 0, seed=1, max_tokens=4)
+    for request in requests:
+        scheduler.add_request(request)
+    steps = 12
+    for _ in range(steps):
+        step(scheduler)
+    finished = sum(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in requests)
+    assert 0 < finished < len(requests)  # still under load when it stops
+    scheduler.shutdown()
+
+    def records(prefix: str) -> int:
+        return sum(len(p.read_text().splitlines()) for p in tmp_path.glob(f"{prefix}-*.jsonl"))
+
+    assert records("requests") == finished
+    assert records("steps") == steps
