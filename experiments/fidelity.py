@@ -180,27 +180,31 @@ def real_requests(out: Path) -> list[dict[str, Any]]:
     return sorted(records, key=lambda r: r["arrival_s"])
 
 
-def fit_cost_model(runs: list[Path], kv_capacity: int) -> Any:
-    """`cost-model` fitted to the step logs of `runs` (run A, and its repeat when there is one:
-    two runs average the machine's drift between them)."""
+def step_log(*runs: Path) -> Any:
+    """The step logs the monitor wrote in `runs`' directories, as one frame."""
     import pandas as pd
 
     from adapt.steplog import load_step_log
+
+    return pd.concat(
+        [load_step_log(p) for out in runs for p in sorted(out.glob("steps-*.jsonl"))], ignore_index=True
+    )
+
+
+def fit_cost_model(runs: list[Path], kv_capacity: int) -> Any:
+    """`cost-model` fitted to the step logs of `runs` (run A, and its repeat when there is one:
+    two runs average the machine's drift between them)."""
     from predictors.cost_model import FittedCostModel
 
-    logs = [load_step_log(p) for out in runs for p in sorted(out.glob("steps-*.jsonl"))]
-    frame = pd.concat(logs, ignore_index=True)
-    return FittedCostModel(kv_capacity).fit(frame)
+    return FittedCostModel(kv_capacity).fit(step_log(*runs))
 
 
 def policy_share(out: Path) -> float:
     """Share of the live run's step time spent in the policy (`adapt.steplog.POLICY_S`): time the
     replay does not charge, so an error of about this size is the policy's, not the cost model's."""
-    import pandas as pd
+    from adapt.steplog import POLICY_S
 
-    from adapt.steplog import POLICY_S, load_step_log
-
-    frame = pd.concat([load_step_log(p) for p in sorted(out.glob("steps-*.jsonl"))], ignore_index=True)
+    frame = step_log(out)
     return float(frame[POLICY_S].sum() / frame["duration_s"].sum())
 
 
