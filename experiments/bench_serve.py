@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,14 +48,26 @@ def xargs_for(request: Request) -> dict[str, Any]:
     return xargs
 
 
-async def _send(client, model: str, request: Request, max_words: int, max_tokens: int) -> ClientRecord:
-    record = ClientRecord(request.request_id)
+def prompt_for(request: Request, max_words: int | None) -> str | list[int]:
+    """What to send as the prompt: the request's text (or a word per token) cut to `max_words`
+    words; with `max_words` None, exactly `prompt_tokens` token ids, so the engine sees the trace's
+    length whatever the tokenizer (ids from a range every vocabulary has, drawn per request so no
+    two prompts share a cached prefix)."""
+    if max_words is None:
+        rng = np.random.default_rng(zlib.crc32(request.request_id.encode()))
+        return rng.integers(5, 500, size=request.prompt_tokens).tolist()
     words = (request.prompt_text or "word " * request.prompt_tokens).split()[:max_words]
+    return " ".join(words) or "hello"
+
+
+async def _send(client, model: str, request: Request, max_words: int | None, max_tokens: int) -> ClientRecord:
+    record = ClientRecord(request.request_id)
+    prompt = prompt_for(request, max_words)
     start = last = time.perf_counter()
     try:
         stream = await client.completions.create(
             model=model,
-            prompt=" ".join(words) or "hello",
+            prompt=prompt,
             max_tokens=max(1, min(request.output_tokens, max_tokens)),
             stream=True,
             extra_body={"vllm_xargs": xargs_for(request), "ignore_eos": True},
@@ -74,9 +87,10 @@ async def _send(client, model: str, request: Request, max_words: int, max_tokens
 
 
 async def run_load(
-    url: str, model: str, requests: list[Request], max_words: int, max_tokens: int
+    url: str, model: str, requests: list[Request], max_words: int | None, max_tokens: int
 ) -> list[ClientRecord]:
-    """Send every request at its arrival time (dependants after their parents finish)."""
+    """Send every request at its arrival time (dependants after their parents finish); prompts as
+    `prompt_for` makes them."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key="adapt")
