@@ -145,13 +145,16 @@ def fetch_status(url: str, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
     """A server's status JSON; ConnectionError when it does not answer with one."""
     try:
         with urllib.request.urlopen(url + STATUS_PATH, timeout=timeout_s) as response:
-            return json.loads(response.read())
+            status = json.loads(response.read())
     except urllib.error.HTTPError as exc:  # 503 until the engine wrote its first status
         raise ConnectionError(f"HTTP {exc.code}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise ConnectionError(str(getattr(exc, "reason", exc))) from None
     except ValueError as exc:
         raise ConnectionError(f"not a status JSON ({exc})") from None
+    if not isinstance(status, dict):
+        raise ConnectionError("not a status JSON (not an object)")
+    return status
 
 
 class QualityWatch:
