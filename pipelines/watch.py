@@ -170,7 +170,7 @@ class QualityWatch:
         margin: float = DEFAULT_MARGIN,
         cooldown_s: float = DEFAULT_COOLDOWN_S,
         timeout_s: float = TIMEOUT_S,
-        say: Callable[[str], None] = print,
+        say: Callable[[str], None] = lambda line: print(line, flush=True),  # a log read as it runs
     ) -> None:
         if not urls:
             raise ValueError("--watch: give the servers' URLs, comma-separated")
