@@ -306,6 +306,12 @@ class Registry:
         log.info("rolled back %s: champion %s -> %s", name, current, target)
         return target
 
+    def tag_version(self, name: str, version: int, key: str, value: str) -> None:
+        """Set a tag on one version, e.g. why it was rolled back (`pipelines.watch`), so whoever
+        looks at it before promoting it again (`adapt models show`) sees that it did badly."""
+        self._version(name, version)  # fails clearly if missing
+        self.client.set_model_version_tag(name, str(version), key, value)
+
     def _history(self, name: str) -> list[int]:
         from mlflow.exceptions import MlflowException
 

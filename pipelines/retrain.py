@@ -18,6 +18,9 @@ gated on a replay of the logged requests),
 `neural-length`, and
 `programs*.jsonl` compound-program graphs for `pattern-graph`.
 Components tuned on replay (`slai-offset`, EWSJF's Theta) are retrained by `adapt tune`.
+
+In-process (`retrain_loop`): a pass at every fire time of a cron expression or every N seconds,
+and with `--watch` one early when a server's drift alarm goes off (`pipelines.watch`).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -213,16 +217,20 @@ def retrain_once(
         return results
 
 
-def retrain_on_schedule(
-    registry: Registry,
-    data_dir: str | Path,
-    cron: str,
-    retrainers: dict[str, Retrainer],
-    *,
-    margin: float = 0.0,
-    max_runs: int | None = None,
-) -> None:
-    """Run `retrain_once` at every fire time of a 5-field cron expression, in this process."""
+class Watch(Protocol):
+    """What `retrain_loop` asks between passes (`pipelines.watch.QualityWatch`)."""
+
+    def poll(self, now: float) -> bool:
+        """Look at the servers (and act on what needs no retrain); True: run a pass now."""
+        ...
+
+    def retrained(self, now: float) -> None:
+        """A pass ended at `now`."""
+        ...
+
+
+def cron_times(cron: str) -> Iterator[float]:
+    """The fire times of a 5-field cron expression, from now on."""
     from datetime import datetime
 
     from croniter import croniter
@@ -230,16 +238,56 @@ def retrain_on_schedule(
     if not croniter.is_valid(cron):
         raise ValueError(f"--schedule: invalid cron expression {cron!r}")
     schedule = croniter(cron, datetime.now())
-    runs = 0
-    while max_runs is None or runs < max_runs:
-        fire = schedule.get_next(float)
-        time.sleep(max(0.0, fire - time.time()))
-        try:
-            for result in retrain_once(registry, data_dir, retrainers, margin=margin):
-                print(format_result(result))
-        except RetrainLocked as exc:
-            print(f"retrain: skipped: {exc}", file=sys.stderr)
-        runs += 1
+    return iter(lambda: schedule.get_next(float), None)
+
+
+def every(seconds: float, clock: Callable[[], float] = time.time) -> Iterator[float]:
+    """Fire times `seconds` apart, each counted from the end of the pass before (cron has no step
+    below a minute, and a pass longer than the interval must not queue up passes behind it)."""
+    if not seconds > 0:
+        raise ValueError(f"--every: must be > 0 seconds, got {seconds}")
+    return iter(lambda: clock() + seconds, None)
+
+
+def retrain_loop(
+    registry: Registry,
+    data_dir: str | Path,
+    retrainers: dict[str, Retrainer],
+    fire_times: Iterable[float],
+    *,
+    margin: float = 0.0,
+    watch: Watch | None = None,
+    watch_interval_s: float = 10.0,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """A `retrain_once` pass at every fire time, in this process, until `fire_times` ends. With a
+    `watch`, poll it every `watch_interval_s` while waiting and run a pass at once when it asks
+    (a drift alarm: `pipelines.watch`)."""
+    for fire in fire_times:
+        while (now := clock()) < fire:
+            if watch is None:
+                sleep(fire - now)
+                continue
+            sleep(min(watch_interval_s, fire - now))
+            if (now := clock()) < fire and watch.poll(now):  # at the fire time, the pass is due anyway
+                retrain_pass(registry, data_dir, retrainers, margin=margin)
+                watch.retrained(clock())
+        retrain_pass(registry, data_dir, retrainers, margin=margin)
+        if watch is not None:
+            watch.retrained(clock())
+
+
+def retrain_pass(
+    registry: Registry, data_dir: str | Path, retrainers: dict[str, Retrainer], *, margin: float
+) -> None:
+    """`retrain_once`, one printed line per component; a pass another run holds the lock for is
+    reported and skipped (the next one will try again)."""
+    try:
+        for result in retrain_once(registry, data_dir, retrainers, margin=margin):
+            print(format_result(result), flush=True)
+    except RetrainLocked as exc:
+        print(f"retrain: skipped: {exc}", file=sys.stderr)
 
 
 def format_result(result: RetrainResult) -> str:

@@ -35,6 +35,13 @@ What is recorded (labels are bounded: SLO class = SLO kind, tier (the first MAX_
   estimates, and the drift alarm (coverage more than `drift_margin` below the serving version's
   registered held-out coverage, once the window holds `drift_least` requests).
 
+Per version: a component's windows measure one version. When the version serving it changes (its
+live slot swapped, or without live slots the loaded component's `registry_version`), its windows
+start afresh and the old version's last figures are kept as the entry's `predecessor` in the status
+file -- what `pipelines.watch` compares to decide a rollback. The change is seen at `publish`, so
+requests that finish in the (at most `publish_interval_s`) between a swap and it count for the old
+version; the first version a window sees is the one it measured from its first request.
+
 SLO outcome from what the scheduler sees: latency -- the first token by arrival + TTFT and the last
 by arrival + TTFT + (n - 1) * TBT (first token + (n - 1) * TBT with only a TBT target); deadline and
 compound -- finished by the (program's) deadline, each call judged alone; best effort -- met when it
@@ -201,6 +208,8 @@ class SchedulerMetrics:
         self.bounds: dict[str, BoundWindow] = {}
         self.ranks: dict[str, RankWindow] = {}
         self.matches: dict[str, ShareWindow] = {}
+        self.measured: dict[str, int] = {}  # the version each component's windows measure
+        self.predecessors: dict[str, dict[str, Any]] = {}  # the last figures of the version before it
         self._pending = _Pending()
         self._define()
 
@@ -456,7 +465,8 @@ class SchedulerMetrics:
             self.prediction_prior_share().set(predictions["share_on_prior"])
             self.prediction_wait().set(predictions["mean_wait_s"])
             self.prediction_refused().set(predictions["refused"])
-        held_out = self._publish_components(policy, live)
+        serving, held_out = self._publish_components(policy, live)
+        self._follow_versions(serving)
         return self._publish_quality(held_out)
 
     def _publish_policy(self, policy: Policy, kv_usage: float) -> None:
@@ -473,28 +483,62 @@ class SchedulerMetrics:
             if thresholds:
                 self.slai_threshold().set(thresholds[0])
 
-    def _publish_components(self, policy: Policy, live: Any) -> dict[str, Mapping[str, float]]:
+    def _publish_components(
+        self, policy: Policy, live: Any
+    ) -> tuple[dict[str, int], dict[str, Mapping[str, float]]]:
         """Versions, swaps and swap times of the live slots (or, without live slots, the version
-        each component was loaded at); returns each component's registered metrics."""
+        each component was loaded at); returns each component's serving version and registered
+        metrics."""
+        serving: dict[str, int] = {}
         if live is None:
             for attribute, name in policy.components.items():
                 version = getattr(getattr(policy, attribute, None), "metadata", {}).get("registry_version")
                 if version is not None:
                     self.component_version(name).set(version)
-            return {}
+                    serving[name] = version
+            return serving, {}
         held_out = {}
         slots = [*live.slots.values(), *([live.config_slot] if live.config_slot is not None else [])]
         for slot in slots:
             name = slot.name
             if slot.version is not None:
                 self.component_version(name).set(slot.version)
+                serving[name] = slot.version
             self._advance(self.swaps_total, name, slot, slot.swaps)
             self._advance(self.failed_swaps_total, name, slot, slot.failed_swaps)
             last = slot.last_swap_s
             if last is not None:
                 self.last_swap(name).set(last)
             held_out[name] = slot.held_out
-        return held_out
+        return serving, held_out
+
+    def _follow_versions(self, serving: Mapping[str, int]) -> None:
+        """Start a component's windows afresh when the version serving it changed, keeping the old
+        version's figures as its predecessor (module docstring). Once per publish, never per request."""
+        for name, version in serving.items():
+            measured = self.measured.get(name)
+            self.measured[name] = version
+            if measured is None or measured == version:
+                continue
+            self.predecessors[name] = self._figures(name, measured)
+            if name in self.bounds:
+                self.bounds[name] = BoundWindow(self.window)
+            if name in self.ranks:
+                self.ranks[name] = RankWindow(self.window)
+            if name in self.matches:
+                self.matches[name] = ShareWindow(self.window)
+
+    def _figures(self, name: str, version: int) -> dict[str, Any]:
+        """A component's figures now, as the `predecessor` entry of the status keeps them."""
+        bounds, ranks = self.bounds.get(name), self.ranks.get(name)
+        correlation = ranks.correlation() if ranks is not None else None
+        return {
+            "version": version,
+            "coverage": _rounded(bounds.coverage if bounds else None, 3),
+            "overestimate": _rounded(bounds.overestimate if bounds else None, 2),
+            "rank_correlation": _rounded(correlation, 3),
+            "requests": bounds.count if bounds else ranks.count if ranks else 0,
+        }
 
     def _advance(self, family: _Family, name: str, slot: Any, total: int) -> None:
         """Count a slot's own running total into a Prometheus counter: only the increase since the
@@ -510,26 +554,28 @@ class SchedulerMetrics:
     def _publish_quality(self, held_out: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, Any]]:
         quality: dict[str, dict[str, Any]] = {}
         for name, window in self.bounds.items():
-            if window.coverage is None:
-                continue
+            if window.coverage is None and name not in self.predecessors:
+                continue  # nothing measured yet; a new version's empty window shows beside its predecessor
             reference = held_out_coverage(held_out.get(name, {}))
             alarm = drift_alarm(window, reference, self.drift_margin, self.drift_least)
-            self.coverage(name).set(window.coverage)
-            self.overestimate(name).set(window.overestimate)
+            if window.coverage is not None:
+                self.coverage(name).set(window.coverage)
+                self.overestimate(name).set(window.overestimate)  # type: ignore[arg-type]
             self.window_requests(name).set(window.count)
             self.drift(name).set(int(alarm))
             if reference is not None:
                 self.held_out_coverage(name).set(reference)
             quality[name] = {
-                "coverage": round(window.coverage, 3),
-                "overestimate": round(window.overestimate, 2),  # type: ignore[arg-type]
+                "coverage": _rounded(window.coverage, 3),
+                "overestimate": _rounded(window.overestimate, 2),
                 "requests": window.count,
                 "held_out_coverage": None if reference is None else round(reference, 3),
                 "drift_alarm": alarm,
             }
         for name, matches in self.matches.items():
-            self.neighbour_share(name).set(matches.share)  # type: ignore[arg-type]
-            quality.setdefault(name, {}).update(neighbour_share=round(matches.share, 3))  # type: ignore[arg-type]
+            if matches.share is not None:
+                self.neighbour_share(name).set(matches.share)
+            quality.setdefault(name, {}).update(neighbour_share=_rounded(matches.share, 3))
         for name, ranks in self.ranks.items():
             correlation = ranks.correlation()
             if correlation is not None:
@@ -537,4 +583,10 @@ class SchedulerMetrics:
             quality.setdefault(name, {}).update(
                 rank_correlation=None if correlation is None else round(correlation, 3), requests=ranks.count
             )
+        for name, entry in quality.items():
+            entry.update(version=self.measured.get(name), predecessor=self.predecessors.get(name))
         return quality
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)

@@ -19,6 +19,7 @@ from typing import Any
 
 from adapt.cli.usage import (
     COUNT,
+    DURATION,
     POSITIVE,
     RATE,
     Parser,
@@ -117,7 +118,13 @@ def cmd_models_show(args: argparse.Namespace) -> int:
     for info in registry.versions(args.name):
         aliases = f" [{', '.join(info.aliases)}]" if info.aliases else ""
         print(f"{args.name} v{info.version}{aliases}  run {info.run_id}")
-        for key in ("adapt.schema_version", "adapt.data_window", "adapt.data_hash", "adapt.git_commit"):
+        for key in (
+            "adapt.schema_version",
+            "adapt.data_window",
+            "adapt.data_hash",
+            "adapt.git_commit",
+            "adapt.rolled_back",
+        ):
             if key in info.tags:
                 print(f"    {key.removeprefix('adapt.')}: {info.tags[key]}")
         for key, value in sorted(info.metrics.items()):
@@ -231,14 +238,31 @@ def cmd_retrain(args: argparse.Namespace) -> int:
         EXIT_LOCKED,
         EXIT_OK,
         RetrainLocked,
+        cron_times,
+        every,
         format_result,
-        retrain_on_schedule,
+        retrain_loop,
         retrain_once,
     )
+    from pipelines.watch import QualityWatch
 
+    if args.watch is not None and args.once:
+        raise UsageError("--watch: needs --every or --schedule (it acts between scheduled passes)")
     registry = _registry(args)
-    if args.schedule:
-        retrain_on_schedule(registry, args.data_dir, args.schedule, retrainers(), margin=args.margin)
+    if not args.once:
+        fire_times = cron_times(args.schedule) if args.schedule else every(args.every)
+        watch = None
+        if args.watch is not None:
+            watch = QualityWatch([url.strip() for url in args.watch.split(",") if url.strip()], registry)
+        retrain_loop(
+            registry,
+            args.data_dir,
+            retrainers(),
+            fire_times,
+            margin=args.margin,
+            watch=watch,
+            watch_interval_s=args.watch_interval,
+        )
         return EXIT_OK
     try:
         results = retrain_once(registry, args.data_dir, retrainers(), margin=args.margin)
@@ -416,10 +440,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--once", action="store_true", help="one pass (exit 0 ok, 1 a component failed, 75 locked)"
     )
     when.add_argument("--schedule", metavar="CRON", help='in-process scheduler, e.g. "0 * * * *"')
+    when.add_argument(
+        "--every", type=DURATION, metavar="SECONDS", help="in-process, a pass SECONDS after the last ended"
+    )
     retrain.add_argument(
         "--data-dir", default="mlruns/data", help="steps*.csv|jsonl|parquet and requests*.jsonl"
     )
     retrain.add_argument("--margin", type=MARGIN, default=0.0)
+    retrain.add_argument(
+        "--watch",
+        metavar="URL,URL,...",
+        help="with --every/--schedule: poll these servers' status; a drift alarm retrains early, a"
+        " promoted version doing worse online than its predecessor is rolled back (pipelines/watch.py)",
+    )
+    retrain.add_argument(
+        "--watch-interval", type=DURATION, default=10.0, metavar="S", help="poll every S seconds (10)"
+    )
     retrain.set_defaults(func=cmd_retrain)
 
     compare = sub.add_parser("compare", help="replay runs side by side (policies x workloads), plots vs load")

@@ -247,3 +247,81 @@ def test_semantic_neighbour_share_reaches_gauge_and_status():
     quality = metrics.publish(0.0, policy=policy, waiting=[], running=0, kv_usage=0.0)
     assert _value(metrics, "adapt_semantic_neighbour_share", component="semantic-history") == 0.75
     assert quality["semantic-history"]["neighbour_share"] == 0.75
+
+
+def test_a_new_version_starts_its_windows_afresh_and_keeps_the_predecessors_figures():
+    metrics = SchedulerMetrics(window=10)
+    policy = _Bounded()
+    slot = _slot("qrf-length", 3, swaps=1)
+    live = SimpleNamespace(slots={"qrf": slot}, config_slot=None)
+    for i in range(10):  # v3: outputs 1..10 under a bound of 7 tokens, coverage 0.7
+        _finish_with_bound(metrics, policy, i + 1, 7.0, request_id=f"a{i}")
+    quality = metrics.publish(0.0, policy=policy, waiting=[], running=0, kv_usage=0.0, live=live)
+    assert quality["qrf-length"]["version"] == 3 and quality["qrf-length"]["predecessor"] is None
+    assert quality["qrf-length"]["coverage"] == 0.7
+
+    slot.version, slot.swaps = 4, 2  # v4 went live: nothing finished under it yet
+    quality = metrics.publish(1.0, policy=policy, waiting=[], running=0, kv_usage=0.0, live=live)
+    expected_ratio = round(sum(7 / n for n in range(1, 11)) / 10, 2)
+    predecessor = {
+        "version": 3,
+        "coverage": 0.7,
+        "overestimate": expected_ratio,
+        "rank_correlation": None,
+        "requests": 10,
+    }
+    assert quality["qrf-length"] == {
+        "coverage": None,
+        "overestimate": None,
+        "requests": 0,
+        "held_out_coverage": None,
+        "drift_alarm": False,
+        "version": 4,
+        "predecessor": predecessor,
+    }
+    assert _value(metrics, "adapt_length_bound_window_requests", component="qrf-length") == 0
+
+    for i in range(4):  # v4: outputs 1..4 under 7 tokens, all covered
+        _finish_with_bound(metrics, policy, i + 1, 7.0, request_id=f"b{i}")
+    quality = metrics.publish(2.0, policy=policy, waiting=[], running=0, kv_usage=0.0, live=live)
+    assert quality["qrf-length"]["coverage"] == 1.0 and quality["qrf-length"]["requests"] == 4
+    assert quality["qrf-length"]["predecessor"] == predecessor  # kept while v4 serves
+    assert _value(metrics, "adapt_length_bound_coverage", component="qrf-length") == 1.0  # v4's window
+
+
+def test_without_live_slots_the_loaded_versions_decide_the_windows():
+    metrics = SchedulerMetrics(window=50)
+    policy = _Ranking()
+    policy.estimator = SimpleNamespace(metadata={"registry_version": 1})
+    for i in range(20):  # v1 orders perfectly
+        metrics.finished(_ranked(i + 1, i + 1, f"a{i}"), "finished", policy)
+    first = metrics.publish(0.0, policy=policy, waiting=[], running=0, kv_usage=0.0)["semantic-history"]
+    assert (first["version"], first["rank_correlation"], first["requests"]) == (1, 1.0, 20)
+    policy.estimator = SimpleNamespace(metadata={"registry_version": 2})
+    for i in range(20):  # v2 orders backwards, but these finish before a publish sees it: v1's
+        metrics.finished(_ranked(i + 1, 20 - i, f"b{i}"), "finished", policy)
+    metrics.publish(1.0, policy=policy, waiting=[], running=0, kv_usage=0.0)
+    for i in range(20):
+        metrics.finished(_ranked(i + 1, 20 - i, f"c{i}"), "finished", policy)
+    entry = metrics.publish(2.0, policy=policy, waiting=[], running=0, kv_usage=0.0)["semantic-history"]
+    assert (entry["version"], entry["rank_correlation"], entry["requests"]) == (2, -1.0, 20)
+    assert entry["predecessor"]["version"] == 1 and entry["predecessor"]["requests"] == 40
+
+
+class _Ranking(Policy):
+    """A policy with a length estimate per request, as sagesched's semantic history gives."""
+
+    name = "ranking"
+    components = {"estimator": "semantic-history"}  # noqa: RUF012
+
+    def on_step(self, view):  # pragma: no cover - never scheduled here
+        raise AssertionError
+
+    def length_estimate(self, request):
+        return ("semantic-history", request.cache["estimate"])
+
+
+def _ranked(generated: int, estimate: float, request_id: str) -> RequestState:
+    state = _request(SLO(), first=0.1, finish=1.0, generated=generated, request_id=request_id)
+    state.cache["estimate"] = estimate
+    return state
