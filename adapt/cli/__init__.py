@@ -248,6 +248,14 @@ def cmd_retrain(args: argparse.Namespace) -> int:
 
     if args.watch is not None and args.once:
         raise UsageError("--watch: needs --every or --schedule (it acts between scheduled passes)")
+    chosen = retrainers()
+    if args.only is not None:
+        names = [name.strip() for name in args.only.split(",") if name.strip()]
+        unknown = [name for name in names if name not in chosen]
+        if unknown or not names:
+            expected = ", ".join(chosen)
+            raise UsageError(f"--only: unknown {unknown or args.only!r}; expected some of {expected}")
+        chosen = {name: chosen[name] for name in names}
     registry = _registry(args)
     if not args.once:
         fire_times = cron_times(args.schedule) if args.schedule else every(args.every)
@@ -257,7 +265,7 @@ def cmd_retrain(args: argparse.Namespace) -> int:
         retrain_loop(
             registry,
             args.data_dir,
-            retrainers(),
+            chosen,
             fire_times,
             margin=args.margin,
             watch=watch,
@@ -265,7 +273,7 @@ def cmd_retrain(args: argparse.Namespace) -> int:
         )
         return EXIT_OK
     try:
-        results = retrain_once(registry, args.data_dir, retrainers(), margin=args.margin)
+        results = retrain_once(registry, args.data_dir, chosen, margin=args.margin)
     except RetrainLocked as exc:
         print(f"adapt: {exc}", file=sys.stderr)
         return EXIT_LOCKED
@@ -447,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-dir", default="mlruns/data", help="steps*.csv|jsonl|parquet and requests*.jsonl"
     )
     retrain.add_argument("--margin", type=MARGIN, default=0.0)
+    retrain.add_argument(
+        "--only", metavar="NAME,NAME,...", help="refit only these components (default: every one with data)"
+    )
     retrain.add_argument(
         "--watch",
         metavar="URL,URL,...",

@@ -431,3 +431,16 @@ def test_retrain_watch_needs_a_schedule_and_server_urls(tmp_path, capsys):
     assert "'a:8000' is not an http(s) URL with a host" in capsys.readouterr().err
     assert main([*base, "--every", "5", "--watch", " , "]) == 2
     assert "give the servers' URLs" in capsys.readouterr().err
+
+
+def test_retrain_only_refits_the_components_named(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    data = tmp_path / "data"
+    data.mkdir()
+    base = ["retrain", "--once", "--data-dir", str(data)]
+    assert main([*base, "--only", "ewsjf-meta-policy,nope"]) == 2
+    assert "--only: unknown ['nope']; expected some of cost-model" in capsys.readouterr().err
+    assert main([*base, "--only", " , "]) == 2
+    assert main([*base, "--only", "ewsjf-meta-policy"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith("ewsjf-meta-policy") and "no data" in out
