@@ -27,8 +27,9 @@ import numpy as np
 from adapt.plots import figure, save
 from adapt.registry import Registry, StoreLocked
 from adapt.replay.cost import roofline
-from adapt.replay.engine import ReplayEngine
+from adapt.replay.engine import EngineConfig, ReplayEngine
 from adapt.requests import Request
+from adapt.steplog import CostModel
 from adapt.workloads import WORKLOADS
 from pipelines.outcome import Gate, TrainOutcome, latest_data_hash, register_and_gate
 from predictors.ewsjf_meta import REWARD_WEIGHTS, THETA_SPACE, EwsjfMetaPolicy, equation5
@@ -107,17 +108,18 @@ def train_ewsjf_meta(
     margin: float = 0.0,
     skip_unchanged: bool = False,
     replay_requests: list[Request] | None = None,
+    replay_engine: tuple[CostModel, EngineConfig] | None = None,
 ) -> TrainOutcome:
-    """Refit the layout on a window of prompt lengths (default: a fresh ewsjf-mixed history) with
-    the champion's Theta (or the defaults) and gate it against the champion. The gate: with
-    `replay_requests` (the served traffic, e.g. rebuilt from a request log), the mean TTFT of
-    EWSJF replaying them with each layout on ewsjf-mixed's engine (`replay_ttft_mean`, lower is
-    better); without, equation 5 without its latency term, scored on the same window. The layout
-    score alone can prefer a stale layout: after chat traffic gains long prompts, a 3-queue layout
-    fitted on chat scored 1.18 on the new mix against 0.75 for a 14-queue one refitted to it (few
-    queues are rewarded for balance and penalised less for proliferation), though the refitted
-    layouts serve short requests faster under load (`experiments.drift_study`). With
-    `skip_unchanged`, nothing is registered when the lengths equal the latest version's."""
+    """Refit the layout on a window of prompt lengths (default: a fresh ewsjf-mixed history) with the
+    champion's Theta (or the defaults) and gate it against the champion. The gate: with `replay_requests`
+    (the served traffic, e.g. rebuilt from a request log), the mean TTFT of EWSJF replaying them with each
+    layout on `replay_engine` (cost model and limits; default ewsjf-mixed's engine) (`replay_ttft_mean`,
+    lower is better); without, equation 5 without its latency term, scored on the same window. The layout
+    score alone can prefer a stale layout: after chat traffic gains long prompts, a 3-queue layout fitted
+    on chat scored 1.18 on the new mix against 0.75 for a 14-queue one refitted to it (few queues are
+    rewarded for balance and penalised less for proliferation), though the refitted layouts serve short
+    requests faster under load (`experiments.drift_study`). With `skip_unchanged`, nothing is registered
+    when the lengths equal the latest version's."""
     champion = registry.champion("ewsjf-meta-policy")
     lengths = history_lengths(history) if lengths is None else lengths
     candidate = EwsjfMetaPolicy(**(champion.get_params() if champion else {})).fit(lengths)
@@ -132,19 +134,24 @@ def train_ewsjf_meta(
     gate = Gate("layout_score", lower_is_better=False, margin=margin)
     if replay_requests:
         gate = Gate("replay_ttft_mean", lower_is_better=True, margin=margin)
-        metrics["replay_ttft_mean"] = replay_ttft(candidate, replay_requests)
+        metrics["replay_ttft_mean"] = replay_ttft(candidate, replay_requests, replay_engine)
         if champion_metrics is not None:
-            champion_metrics["replay_ttft_mean"] = replay_ttft(champion, replay_requests)
+            champion_metrics["replay_ttft_mean"] = replay_ttft(champion, replay_requests, replay_engine)
     return register_and_gate(
         registry, candidate, metrics, champion_metrics, gate, promote_if_better=promote_if_better
     )
 
 
-def replay_ttft(meta: EwsjfMetaPolicy, requests: list[Request]) -> float:
-    """Mean TTFT of `ewsjf` with this layout replaying `requests` on ewsjf-mixed's engine."""
-    spec = WORKLOADS["ewsjf-mixed"]
-    engine = ReplayEngine(EWSJF(meta), roofline(spec.model, spec.gpu, tp=spec.tp), spec.engine_config())
-    return float(engine.run(requests).metrics()["ttft_mean"])
+def replay_ttft(
+    meta: EwsjfMetaPolicy, requests: list[Request], engine: tuple[CostModel, EngineConfig] | None = None
+) -> float:
+    """Mean TTFT of `ewsjf` with this layout replaying `requests` on `engine` (default:
+    ewsjf-mixed's)."""
+    if engine is None:
+        spec = WORKLOADS["ewsjf-mixed"]
+        engine = roofline(spec.model, spec.gpu, tp=spec.tp), spec.engine_config()
+    cost, config = engine
+    return float(ReplayEngine(EWSJF(meta), cost, config).run(requests).metrics()["ttft_mean"])
 
 
 def tune_ewsjf(

@@ -36,8 +36,9 @@ from typing import Protocol
 import numpy as np
 
 from adapt.registry import Registry, StoreLocked
+from adapt.replay.engine import ENGINE_FILE, EngineConfig
 from adapt.requests import Request
-from adapt.steplog import load_step_log
+from adapt.steplog import CostModel, load_step_log
 from adapt.traces import Trace, load_trace
 from pipelines.cost_model import train_cost_model
 from pipelines.ewsjf import train_ewsjf_meta
@@ -102,6 +103,7 @@ def retrain_ewsjf_layout(registry: Registry, data_dir: Path, margin: float) -> R
         return RetrainResult("ewsjf-meta-policy", "no data", detail=f"no requests*.jsonl in {data_dir}")
     logs = _unique_requests([load_trace(f, "requestlog") for f in files])
     lengths = np.concatenate([log.prompt_tokens for log in logs]).astype(np.float64)
+    engine, on = served_engine(registry, data_dir)
     outcome = train_ewsjf_meta(
         registry,
         lengths=lengths,
@@ -109,10 +111,28 @@ def retrain_ewsjf_layout(registry: Registry, data_dir: Path, margin: float) -> R
         margin=margin,
         skip_unchanged=True,
         replay_requests=logged_requests(logs),
+        replay_engine=engine,
     )
     queues = outcome.metrics.get("queues", float("nan"))
     ttft = outcome.metrics.get("replay_ttft_mean", float("nan"))
-    return _result("ewsjf-meta-policy", outcome, f"{queues:.0f} queues, replayed mean TTFT {ttft:.3f} s")
+    return _result("ewsjf-meta-policy", outcome, f"{queues:.0f} queues, replayed mean TTFT {ttft:.3f} s {on}")
+
+
+def served_engine(registry: Registry, data_dir: Path) -> tuple[tuple[CostModel, EngineConfig] | None, str]:
+    """The engine that served the logs, for a gate that replays them: its limits as the server
+    wrote them (`ENGINE_FILE`; the newest when a fleet's replicas each wrote one) timed by the
+    `cost-model` champion, which `retrain_cost_model` refits from the same server's step log just
+    before. Judged on a default engine instead, a load that queues on the server may not queue at
+    all, and then every layout looks alike. None (and the gate's default) without the file or a
+    cost model; the string says which was used."""
+    files = sorted(data_dir.rglob(ENGINE_FILE), key=lambda p: p.stat().st_mtime)
+    if not files:
+        return None, f"(no {ENGINE_FILE}: on the default engine)"
+    cost = registry.champion("cost-model")
+    if cost is None:
+        return None, "(no cost-model champion: on the default engine)"
+    config = EngineConfig.from_json(files[-1].read_text(), source=str(files[-1]))
+    return (cost, config), f"on the server's engine (cost-model v{cost.metadata.get('registry_version')})"
 
 
 def _unique_requests(logs: list[Trace]) -> list[Trace]:

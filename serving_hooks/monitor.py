@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from adapt.replay.engine import ENGINE_FILE, EngineConfig
 from adapt.requests import CompletedRequest
 
 
@@ -86,6 +87,14 @@ class Monitor:
 
     def step(self, start_s: float, duration_s: float, features: dict[str, float]) -> None:
         self.steps.write({"start_s": start_s, **features, "duration_s": duration_s})
+
+    def engine(self, config: EngineConfig) -> None:
+        """Record the serving engine's limits beside the logs (`ENGINE_FILE`), replaced atomically:
+        what a retrain's gate replays the logged requests on."""
+        path = self.requests.directory / ENGINE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(config.to_json())
+        tmp.replace(path)
 
     def flush(self) -> None:
         self.requests.flush()

@@ -46,7 +46,7 @@ from vllm.v1.request import RequestStatus
 from adapt.mechanics import check_policy
 from adapt.policy import EngineView, Plan, RequestState
 from adapt.predictions import BackgroundWorker, BatchFunction, PredictionQueue, PredictionStats
-from adapt.replay.engine import EngineConfig
+from adapt.replay.engine import ENGINE_FILE, EngineConfig
 from adapt.requests import SLO, CompletedRequest, ValidationError
 from adapt.steplog import ARRIVALS, POLICY_S, step_batch
 from serving_hooks.live import LiveComponents
@@ -93,6 +93,8 @@ class PolicyScheduler(AsyncScheduler):
         self.monitor = (
             Monitor(log_dir, log_prompts=os.environ.get("ADAPT_LOG_PROMPTS") == "1") if log_dir else None
         )
+        if self.monitor is not None:
+            self._log_engine()
         self._dropped_ids: set[str] = set()
         self._drops_to_report: list[Any] = []  # dropped by the policy, not yet told to the client
         self._held: list[Any] = []  # waiting requests the plan did not list, out for one step
@@ -244,13 +246,27 @@ class PolicyScheduler(AsyncScheduler):
     def replay_config(self) -> EngineConfig:
         """This engine's limits as a replay `EngineConfig`, for a replay that should decide as it
         does (`adapt.conformance`). Refuses settings the replay does not model."""
+        unmodelled = self.unmodelled_settings()
+        if unmodelled:
+            raise ValueError(unmodelled[0])
+        return self.engine_limits()
+
+    def unmodelled_settings(self) -> list[str]:
+        """What this engine does that a replay does not model, each as what to change."""
         cache, sched = self.vllm_config.cache_config, self.scheduler_config
+        found = []
         if cache.enable_prefix_caching:
-            raise ValueError("replay does not model prefix caching: start vLLM with it off")
+            found.append("replay does not model prefix caching: start vLLM with it off")
         if getattr(sched, "watermark", 0.0):
-            raise ValueError("replay does not model vLLM's KV watermark: start vLLM without one")
+            found.append("replay does not model vLLM's KV watermark: start vLLM without one")
         if getattr(sched, "long_prefill_token_threshold", 0):
-            raise ValueError("replay does not model long_prefill_token_threshold: leave it at 0")
+            found.append("replay does not model long_prefill_token_threshold: leave it at 0")
+        return found
+
+    def engine_limits(self) -> EngineConfig:
+        """The limits a replay models (token budget, running cap, KV blocks, ...), whatever else
+        the engine does: enough for a gate that compares candidates on this engine's load."""
+        sched = self.scheduler_config
         usable_blocks = int(self.kv_cache_manager.block_pool.num_gpu_blocks) - 1  # vLLM's null block
         return EngineConfig(
             token_budget=self.engine_token_budget,
@@ -261,6 +277,18 @@ class PolicyScheduler(AsyncScheduler):
             async_scheduling=bool(sched.async_scheduling),
             reserve_full_sequence=bool(getattr(sched, "scheduler_reserve_full_isl", False)),
         )
+
+    def _log_engine(self) -> None:
+        """This engine's limits beside its logs, for the retrain gates that replay them. A gate
+        compares candidates on one load, so what the replay leaves out (prefix caching's hits)
+        costs it some accuracy, not the comparison: written anyway, and said."""
+        try:
+            self.monitor.engine(self.engine_limits())  # type: ignore[union-attr]
+        except OSError:  # like the logs themselves: trouble is logged, never stops the engine
+            log.exception("monitor: could not write %s", ENGINE_FILE)
+            return
+        for setting in self.unmodelled_settings():
+            log.info("monitor: %s beside the logs is approximate: %s", ENGINE_FILE, setting)
 
     # ------------------------------------------------------------ live swaps
     def _follow_live(self) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import json
 import math
 import time
 from collections import defaultdict
@@ -80,12 +81,35 @@ class EngineConfig:
     # is done (`adapt.predictions.Delayed`); 0: ready at the next step, as if the model were free.
     prediction_delay_s: float = 0.0
 
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "engine config") -> EngineConfig:
+        """An engine's limits as `to_json` wrote them (a live server writes its own beside its
+        logs, `ENGINE_FILE`); a field this version does not know is an error, not ignored."""
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{source}: not JSON ({exc})") from None
+        if not isinstance(fields, dict):
+            raise ValueError(f"{source}: expected a JSON object, got {type(fields).__name__}")
+        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"{source}: unknown fields {sorted(unknown)}")
+        return cls(**fields)
+
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_running", "block_size", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if not self.prediction_delay_s >= 0:
             raise ValueError(f"prediction_delay_s: must be >= 0, got {self.prediction_delay_s}")
+
+
+# Written by `adapt serve --log-dir` beside its request and step logs: the serving engine's limits,
+# so a retrain's gate replays the logged traffic on the engine that served it.
+ENGINE_FILE = "engine.json"
 
 
 @dataclass(frozen=True)

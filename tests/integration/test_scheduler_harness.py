@@ -160,6 +160,7 @@ def test_a_server_stopped_under_load_keeps_every_record_it_made(tiny_model, monk
     requests still in flight writes them out instead of dropping them."""
     from vllm.v1.request import RequestStatus
 
+    from adapt.replay.engine import ENGINE_FILE, EngineConfig
     from experiments.bench_scheduler import make_requests, make_scheduler, step
     from serving_hooks.vllm_adapter import PolicyScheduler
 
@@ -181,3 +182,5 @@ def test_a_server_stopped_under_load_keeps_every_record_it_made(tiny_model, monk
 
     assert records("requests") == finished
     assert records("steps") == steps
+    # The engine's limits beside the logs, for the retrain gates that replay them.
+    assert EngineConfig.from_json((tmp_path / ENGINE_FILE).read_text()) == scheduler.engine_limits()

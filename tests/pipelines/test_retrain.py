@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -11,6 +12,7 @@ from adapt.registry import Registry
 from adapt.replay.cost import roofline
 from adapt.replay.engine import EngineConfig, ReplayEngine
 from adapt.workloads import WORKLOADS
+from pipelines.retrain import retrain_ewsjf_layout
 from serving_hooks.policies import make_policy
 
 pytestmark = pytest.mark.slow
@@ -165,3 +167,52 @@ def test_retrain_reads_every_replicas_logs_once(tmp_path, capsys):
     assert main(base) == 0
     out = capsys.readouterr().out
     assert "cost-model           registered v2" in out and "ewsjf-meta-policy    registered v2" in out
+
+
+def test_the_layout_gate_replays_the_logs_on_the_engine_that_served_them(tmp_path):
+    """With the server's `engine.json` beside its logs and a cost-model champion, the gate replays
+    the logged requests on that engine (a small engine: 4 running, so the load queues) -- and
+    scores the layouts as a replay on it does; without either it says it used its default."""
+    from adapt.replay.engine import ENGINE_FILE
+    from adapt.traces import load_trace
+    from pipelines.ewsjf import replay_ttft, train_ewsjf_meta
+    from pipelines.retrain import logged_requests, retrain_cost_model, served_engine
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_logs(data, seed=0, n=300)
+    registry = Registry(f"sqlite:///{tmp_path / 'r.db'}", cache_dir=tmp_path / "c")
+    assert served_engine(registry, data) == (None, f"(no {ENGINE_FILE}: on the default engine)")
+    small = EngineConfig(token_budget=512, max_running=4, kv_capacity_tokens=20_000)
+    (data / ENGINE_FILE).write_text(small.to_json())
+    assert served_engine(registry, data) == (None, "(no cost-model champion: on the default engine)")
+    retrain_cost_model(registry, data, margin=0.0)
+    (cost, config), said = served_engine(registry, data)
+    assert config == small and said == "on the server's engine (cost-model v1)"
+
+    train_ewsjf_meta(registry, lengths=np.full(100, 64.0), promote_if_better=True)
+    result = retrain_ewsjf_layout(registry, data, margin=0.0)
+    assert result.detail.endswith("on the server's engine (cost-model v1)")
+    requests = logged_requests([load_trace(data / "requests-a.jsonl", "requestlog")])
+    champion = registry.load("ewsjf-meta-policy", version=1)
+    assert registry.version_metrics("ewsjf-meta-policy", 2)["replay_ttft_mean"] == pytest.approx(
+        replay_ttft(registry.load("ewsjf-meta-policy", version=2), requests, (cost, config))
+    )
+    assert replay_ttft(champion, requests, (cost, config)) != replay_ttft(champion, requests)
+
+
+def test_a_bad_engine_file_fails_the_layout_retrain_with_its_path(tmp_path):
+    from adapt.replay.engine import ENGINE_FILE
+    from pipelines.retrain import retrain_cost_model
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_logs(data, seed=0, n=200)
+    registry = Registry(f"sqlite:///{tmp_path / 'r.db'}", cache_dir=tmp_path / "c")
+    retrain_cost_model(registry, data, margin=0.0)
+    (data / ENGINE_FILE).write_text('{"token_budget": 512, "turbo": true}')
+    with pytest.raises(ValueError, match=r"engine\.json: unknown fields \['turbo'\]"):
+        retrain_ewsjf_layout(registry, data, margin=0.0)
+    (data / ENGINE_FILE).write_text("{")
+    with pytest.raises(ValueError, match=r"engine\.json: not JSON"):
+        retrain_ewsjf_layout(registry, data, margin=0.0)
