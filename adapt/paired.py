@@ -16,11 +16,14 @@ candidate is the incumbent) d and e have the same distribution, so their spread 
 level, measured on the live traffic rather than assumed. The rule is a one-sided z-test:
 
     adopt  iff  at least `min_noise` incumbent contrasts are known  and
-                mean(d) > z * rms(e) / sqrt(k)
+                mean(d) > z * rms(e) * sqrt((2k - 1/2) / (3/2 k^2))
 
-(rms rather than the standard deviation: a residual drift that the contrast leaves in e widens
-the threshold instead of being subtracted away). With z = 2 a candidate no better than the
-incumbent is adopted about 2-5% of the time (5% with only a handful of incumbent contrasts).
+The factor is the standard deviation of mean(d) in units of that of e, for independent windows of
+equal variance s^2: Var(e) = 3/2 s^2, and the k contrasts share their inner neighbours, so
+Var(sum d) = (2k - 1/2) s^2 rather than 3/2 k s^2 (1 for k = 1, 0.64 for k = 3 where 1/sqrt(3)
+would be 0.58). rms rather than the standard deviation: a residual drift that the contrast leaves
+in e widens the threshold instead of being subtracted away. With z = 2 a candidate no better than
+the incumbent is adopted about 2-5% of the time (more while only a handful of contrasts are known).
 """
 
 from __future__ import annotations
@@ -86,5 +89,6 @@ class AdoptionRule:
         score = math.fsum(contrasts) / len(contrasts)
         rms = math.sqrt(math.fsum(e * e for e in noise) / len(noise)) if noise else math.nan
         known = len(noise) >= self.min_noise
-        threshold = self.z * rms / math.sqrt(len(contrasts)) if known else math.inf
+        k = len(contrasts)
+        threshold = self.z * rms * math.sqrt((2 * k - 0.5) / (1.5 * k * k)) if known else math.inf
         return Verdict(score, len(contrasts), rms, len(noise), threshold, known and score > threshold)

@@ -21,20 +21,23 @@ Switching arms between windows installs the arm's meta-policy; a different layou
 waiting request into the new queues (`EWSJF.relayout`), so none is lost.
 
 The contrast is equation 5's, R = l1 C + l2 L - l3 S - l4 U, as the offline meta-optimiser and the
-earlier online tuner score it, with U the window's mean TTFT over the mean TTFT of its two
-incumbent neighbours (1 for the incumbent; a candidate that halves TTFT gains 0.5). Online the
-weights default to the latency term alone (`ONLINE_WEIGHTS`; `weights` restores the paper's):
-C, L and S describe the layout, not the service, and they prefer few queues whatever the traffic
--- this repository's offline layout gate was moved to replayed TTFT after they preferred a stale
-3-queue layout to refits that served short requests 3-4x faster (`pipelines.ewsjf.train_ewsjf_meta`);
-in a paired scoring candidate they cancel anyway (same layout). U is the mean TTFT over all
-requests, not short ones alone: a live server has no size labels, and EWSJF's short-first score
-moves the mean mostly through its many short requests.
+earlier online tuner score it. Online the weights default to the latency term alone
+(`ONLINE_WEIGHTS`; `weights` restores the paper's): C, L and S describe the layout, not the
+service, and prefer few queues whatever the traffic -- this repository's offline layout gate was
+moved to replayed TTFT after they preferred a stale 3-queue layout to refits that served short
+requests 3-4x faster (`pipelines.ewsjf.train_ewsjf_meta`); in a scoring candidate they cancel anyway.
 
-A request counts in the window it arrived in (not the one that admitted it, which would reward an
-arm that leaves its long requests to the next one). First tokens are read when they come (the
-admitted requests are checked each step), and a window is scored once all its arrivals have one,
-or `CENSOR_LAG` windows after it closed, the still-waiting ones counted with their wait so far.
+U is the user latency the earlier tuner took as the mean TTFT, measured where the scheduler makes
+it: the mean number of requests waiting over the window (request-seconds of waiting accrued in the
+window over its length), which by Little's law is the mean queueing wait -- the part of mean TTFT a
+schedule decides -- relative to the same for the two incumbent neighbours (1 for the incumbent; a
+candidate that halves the wait gains 0.5). Crediting each request's TTFT to the window it arrived
+in does not work under load: when waits are as long as a window, the requests arriving in an
+incumbent window are mostly served during the next (candidate) window and vice versa, which
+turned better layouts into worse scores in the drift scenario; crediting it to the window that
+admitted it rewards arms that leave their long requests to the next window. Waiting accrued is
+charged to the arm that let it accrue, is known when the window closes (no waiting for answers
+to finish) and costs O(1) per arrival, admission, preemption and finish.
 
 A hot-swapped champion (`use_component`, e.g. `adapt serve` following the registry) becomes the
 incumbent at once and the comparison restarts: windows in flight were measured against the old
@@ -45,6 +48,7 @@ unless asked).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +57,7 @@ import numpy as np
 
 from adapt.online import OnlineTuner
 from adapt.paired import AdoptionRule, Verdict, incumbent_contrasts, paired_contrasts
-from adapt.policy import EngineView, Plan, RequestState
+from adapt.policy import RequestState
 from predictors.ewsjf_meta import (
     SCORING_SPACE,
     EwsjfMetaPolicy,
@@ -62,8 +66,9 @@ from predictors.ewsjf_meta import (
 )
 from serving_hooks.policies.ewsjf import EWSJF
 
-NOISE_WINDOWS = 64  # incumbent windows kept for the noise estimate (a long-running server)
-CENSOR_LAG = 4  # windows after which a window is scored even if some of its requests still wait
+# Incumbent contrasts kept for the noise estimate: the latest, so that it follows the load (the
+# growth of the waiting line is ~0 +- 0.005 per arrival at light load, +- 0.1 near saturation).
+NOISE_SAMPLES = 32
 ONLINE_WEIGHTS = (0.0, 0.0, 0.0, 1.0)  # equation 5's lambdas online: the latency term alone
 
 
@@ -72,28 +77,11 @@ class Window:
     """One window of `window` arrivals served by one arm."""
 
     arm: str  # "incumbent" or "candidate"
-    start_s: float
+    waiting_at_start: int
     lengths: dict[int, list[int]] = field(default_factory=dict)  # queue -> prompt lengths routed
     arrivals: int = 0
-    waiting: dict[str, RequestState] = field(default_factory=dict)  # arrivals without a first token
-    ttft_sum: float = 0.0
-    ttft_count: int = 0
+    growth: float = math.nan  # requests added to the waiting line per arrival (set at close)
     terms: dict[str, float] | None = None  # equation 5's layout terms, set when the window closes
-
-    @property
-    def complete(self) -> bool:
-        return self.terms is not None and not self.waiting
-
-    def record(self, request: RequestState, ttft: float | None) -> None:
-        """`request` has its first token after `ttft` seconds (None: it ended without one)."""
-        del self.waiting[request.id]
-        if ttft is not None:
-            self.ttft_sum += ttft
-            self.ttft_count += 1
-
-    @property
-    def ttft_mean(self) -> float:
-        return self.ttft_sum / self.ttft_count if self.ttft_count else float("nan")
 
 
 @dataclass(eq=False)
@@ -138,9 +126,7 @@ class OnlineEWSJF(EWSJF):
         self.rule = AdoptionRule(z=z)
         self.weights = weights
         self._recent: deque[int] = deque(maxlen=refit_windows * window)
-        self._tags: dict[str, Window] = {}  # arrivals still without a first token -> their window
-        self._prefilling: dict[str, RequestState] = {}  # those of them admitted
-        self._closed: deque[Window] = deque()  # closed windows not yet censored
+        self._noise: deque[float] = deque(maxlen=NOISE_SAMPLES)  # kept across incumbents: it is the traffic's
         self.evaluations: list[dict[str, Any]] = []  # every judged candidate, in order
         self.adoptions: list[dict[str, Any]] = []
         self.windows_closed = 0
@@ -151,24 +137,24 @@ class OnlineEWSJF(EWSJF):
             name="ewsjf-online",
             mlflow_experiment=mlflow_experiment,
         )
-        self._restart(self.meta, 0.0)
+        self._restart(self.meta)
 
     # ------------------------------------------------------------ incumbents
     def use_component(self, attribute: str, component: Any) -> None:
         """A new champion becomes the incumbent and the comparison restarts (module doc)."""
-        self._restart(component, self._window.start_s)
+        self._restart(component)
         self.tuner.restart(self.incumbent.get_params())
 
-    def _restart(self, meta: EwsjfMetaPolicy, now: float) -> None:
+    def _restart(self, meta: EwsjfMetaPolicy) -> None:
         """Serve `meta` (a copy: the champion object is never changed) as the incumbent and forget
         every window and candidate measured against the previous one."""
         self.incumbent = _copy(meta, meta.queues_)
         self._install(self.incumbent)
-        self._incumbent_windows: deque[Window] = deque(maxlen=NOISE_WINDOWS)
-        self._pending: list[Candidate] = []  # complete sets of windows awaiting their scores
+        self._incumbent_windows: deque[Window] = deque(maxlen=3)  # the latest, for the noise
+        self._pending: list[Candidate] = []  # a candidate whose windows have all closed
         self._candidate: Candidate | None = None
         self._proposed = 0
-        self._window = Window("incumbent", now)
+        self._window = Window("incumbent", len(self._where))
         self._incumbent_windows.append(self._window)
 
     def _install(self, meta: EwsjfMetaPolicy) -> None:
@@ -182,68 +168,30 @@ class OnlineEWSJF(EWSJF):
         window = self._window
         window.lengths.setdefault(id(self._where[request.id]), []).append(request.prompt_tokens)
         window.arrivals += 1
-        window.waiting[request.id] = request
-        self._tags[request.id] = window
         self._recent.append(request.prompt_tokens)
         if window.arrivals >= self.window:
             self._next_window(now)
 
-    def on_admit(self, request: RequestState, now: float) -> None:
-        super().on_admit(request, now)
-        if request.id in self._tags:
-            self._prefilling[request.id] = request
-
-    def on_step(self, view: EngineView) -> Plan:
-        """First tokens are read here, from the requests admitted since (a handful: those in
-        prefill), so a window is scored a prefill after its last request starts, not after its
-        longest answer ends."""
-        for request in [r for r in self._prefilling.values() if r.first_token_s is not None]:
-            self._record(request, request.first_token_s - request.arrival_s, view.now)
-        return super().on_step(view)
-
-    def on_finish(self, request: RequestState, now: float) -> None:
-        super().on_finish(request, now)
-        if request.id in self._tags:
-            first = request.first_token_s
-            self._record(request, None if first is None else first - request.arrival_s, now)
-
-    def _record(self, request: RequestState, ttft: float | None, now: float) -> None:
-        self._prefilling.pop(request.id, None)
-        window = self._tags.pop(request.id)
-        window.record(request, ttft)
-        if window.complete:
-            self._judge_ready(now)
-
-    def _censor(self, window: Window, now: float) -> None:
-        """Score `window` now: a request still without a first token counts with its wait so far
-        (a lower bound), so an overloaded server, whose long requests can wait minutes, still
-        judges candidates; every window is censored at the same lag, whichever arm served it."""
-        for request in list(window.waiting.values()):
-            first = request.first_token_s
-            wait = now - request.arrival_s if first is None else first - request.arrival_s
-            self._prefilling.pop(request.id, None)
-            del self._tags[request.id]
-            window.record(request, wait)
-
     def _next_window(self, now: float) -> None:
-        """Close the current window, censor the one closed `CENSOR_LAG` windows ago, and open the
-        next window, of the other arm."""
+        """Close the current window and open the next, of the other arm."""
         closing = self._window
         groups = [np.asarray(v, dtype=np.float64) for v in closing.lengths.values()]
         closing.terms = layout_group_terms(groups, len(self.queues), self.meta.max_queues)
+        closing.growth = (len(self._where) - closing.waiting_at_start) / closing.arrivals
         self.windows_closed += 1
-        self._closed.append(closing)
-        if len(self._closed) > CENSOR_LAG:
-            self._censor(self._closed.popleft(), now)
+        if closing.arm == "incumbent" and len(self._incumbent_windows) == 3:
+            self._noise.extend(incumbent_contrasts(self._incumbent_windows, self.contrast))
+        if self._judge(now):
+            return  # a new incumbent, and a fresh incumbent window
         if closing.arm == "incumbent":
             if self._candidate is None:
                 self._candidate = self._propose()
                 self._candidate.neighbours.append(closing)
-            self._window = Window("candidate", now)
+            self._window = Window("candidate", len(self._where))
             self._candidate.windows.append(self._window)
             self._install(self._candidate.meta)
         else:
-            self._window = Window("incumbent", now)
+            self._window = Window("incumbent", len(self._where))
             self._incumbent_windows.append(self._window)
             candidate = self._candidate
             assert candidate is not None
@@ -252,7 +200,6 @@ class OnlineEWSJF(EWSJF):
                 self._pending.append(candidate)
                 self._candidate = None
             self._install(self.incumbent)
-        self._judge_ready(now)
 
     def _propose(self) -> Candidate:
         """The first candidate of every `layout_every` is a refitted layout, when the recent
@@ -270,39 +217,31 @@ class OnlineEWSJF(EWSJF):
 
     # ------------------------------------------------------------ judging
     def contrast(self, window: Window, left: Window, right: Window) -> float:
-        """Equation 5 of `window` minus the mean of its neighbours', U relative to their TTFT."""
-        reference = max((left.ttft_mean + right.ttft_mean) / 2, 1e-6)
+        """Equation 5 of `window` minus the mean of its neighbours', U relative to their wait."""
 
         def reward(w: Window) -> float:
             assert w.terms is not None
-            return equation5({**w.terms, "latency": w.ttft_mean / reference}, self.weights)
+            return equation5({**w.terms, "latency": w.growth}, self.weights)
 
         return reward(window) - (reward(left) + reward(right)) / 2
 
-    def _judge_ready(self, now: float) -> None:
-        """Judge the pending candidates in order, as soon as all their windows are complete."""
-        while self._pending and all(
-            w.complete for w in (*self._pending[0].windows, *self._pending[0].neighbours)
-        ):
-            candidate = self._pending.pop(0)
-            verdict = self._verdict(candidate)
-            if candidate.trial is not None:
-                self.tuner.tell(candidate.trial, candidate.params, verdict.score, _record(verdict))
-            self.evaluations.append({"at_s": now, "kind": candidate.kind, **_record(verdict)})
-            if verdict.adopt:
-                self._adopt(candidate, verdict, now)
-                return
+    def _judge(self, now: float) -> bool:
+        """Judge the candidate whose last incumbent neighbour has just closed, if any; whether it
+        was adopted."""
+        if not self._pending or self._pending[0].neighbours[-1].terms is None:
+            return False
+        candidate = self._pending.pop()
+        verdict = self._verdict(candidate)
+        if candidate.trial is not None:
+            self.tuner.tell(candidate.trial, candidate.params, verdict.score, _record(verdict))
+        self.evaluations.append({"at_s": now, "kind": candidate.kind, **_record(verdict)})
+        if verdict.adopt:
+            self._adopt(candidate, verdict, now)
+        return verdict.adopt
 
     def _verdict(self, candidate: Candidate) -> Verdict:
         contrasts = paired_contrasts(candidate.windows, candidate.neighbours, self.contrast)
-        complete = []
-        for window in self._incumbent_windows:  # the complete run of windows from the oldest kept
-            if not window.complete:
-                break
-            complete.append(window)
-        noise = incumbent_contrasts(complete, self.contrast)
-        finite = [c for c in contrasts if np.isfinite(c)]  # a window whose requests all aborted
-        return self.rule.judge(finite or [float("-inf")], [e for e in noise if np.isfinite(e)])
+        return self.rule.judge(contrasts, self._noise)
 
     def _adopt(self, candidate: Candidate, verdict: Verdict, now: float) -> None:
         for other in (*self._pending, self._candidate):
@@ -316,7 +255,7 @@ class OnlineEWSJF(EWSJF):
                 **_record(verdict),
             }
         )
-        self._restart(candidate.meta, now)
+        self._restart(candidate.meta)
         self.tuner.restart(self.incumbent.get_params())
 
     def describe(self) -> dict[str, Any]:

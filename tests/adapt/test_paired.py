@@ -39,9 +39,11 @@ def test_adoption_rule_by_hand():
     verdict = rule.judge([0.5, 0.7, 0.6], noise)
     assert verdict.score == pytest.approx(0.6)
     assert verdict.noise_rms == pytest.approx(0.1)
-    assert verdict.threshold == pytest.approx(2 * 0.1 / math.sqrt(3))  # 0.1155
+    # sd of the mean of 3 pair contrasts: sqrt(5.5 / 13.5) = 0.638 sds of an incumbent contrast
+    assert verdict.threshold == pytest.approx(2 * 0.1 * math.sqrt(5.5 / 13.5))  # 0.1277
     assert verdict.adopt
-    assert not rule.judge([0.1, 0.1, 0.1], noise).adopt  # 0.1 < 0.1155
+    assert not rule.judge([0.12, 0.12, 0.12], noise).adopt  # 0.12 < 0.1277
+    assert rule.judge([0.3], noise).threshold == pytest.approx(0.2)  # one pair: z * rms
     assert not rule.judge([0.1, 0.1, 0.1], [-0.1] * 4).adopt  # a negative contrast is noise too
     unknown = rule.judge([5.0, 5.0, 5.0], [0.1, -0.1])  # too few incumbent contrasts yet
     assert unknown.threshold == math.inf and not unknown.adopt
@@ -85,6 +87,6 @@ def test_pure_noise_is_rarely_adopted_even_under_drift():
 
 
 def test_a_clearly_better_candidate_is_adopted():
-    # An effect of 2 window-noise sds over 3 pairs: threshold 2 * sqrt(1.5) / sqrt(3) = 1.41.
+    # An effect of 2 window-noise sds over 3 pairs: threshold 2 * sqrt(1.5) * 0.638 = 1.56.
     assert _adoption_rate(2.0, 0.0, 0) > 0.7
     assert _adoption_rate(4.0, 1.0, 1) > 0.99
