@@ -204,9 +204,3 @@ class OnlineTuner:
         self.history.append((params, value, metrics))
         if self.logger is not None:
             self.logger.log(len(self.history) - 1, params, -value, {"reward": value, **metrics})
-
-    def abandon(self, trial: Any) -> None:
-        """A trial that will not be scored (the incumbent changed under it)."""
-        from optuna.trial import TrialState
-
-        self.study.tell(trial, state=TrialState.FAIL)

@@ -27,17 +27,20 @@ service, and prefer few queues whatever the traffic -- this repository's offline
 moved to replayed TTFT after they preferred a stale 3-queue layout to refits that served short
 requests 3-4x faster (`pipelines.ewsjf.train_ewsjf_meta`); in a scoring candidate they cancel anyway.
 
-U is the user latency the earlier tuner took as the mean TTFT, measured where the scheduler makes
-it: the mean number of requests waiting over the window (request-seconds of waiting accrued in the
-window over its length), which by Little's law is the mean queueing wait -- the part of mean TTFT a
-schedule decides -- relative to the same for the two incumbent neighbours (1 for the incumbent; a
-candidate that halves the wait gains 0.5). Crediting each request's TTFT to the window it arrived
-in does not work under load: when waits are as long as a window, the requests arriving in an
-incumbent window are mostly served during the next (candidate) window and vice versa, which
-turned better layouts into worse scores in the drift scenario; crediting it to the window that
-admitted it rewards arms that leave their long requests to the next window. Waiting accrued is
-charged to the arm that let it accrue, is known when the window closes (no waiting for answers
-to finish) and costs O(1) per arrival, admission, preemption and finish.
+U, the user latency, is what the earlier tuner took as the window's mean TTFT; here it is the
+*growth of the waiting line* over the window per arrival, (waiting at close - waiting at open) /
+arrivals, lower is better (a candidate that admits 0.2 more requests per arrival than its
+neighbours gains 0.2). By Little's law the waiting line integrates to the mean queueing wait --
+the part of TTFT a schedule decides -- and its growth is what the arm serving the window does to
+it. Two other readings were tried on the drift scenario and failed: crediting each request's TTFT
+to the window it arrived in turned better layouts into worse scores (when waits are as long as a
+window, an incumbent window's arrivals are mostly served in the next, candidate, window and vice
+versa), and a level such as the mean number waiting persists from window to window, so its paired
+contrast cancels the very effect it should measure. The growth is known when the window closes
+(no waiting for answers to finish), costs O(1) per arrival, and at light load it is ~0 for every
+arm, so nothing is adopted where nothing waits. It counts requests, not tokens, so like SJF it
+favours serving short prompts first; EWSJF's urgency term (kept positive) still bounds the wait
+of long ones, and the study reports their TTFT next to the short requests'.
 
 A hot-swapped champion (`use_component`, e.g. `adapt serve` following the registry) becomes the
 incumbent at once and the comparison restarts: windows in flight were measured against the old
@@ -106,7 +109,7 @@ class OnlineEWSJF(EWSJF):
         self,
         meta: EwsjfMetaPolicy | dict[str, Any] | None = None,
         *,
-        window: int = 200,
+        window: int = 100,
         pairs: int = 3,
         z: float = 2.0,
         layout_every: int = 2,
@@ -121,12 +124,14 @@ class OnlineEWSJF(EWSJF):
                 raise ValueError(f"{key}: expected an integer >= 1, got {value!r}")
         if int(layout_every) != layout_every or layout_every < 0:
             raise ValueError(f"layout_every: expected an integer >= 0, got {layout_every!r}")
+        if len(weights) != 4 or not all(math.isfinite(w) and w >= 0 for w in weights):
+            raise ValueError(f"weights: expected 4 finite numbers >= 0 (lambda_1..4), got {weights!r}")
         super().__init__(meta, **kwargs)
         self.window, self.pairs, self.layout_every = window, pairs, layout_every
         self.rule = AdoptionRule(z=z)
         self.weights = weights
         self._recent: deque[int] = deque(maxlen=refit_windows * window)
-        self._noise: deque[float] = deque(maxlen=NOISE_SAMPLES)  # kept across incumbents: it is the traffic's
+        self._noise: deque[float] = deque(maxlen=NOISE_SAMPLES)  # the traffic's: kept across incumbents
         self.evaluations: list[dict[str, Any]] = []  # every judged candidate, in order
         self.adoptions: list[dict[str, Any]] = []
         self.windows_closed = 0
@@ -151,7 +156,7 @@ class OnlineEWSJF(EWSJF):
         self.incumbent = _copy(meta, meta.queues_)
         self._install(self.incumbent)
         self._incumbent_windows: deque[Window] = deque(maxlen=3)  # the latest, for the noise
-        self._pending: list[Candidate] = []  # a candidate whose windows have all closed
+        self._pending: Candidate | None = None  # all its windows served; its last neighbour open
         self._candidate: Candidate | None = None
         self._proposed = 0
         self._window = Window("incumbent", len(self._where))
@@ -197,8 +202,7 @@ class OnlineEWSJF(EWSJF):
             assert candidate is not None
             candidate.neighbours.append(self._window)
             if len(candidate.windows) == self.pairs:
-                self._pending.append(candidate)
-                self._candidate = None
+                self._pending, self._candidate = candidate, None
             self._install(self.incumbent)
 
     def _propose(self) -> Candidate:
@@ -217,7 +221,7 @@ class OnlineEWSJF(EWSJF):
 
     # ------------------------------------------------------------ judging
     def contrast(self, window: Window, left: Window, right: Window) -> float:
-        """Equation 5 of `window` minus the mean of its neighbours', U relative to their wait."""
+        """Equation 5 of `window` minus the mean of its neighbours' (U: the waiting line's growth)."""
 
         def reward(w: Window) -> float:
             assert w.terms is not None
@@ -228,9 +232,10 @@ class OnlineEWSJF(EWSJF):
     def _judge(self, now: float) -> bool:
         """Judge the candidate whose last incumbent neighbour has just closed, if any; whether it
         was adopted."""
-        if not self._pending or self._pending[0].neighbours[-1].terms is None:
+        candidate = self._pending
+        if candidate is None or candidate.neighbours[-1].terms is None:
             return False
-        candidate = self._pending.pop()
+        self._pending = None
         verdict = self._verdict(candidate)
         if candidate.trial is not None:
             self.tuner.tell(candidate.trial, candidate.params, verdict.score, _record(verdict))
@@ -244,9 +249,8 @@ class OnlineEWSJF(EWSJF):
         return self.rule.judge(contrasts, self._noise)
 
     def _adopt(self, candidate: Candidate, verdict: Verdict, now: float) -> None:
-        for other in (*self._pending, self._candidate):
-            if other is not None and other.trial is not None:
-                self.tuner.abandon(other.trial)
+        """Judged as its last neighbour closes, before the next candidate is proposed: no other
+        candidate is in flight."""
         self.adoptions.append(
             {
                 "at_s": now,
