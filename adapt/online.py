@@ -1,9 +1,10 @@
 """Bayesian optimisation of policy parameters with Optuna's ask/tell interface.
 
 Ask/tell (rather than `study.optimize`) keeps the loop in our hands: `tune` drives offline
-tuning (each trial a replay), `OnlineTuner` online tuning inside a running engine, where one trial
-is a window of live traffic that ends when enough requests have finished. Each trial can be logged
-as an MLflow run so `mlflow ui` shows the reward curve next to the resulting model versions.
+tuning (each trial a replay), `OnlineTuner` online tuning inside a running engine, where the
+caller judges each trial on live traffic (`ewsjf-online`: paired windows, `adapt.paired`). Each
+trial can be logged as an MLflow run so `mlflow ui` shows the reward curve next to the resulting
+model versions.
 Storage defaults to in-memory; pass an RDB URL (e.g. `sqlite:///mlruns/optuna.db` or PostgreSQL)
 so several machines can work one study.
 """
@@ -148,69 +149,58 @@ class _TrialLogger:
 
 
 class OnlineTuner:
-    """Ask/tell over consecutive windows of live traffic inside a running engine.
+    """Ask/tell proposals for online tuning inside a running engine, relative to an incumbent.
 
-    Each trial applies a candidate (`apply(params)`), lets `window` requests finish under it, scores
-    them with `reward(finished) -> (reward, metrics)` and tells Optuna, then asks for the next
-    candidate. The first trials are the warm-start points (e.g. the current champion), so a server
-    starts from what it already trusts. `observe` is O(1) per finished request; Optuna is consulted
-    once per window. Works in any engine that calls the policy's `on_finish`: the replay engine in
-    tests and studies, the vLLM adapter in production.
+    The caller runs each candidate on live traffic however it likes and tells the tuner a score
+    *relative to the incumbent* (e.g. the paired contrast of `adapt.paired`); the incumbent itself
+    enters the study as a finished trial of score 0, so the sampler starts from what the server
+    already trusts instead of spending live traffic to re-measure it. When the incumbent changes,
+    `restart` opens a fresh study anchored on the new one: the old scores were relative to the old
+    incumbent and would mislead the sampler. Optuna is consulted once per candidate, never per
+    request. Each told trial can be logged as an MLflow run (off unless `mlflow_experiment`).
     """
 
     def __init__(
         self,
         space: dict[str, tuple[float, float]],
-        apply: Callable[[dict[str, float]], None],
-        reward: Callable[[list[Any]], tuple[float, dict[str, Any]]],
+        incumbent: dict[str, float],
         *,
-        window: int = 200,
-        warm_start: Sequence[dict[str, float]] = (),
         seed: int = 0,
         name: str = "online",
         storage: str | None = None,
         mlflow_experiment: str | None = None,
     ) -> None:
-        import optuna
-
-        if window < 1:
-            raise ValueError(f"window: must be >= 1, got {window}")
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        self.space, self.apply, self.reward, self.window = space, apply, reward, window
-        self.study = optuna.create_study(
-            study_name=name,
-            storage=storage,
-            sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=3),
-            direction="maximize",
-            load_if_exists=True,
-        )
-        for point in warm_start:
-            self.study.enqueue_trial({k: v for k, v in point.items() if k in space}, skip_if_exists=True)
+        self.space, self.seed, self.name, self.storage = space, seed, name, storage
         self.logger = _TrialLogger(mlflow_experiment, name) if mlflow_experiment else None
         self.history: list[tuple[dict[str, float], float, dict[str, Any]]] = []
-        self._finished: list[Any] = []
-        self._start_trial()
+        self.restarts = -1  # studies opened so far, less one
+        self.restart(incumbent)
 
-    def _start_trial(self) -> None:
-        self._trial = self.study.ask()
-        self._params = {
-            key: self._trial.suggest_float(key, low, high) for key, (low, high) in self.space.items()
-        }
-        self.apply(self._params)
+    def restart(self, incumbent: dict[str, float]) -> None:
+        """A fresh study whose one finished trial is `incumbent` (clipped into the box) at 0."""
+        import optuna
+        from optuna.distributions import FloatDistribution
 
-    def observe(self, finished: Any) -> None:
-        """Record one finished request; closes the trial when the window is full."""
-        self._finished.append(finished)
-        if len(self._finished) < self.window:
-            return
-        value, metrics = self.reward(self._finished)
-        self._finished = []
-        self.study.tell(self._trial, value)
-        self.history.append((self._params, value, metrics))
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.restarts += 1
+        self.study = optuna.create_study(
+            study_name=f"{self.name}-{self.restarts}",
+            storage=self.storage,
+            sampler=optuna.samplers.TPESampler(seed=self.seed + self.restarts, n_startup_trials=3),
+            direction="maximize",
+        )
+        anchor = {k: min(max(float(incumbent[k]), lo), hi) for k, (lo, hi) in self.space.items()}
+        distributions = {k: FloatDistribution(lo, hi) for k, (lo, hi) in self.space.items()}
+        self.study.add_trial(optuna.trial.create_trial(params=anchor, distributions=distributions, value=0.0))
+
+    def ask(self) -> tuple[Any, dict[str, float]]:
+        """A new trial and its parameters."""
+        trial = self.study.ask()
+        return trial, {key: trial.suggest_float(key, low, high) for key, (low, high) in self.space.items()}
+
+    def tell(self, trial: Any, params: dict[str, float], value: float, metrics: dict[str, Any]) -> None:
+        """The trial's score relative to the incumbent (higher is better)."""
+        self.study.tell(trial, value)
+        self.history.append((params, value, metrics))
         if self.logger is not None:
-            self.logger.log(len(self.history) - 1, self._params, -value, {"reward": value, **metrics})
-        self._start_trial()
-
-    @property
-    def best_params(self) -> dict[str, float]:
-        return dict(self.study.best_params)
+            self.logger.log(len(self.history) - 1, params, -value, {"reward": value, **metrics})

@@ -315,6 +315,7 @@ def train_components(out: Path, fast: bool, jobs: int) -> dict[str, str]:
         "jitserve": f"jitserve:qrf={pinned('qrf-length')}:patterns={pinned('pattern-graph')}",
         "sagesched": f"sagesched:history={pinned('semantic-history')}",
         "ewsjf": f"ewsjf:meta={pinned('ewsjf-meta-policy')}",
+        "ewsjf-online": f"ewsjf-online:meta={pinned('ewsjf-meta-policy')}",
     }
     if registry.resolve("slai-offset", CHAMPION, missing_ok=True) is not None:
         specs["slai"] = f"slai:offset={pinned('slai-offset')}"

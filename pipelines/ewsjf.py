@@ -275,37 +275,37 @@ def online_tune_ewsjf(
     rate: float = 12.0,
     num_requests: int = 4000,
     window: int = 200,
-    margin: float = 0.1,
 ) -> TrainOutcome:
-    """Run the online meta-optimiser inside an engine serving `ewsjf-mixed` traffic (the replay
-    engine stands in for a live server until the vLLM hooks land), warm-started from the champion.
-    The best window's Theta is registered; it is promoted only if its reward beats the champion's
-    own window by `margin` (windows are noisy: one lucky window should not move the alias)."""
-    from serving_hooks.policies.ewsjf import OnlineEWSJF
+    """Run `ewsjf-online` inside an engine serving `ewsjf-mixed` traffic (the replay engine stands
+    in for a live server), starting from the champion, and register the incumbent it ends with.
+    It is promoted only if the policy adopted a candidate: adoption already needed a paired gain
+    above the measured window-to-window noise (`adapt.paired`), which is the gate here."""
+    from serving_hooks.policies.ewsjf_online import OnlineEWSJF
 
     spec = WORKLOADS["ewsjf-mixed"]
     champion = registry.champion("ewsjf-meta-policy") or EwsjfMetaPolicy().fit(history_lengths())
     policy = OnlineEWSJF(champion, window=window, mlflow_experiment="tune-ewsjf-online")
     cost = roofline(spec.model, spec.gpu, tp=spec.tp)
     ReplayEngine(policy, cost, spec.engine_config()).run(spec.build(rate, num_requests, 0))
-    history = policy.tuner.history
-    if not history:
-        raise ValueError(f"online tuning: fewer than {window} requests finished; nothing to compare")
-    best_index = int(np.argmax([value for _, value, _ in history]))
-    best_params, best_reward, best_metrics = history[best_index]
-    candidate = EwsjfMetaPolicy(**{**champion.get_params(), **best_params})
-    candidate.queues_ = list(champion.queues_)
-    candidate.metadata["data_window"] = {"online_windows": len(history), "window": window, "rate": rate}
-    baseline = history[0][1]
-    metrics = {"reward": best_reward, "champion_window_reward": baseline, "windows": float(len(history))}
-    outcome = register_and_gate(
+    candidate = policy.incumbent
+    candidate.metadata["data_window"] = {
+        "online_windows": policy.windows_closed,
+        "window": window,
+        "rate": rate,
+    }
+    gain = sum(a["score"] for a in policy.adoptions)
+    metrics = {
+        "paired_gain": gain,
+        "windows": float(policy.windows_closed),
+        "candidates": float(len(policy.evaluations)),
+        "adoptions": float(len(policy.adoptions)),
+    }
+    return register_and_gate(
         registry,
         candidate,
         metrics,
-        {"reward": baseline},
-        Gate("reward", lower_is_better=False, margin=margin),
-        promote_if_better=best_index != 0,
+        {"paired_gain": 0.0},
+        Gate("paired_gain", lower_is_better=False),
+        promote_if_better=bool(policy.adoptions),
         params={"mode": "online", "window": window},
     )
-    outcome.metrics = {**metrics, **best_metrics}
-    return outcome

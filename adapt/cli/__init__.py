@@ -437,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument(
         "--online",
         action="store_true",
-        help="ewsjf: tune the scoring weights online, one trial per window of finished requests",
+        help="ewsjf: run ewsjf-online in replay (paired windows of arrivals) and register its incumbent",
     )
     add_parallel_arguments(tune, ray=False)
     tune.set_defaults(func=cmd_tune)

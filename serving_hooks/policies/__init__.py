@@ -24,6 +24,7 @@ from serving_hooks.policies.baselines import (
     VllmV0,
 )
 from serving_hooks.policies.ewsjf import EWSJF
+from serving_hooks.policies.ewsjf_online import OnlineEWSJF
 from serving_hooks.policies.jitserve import JITServe, JITServeOracle
 from serving_hooks.policies.params import check_params
 from serving_hooks.policies.sagesched import SageSched
@@ -43,6 +44,7 @@ BASELINE_POLICIES: dict[str, Callable[..., Policy]] = {
 }
 LEARNED_POLICIES: dict[str, Callable[..., Policy]] = {
     "ewsjf": EWSJF,
+    "ewsjf-online": OnlineEWSJF,
     "slai": SLAI,
     "slai-fixed": SLAIFixed,
     "sagesched": SageSched,

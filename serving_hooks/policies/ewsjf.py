@@ -24,14 +24,7 @@ from typing import Any
 import numpy as np
 
 from adapt.policy import FOREVER, EngineView, Horizon, Plan, Policy, RequestState
-from predictors.ewsjf_meta import (
-    REWARD_WEIGHTS,
-    SCORING_SPACE,
-    EwsjfMetaPolicy,
-    QueueSpec,
-    equation5,
-    layout_group_terms,
-)
+from predictors.ewsjf_meta import EwsjfMetaPolicy, QueueSpec, layout_group_terms
 
 
 class LengthQueue:
@@ -68,13 +61,17 @@ class EWSJF(Policy):
         self._where: dict[str, LengthQueue] = {}
 
     def use_component(self, attribute: str, component: Any) -> None:
-        """A new meta-policy brings a new queue layout: rebuild the queues from it and re-route
-        every waiting request, oldest first, so none is lost and each keeps its place in line."""
+        """A new meta-policy brings a new queue layout (`relayout`)."""
         super().use_component(attribute, component)
+        self.relayout(component.queues_)
+
+    def relayout(self, specs: list[QueueSpec]) -> None:
+        """Rebuild the queues from `specs` and re-route every waiting request, oldest first, so
+        none is lost and each keeps its place in line."""
         waiting = sorted(
             (r for queue in self.queues for r in queue.items.values()), key=lambda r: r.arrival_s
         )
-        self.queues = [LengthQueue(q.low, q.high, q.mean) for q in component.queues_]
+        self.queues = [LengthQueue(q.low, q.high, q.mean) for q in specs]
         self._where = {}
         for request in waiting:
             queue = self._queue_for(request.prompt_tokens)
@@ -191,76 +188,6 @@ class EWSJF(Policy):
 
     def describe(self) -> dict[str, Any]:
         return {"policy": self.name, **self.meta.get_params(), "queues": len(self.queues)}
-
-
-class OnlineEWSJF(EWSJF):
-    """EWSJF whose scoring meta-parameters are tuned while it serves (the paper's online tuner).
-
-    An `adapt.online.OnlineTuner` runs one Optuna trial per `window` finished requests, starting
-    from the given meta-policy (the champion). The live reward is equation 5 over the window:
-    compactness and balance of the lengths routed during it, proliferation of the current queues,
-    and U = the window's mean TTFT over the first (champion) window's.
-    """
-
-    name = "ewsjf-online"
-    components = {}  # noqa: RUF012  (it tunes its own copy while serving; a swap would fight the tuner)
-
-    def __init__(
-        self,
-        meta: EwsjfMetaPolicy | dict[str, Any] | None = None,
-        *,
-        window: int = 200,
-        seed: int = 0,
-        weights: tuple[float, float, float, float] = REWARD_WEIGHTS,
-        mlflow_experiment: str | None = None,
-        **kwargs: Any,
-    ) -> None:
-        from adapt.online import OnlineTuner
-
-        super().__init__(meta, **kwargs)
-        champion = self.meta
-        self.meta = EwsjfMetaPolicy(**champion.get_params())  # tuned in place: never mutate the champion
-        self.meta.queues_ = list(champion.queues_)
-        self.weights = weights
-        self._routed: list[tuple[int, int]] = []
-        self._reference_ttft: float | None = None
-        start = {k: v for k, v in champion.get_params().items() if k in SCORING_SPACE}
-        self.tuner = OnlineTuner(
-            SCORING_SPACE,
-            self._apply,
-            self._reward,
-            window=window,
-            warm_start=[start],
-            seed=seed,
-            name="ewsjf-online",
-            mlflow_experiment=mlflow_experiment,
-        )
-
-    def _apply(self, params: dict[str, float]) -> None:
-        for key, value in params.items():
-            setattr(self.meta, key, value)
-
-    def on_arrival(self, request: RequestState, now: float) -> None:
-        super().on_arrival(request, now)
-        self._routed.append((id(self._where[request.id]), request.prompt_tokens))
-
-    def on_finish(self, request: RequestState, now: float) -> None:
-        super().on_finish(request, now)
-        if request.first_token_s is not None:
-            self.tuner.observe(request)
-
-    def _reward(self, finished: list[RequestState]) -> tuple[float, dict[str, Any]]:
-        ttft = float(np.mean([r.first_token_s - r.arrival_s for r in finished]))
-        if self._reference_ttft is None:
-            self._reference_ttft = max(ttft, 1e-6)
-        by_queue: dict[int, list[int]] = {}
-        for queue_id, length in self._routed:
-            by_queue.setdefault(queue_id, []).append(length)
-        self._routed = []
-        groups = [np.asarray(v, dtype=np.float64) for v in by_queue.values()]
-        terms = layout_group_terms(groups, len(self.queues), self.meta.max_queues)
-        terms["latency"] = ttft / self._reference_ttft
-        return equation5(terms, self.weights), {"ttft_mean": ttft, **terms}
 
 
 # A hand-set layout for bimodal short/long workloads, used only when no fitted component is given

@@ -167,28 +167,6 @@ def test_component_round_trip(tmp_path):
     assert loaded.queues_ == meta.queues_ and loaded.get_params() == meta.get_params()
 
 
-def test_online_tuner_runs_trials_inside_the_engine_from_the_champion():
-    from adapt.replay.cost import roofline
-    from adapt.replay.engine import ReplayEngine
-    from adapt.workloads import WORKLOADS
-    from serving_hooks.policies.ewsjf import OnlineEWSJF
-
-    champion = EwsjfMetaPolicy(b_u=2.0, w_base=0.5).fit(
-        np.array([40, 60, 80, 300, 500, 1500, 3000], dtype=float)
-    )
-    before = champion.get_params()
-    policy = OnlineEWSJF(champion, window=100, seed=1)
-    spec = WORKLOADS["ewsjf-mixed"]
-    result = ReplayEngine(policy, roofline(spec.model, spec.gpu, tp=spec.tp)).run(spec.build(12.0, 1200, 0))
-    assert result.metrics()["completed"] == 1200
-    history = policy.tuner.history
-    assert len(history) == 12  # one trial per 100 finished requests
-    assert history[0][0]["b_u"] == 2.0 and history[0][0]["w_base"] == 0.5  # warm start = champion
-    assert len({round(h[0]["b_u"], 6) for h in history}) > 1  # later windows try other weights
-    assert all(np.isfinite(value) for _, value, _ in history)
-    assert champion.get_params() == before  # the champion object is never mutated
-
-
 def test_a_new_meta_policy_re_routes_every_waiting_request():
     """A live swap of `ewsjf-meta-policy` replaces the queue layout; the requests already waiting
     move into the new queues, oldest first, and none is lost."""
