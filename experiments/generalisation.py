@@ -206,7 +206,8 @@ def format_scenario(name: str, result: dict[str, Any], seeds: list[int]) -> str:
         row += f"{ranking.index(policy) + 1 if policy in ranking else '-':>6}"
         learned = result["learned"].get(policy)
         if learned:
-            row += f"{learned['gain_vs_best_baseline']:>+8.1%}  {learned['text']}"
+            gain = learned["gain_vs_best_baseline"]
+            row += f"{'-' if gain is None else f'{gain:+.1%}':>8}  {learned['text']}"
         if policy in result["barred"]:
             row += f"  (may not rank: {result['barred'][policy]})"
         lines.append(row)
