@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from adapt.cli.usage import COUNT, DELAY, DURATION, RATE, SEED, UsageError, add_parallel_arguments, given
 from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.cluster import ROUTERS
@@ -19,7 +17,7 @@ from adapt.replay.engine import EngineConfig
 from adapt.replay.runner import ReplaySetup, log_to_mlflow
 from adapt.traces import load_trace
 from adapt.workloads import WORKLOADS, get_workload
-from adapt.workloads.builders import build_requests, poisson_arrivals, scale_to_rate
+from adapt.workloads.builders import trace_requests
 from serving_hooks.policies import POLICIES, PolicySpec, make_policy_from_spec, parse_policy_spec
 
 # A generated workload is built in memory before it replays; more than this is a typo, not a study.
@@ -102,14 +100,9 @@ def _trace_setup(args: argparse.Namespace) -> ReplaySetup:
     trace = load_trace(args.trace)
     if args.num_requests is not None:
         trace = trace.head(args.num_requests)
-    rng = np.random.default_rng(args.seed)
-    if trace.arrival_s is None:
-        if args.rate is None:
-            raise UsageError(f"{args.trace}: this trace has no timestamps; pass --rate for Poisson arrivals")
-        arrivals = poisson_arrivals(len(trace), args.rate, rng)
-    else:
-        arrivals = trace.arrival_s if args.rate is None else scale_to_rate(trace.arrival_s, args.rate)
-    requests = build_requests(trace, arrivals)
+    if trace.arrival_s is None and args.rate is None:
+        raise UsageError(f"{args.trace}: this trace has no timestamps; pass --rate for Poisson arrivals")
+    requests = trace_requests(trace, args.rate, args.seed)
     info = {"name": Path(args.trace).name, "trace": str(args.trace), "rate": args.rate, "seed": args.seed}
     return ReplaySetup(
         requests,

@@ -152,3 +152,16 @@ def build_requests(
             )
         )
     return requests
+
+
+def trace_requests(trace: Trace, rate: float | None, seed: int) -> list[Request]:
+    """The requests `adapt replay --trace` replays from a user's trace: its own timestamps
+    (time-scaled to `rate` when given, keeping their burstiness), or for a length-only trace, which
+    has none, Poisson arrivals at `rate` drawn with `seed`. One function, so a study replays a
+    user's trace exactly as the command does."""
+    if trace.arrival_s is not None:
+        arrivals = trace.arrival_s if rate is None else scale_to_rate(trace.arrival_s, rate)
+        return build_requests(trace, arrivals)
+    if rate is None:
+        raise ValueError(f"{trace.name}: this trace has no timestamps; a rate is needed for Poisson arrivals")
+    return build_requests(trace, poisson_arrivals(len(trace), rate, np.random.default_rng(seed)))
