@@ -109,7 +109,10 @@ async def run_load(
         done[request.request_id].set()
         return record
 
-    return list(await asyncio.gather(*(one(r) for r in requests)))
+    try:
+        return list(await asyncio.gather(*(one(r) for r in requests)))
+    finally:
+        await client.close()  # inside the loop: closed by the collector after it, it raises
 
 
 def summarise(records: list[ClientRecord]) -> dict[str, Any]:
