@@ -53,6 +53,7 @@ no recorder and every hook costs one `is None` test.
 
 from __future__ import annotations
 
+import math
 import os
 from bisect import bisect_left
 from collections import Counter as Tally
@@ -558,9 +559,10 @@ class SchedulerMetrics:
                 continue  # nothing measured yet; a new version's empty window shows beside its predecessor
             reference = held_out_coverage(held_out.get(name, {}))
             alarm = drift_alarm(window, reference, self.drift_margin, self.drift_least)
-            if window.coverage is not None:
-                self.coverage(name).set(window.coverage)
-                self.overestimate(name).set(window.overestimate)  # type: ignore[arg-type]
+            # An empty window (a version nothing has finished under yet) is NaN, which Prometheus
+            # shows as no value: the predecessor's figure would pass for the new version's.
+            self.coverage(name).set(math.nan if window.coverage is None else window.coverage)
+            self.overestimate(name).set(math.nan if window.overestimate is None else window.overestimate)
             self.window_requests(name).set(window.count)
             self.drift(name).set(int(alarm))
             if reference is not None:

@@ -13,6 +13,7 @@ status part.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 import urllib.error
@@ -77,7 +78,8 @@ def _mean_ms(samples: Samples, name: str) -> str:
 
 
 def _fraction(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
+    """A gauge's value; '-' when there is none (NaN: e.g. a new version's empty window)."""
+    return "-" if value is None or math.isnan(value) else f"{value:.3f}"
 
 
 def render(status: dict[str, Any] | None, samples: Samples, now: float | None = None) -> str:

@@ -136,3 +136,14 @@ def test_fleet_status_shows_each_replica_and_the_version_split(capsys):
 def test_fleet_needs_urls(capsys):
     assert main(["status", "--fleet", " , "]) == 2
     assert "--fleet" in capsys.readouterr().err
+
+
+def test_a_new_versions_empty_window_shows_no_coverage_rather_than_nan():
+    from adapt.cli.status import render
+
+    samples = {
+        "adapt_length_bound_coverage": [({"component": "pattern-graph"}, float("nan"))],
+        "adapt_length_bound_window_requests": [({"component": "pattern-graph"}, 0.0)],
+    }
+    line = next(line for line in render(None, samples, now=0.0).splitlines() if "pattern-graph" in line)
+    assert "nan" not in line and line.split()[:3] == ["pattern-graph", "0", "-"]

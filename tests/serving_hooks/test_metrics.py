@@ -4,6 +4,7 @@ bounded labels. The wiring into vLLM's scheduler is checked by tests/integration
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -280,6 +281,7 @@ def test_a_new_version_starts_its_windows_afresh_and_keeps_the_predecessors_figu
         "predecessor": predecessor,
     }
     assert _value(metrics, "adapt_length_bound_window_requests", component="qrf-length") == 0
+    assert math.isnan(_value(metrics, "adapt_length_bound_coverage", component="qrf-length"))  # not v3's
 
     for i in range(4):  # v4: outputs 1..4 under 7 tokens, all covered
         _finish_with_bound(metrics, policy, i + 1, 7.0, request_id=f"b{i}")
