@@ -20,6 +20,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from serving_hooks.http import STATUS_PATH
+
 STARTUP_TIMEOUT_S = 300
 
 
@@ -45,7 +47,7 @@ def post_completion(port: int, body: dict[str, Any], timeout_s: float = 120) -> 
 
 
 def adapt_status(port: int) -> dict[str, Any]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/adapt/status", timeout=10) as response:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{STATUS_PATH}", timeout=10) as response:
         return json.loads(response.read())
 
 

@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from adapt.registry import CHAMPION, PREVIOUS, Registry
+from serving_hooks.http import STATUS_PATH
 
 DEFAULT_LEAST_REQUESTS = 200
 DEFAULT_MARGIN = 0.05
 DEFAULT_COOLDOWN_S = 300.0
 TIMEOUT_S = 5.0
 ROLLED_BACK_TAG = "adapt.rolled_back"
-STATUS_PATH = "/v1/adapt/status"
 QUALITY_METRICS = ("coverage", "rank_correlation")  # higher is better for both
 
 Statuses = Mapping[str, Mapping[str, Any]]  # server URL -> its status JSON

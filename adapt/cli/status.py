@@ -56,7 +56,9 @@ def scrape(url: str) -> Samples:
 def read_server(url: str) -> tuple[dict[str, Any] | None, Samples]:
     """(status JSON or None, every sample of /metrics by name)."""
     samples = scrape(url)
-    status_body = _get(f"{url.rstrip('/')}/v1/adapt/status")
+    from serving_hooks.http import STATUS_PATH
+
+    status_body = _get(f"{url.rstrip('/')}{STATUS_PATH}")
     return (json.loads(status_body) if status_body else None), samples
 
 
