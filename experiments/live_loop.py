@@ -113,7 +113,6 @@ class StatusLog:
         self.samples: list[tuple[float, int | None]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self.started = time.monotonic()
 
     def _run(self) -> None:
         from experiments.quickstart_serve import adapt_status
@@ -168,7 +167,7 @@ def run_arm(arm: str, root: Path, model: str, requests: list[Request], size: Siz
     """One server (and, for `loop`, one retrain process) under the whole schedule."""
     from adapt.registry import Registry
     from experiments.bench_serve import run_load
-    from experiments.quickstart_serve import free_port, wait_for_status
+    from experiments.quickstart_serve import free_port, stop, wait_for_status
     from pipelines.ewsjf import train_ewsjf_meta
     from serving_hooks.server import server_command
 
@@ -205,11 +204,7 @@ def run_arm(arm: str, root: Path, model: str, requests: list[Request], size: Siz
     finally:
         for process in (retrain, server):
             if process is not None:
-                process.terminate()
-                try:
-                    process.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+                stop(process)
     return {
         "records": records,
         "swaps": status.swaps(),

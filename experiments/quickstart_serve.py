@@ -46,6 +46,15 @@ def post_completion(port: int, body: dict[str, Any], timeout_s: float = 120) -> 
         return exc.code, json.loads(exc.read() or b"{}")
 
 
+def stop(process: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Ask a server (or any child) to exit, and kill it if it has not within `timeout_s`."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
 def adapt_status(port: int) -> dict[str, Any]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{STATUS_PATH}", timeout=10) as response:
         return json.loads(response.read())
@@ -122,8 +131,4 @@ def serve_demo(out: Path, fast: bool) -> dict[str, Any]:
         summary = summarise(result["records"])
         return {"before": before, "after": after, "promoted_version": version, "client": summary}
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server)
