@@ -1,7 +1,8 @@
 """`adapt fidelity`: is the replayed policy the one that runs live, and does replay predict it?
 
     adapt fidelity --policy P | --policies a,b,c [--rate R] [--requests N] [--model DIR]
-                   [--kv-blocks B] [--json OUT]
+                   [--kv-blocks B] [--repeat] [--calibrate fcfs|own] [--keep DIR [--reuse]]
+                   [--json OUT]
 
 For each policy, real vLLM (in-process engine core, `PolicyScheduler`, async scheduling, prefix
 caching off, a KV cache of `--kv-blocks` blocks of 32 tokens: small enough that chunked prefill and
@@ -27,6 +28,13 @@ deadline on a quarter) so that SLO-aware policies have something to act on. Two 
    process on the machine stretches live steps, and the drift figure shows it. A policy with
    model calls off the step (SageSched's embeddings) is replayed with the live run's mean wait
    for them as `prediction_delay_s`.
+
+`--repeat` serves each policy's requests a second time and compares the live engine with itself,
+request by request, as replay is compared with it: the noise floor below which no replay can
+predict. `--calibrate own` fits each policy's cost model on its own run A (the policy serving A's
+rows) instead of FCFS's: what an operator has once the policy has served (its `adapt serve` logs),
+and the only calibration that sees what a policy costs live beyond its batches (its CPU time, a
+model thread sharing the cores).
 
 Without `--model` a tiny random model is generated (DESIGN.md section 6).
 """
@@ -133,8 +141,24 @@ def worker(model: str, policy: str, rows: list[dict[str, Any]], out: Path, setti
     (out / "engine.json").write_text(json.dumps({**config, **summary}))
 
 
-def serve(model: str, policy: str, rows: list[dict[str, Any]], out: Path, settings: dict[str, int]) -> None:
-    """One live run in a fresh process (vLLM's engine state must not leak between runs)."""
+def serve(
+    model: str,
+    policy: str,
+    rows: list[dict[str, Any]],
+    out: Path,
+    settings: dict[str, int],
+    reuse: bool = False,
+) -> None:
+    """One live run in a fresh process (vLLM's engine state must not leak between runs). With
+    `reuse`, a finished run already in `out` for the same rows and settings is kept as it is (to
+    re-analyse kept runs); one for other rows or settings is an error, never silently reused."""
+    if reuse and (out / "engine.json").is_file():
+        kept = json.loads((out / "workload.json").read_text())
+        if kept != {"rows": rows, "settings": settings}:
+            raise ValueError(
+                f"{out} holds a run of other requests or engine settings; remove it or drop --reuse"
+            )
+        return
     out.mkdir(parents=True, exist_ok=True)
     (out / "workload.json").write_text(json.dumps({"rows": rows, "settings": settings}))
     command = [sys.executable, "-m", "experiments.fidelity", "--worker", str(out), "--model", model]
@@ -248,9 +272,9 @@ def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
     errors: dict[str, list[float]] = {"ttft": [], "e2e": []}  # signed: (simulated - real) / real
     live = {"ttft": [], "e2e": []}
     sim = {"ttft": [], "e2e": []}
-    for record in real:
+    for record in real:  # latency is compared on requests served by both engines; drops are counted
         s = simulated.get(record["request_id"])
-        if record.get("finish_s") is None or s is None or s.finish_s is None:
+        if record["outcome"] == "dropped" or s is None or s.dropped is not None or s.finish_s is None:
             continue
         for key, end in (("ttft", "first_token_s"), ("e2e", "finish_s")):
             measured, predicted = record[end] - record["arrival_s"], getattr(s, end) - s.arrival_s
@@ -259,15 +283,20 @@ def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
             if measured > 0:
                 errors[key].append((predicted - measured) / measured)
     preempted_live = sum(r.get("preemptions", 0) for r in real)
+    dropped_live = sum(r["outcome"] == "dropped" for r in real)
+    dropped_replay = sum(r.dropped is not None for r in result.records)
 
     live_predictions = json.loads((out / "engine.json").read_text()).get("predictions")
     replay_predictions = PredictionStats.combined([q.stats for q in queues]).summary() if queues else None
 
-    def summary(values: dict[str, list[float]], preemptions: int, predictions: Any) -> dict[str, Any]:
+    def summary(
+        values: dict[str, list[float]], preemptions: int, dropped: int, predictions: Any
+    ) -> dict[str, Any]:
         return {
             "ttft_p50": float(np.median(values["ttft"])),
             "e2e_mean": float(np.mean(values["e2e"])),
             "preemptions": preemptions,
+            "dropped": dropped,
             # share of requests first scheduled on a prior (off-step predictions; None: none made)
             "prior_share": None if not predictions else predictions["share_on_prior"],
         }
@@ -279,8 +308,36 @@ def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
         "ttft_median_abs_pct_error": 100 * float(np.median(ttft)),
         "e2e_bias_pct": 100 * float(np.median(errors["e2e"])),
         "compared_requests": len(e2e),
-        "live": summary(live, preempted_live, live_predictions),
-        "replay": summary(sim, result.preemptions, replay_predictions),
+        "live": summary(live, preempted_live, dropped_live, live_predictions),
+        "replay": summary(sim, result.preemptions, dropped_replay, replay_predictions),
+    }
+
+
+def live_repeat(out: Path, repeat: Path) -> dict[str, float]:
+    """The live engine's own noise floor for a policy: the same requests served twice, each
+    request's E2E and TTFT in the repeat compared with the first run's, as replay is compared. An
+    order-sensitive policy under overload can serve a request first in one run and last in the
+    next; replay cannot predict a request more closely than the engine repeats itself."""
+    first = {r["request_id"].rsplit("-", 1)[0]: r for r in real_requests(out)}
+    errors: dict[str, list[float]] = {"ttft": [], "e2e": []}
+    for record in real_requests(repeat):
+        before = first.get(record["request_id"].rsplit("-", 1)[0])
+        if before is None or "dropped" in (record["outcome"], before["outcome"]):
+            continue
+        for key, end in (("ttft", "first_token_s"), ("e2e", "finish_s")):
+            measured, again = before[end] - before["arrival_s"], record[end] - record["arrival_s"]
+            if measured > 0:
+                errors[key].append((again - measured) / measured)
+    e2e, ttft = np.abs(errors["e2e"]), np.abs(errors["ttft"])
+    again = [r for r in real_requests(repeat) if r["outcome"] != "dropped"]
+    return {
+        "e2e_median_abs_pct_error": 100 * float(np.median(e2e)),
+        "e2e_p90_abs_pct_error": 100 * float(np.percentile(e2e, 90)),
+        "ttft_median_abs_pct_error": 100 * float(np.median(ttft)),
+        "e2e_bias_pct": 100 * float(np.median(errors["e2e"])),
+        # the repeat's own summary, for the live engine's ranking against itself
+        "ttft_p50": float(np.median([r["first_token_s"] - r["arrival_s"] for r in again])),
+        "e2e_mean": float(np.mean([r["finish_s"] - r["arrival_s"] for r in again])),
     }
 
 
@@ -306,29 +363,42 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
     }
     with _runs_directory(args.keep) as tmp:
         model = args.model
-        if model is None:
+        if model is None and args.reuse and (Path(tmp) / "tiny" / "config.json").is_file():
+            model = str(Path(tmp) / "tiny")  # the kept runs' own model
+        elif model is None:
             from serving_hooks.tiny_model import make_tiny_model
 
             model = str(make_tiny_model(Path(tmp) / "tiny"))
         calibration = workload(args.requests, args.rate, CALIBRATION_OFFSET)
         predicted = workload(args.requests, args.rate, PREDICTED_OFFSET)
         progress(f"run A (calibration, fcfs): {args.requests} requests at {args.rate} req/s ...")
-        serve(model, "fcfs", calibration, Path(tmp) / "A", settings)
+        serve(model, "fcfs", calibration, Path(tmp) / "A", settings, args.reuse)
         config = engine_config(Path(tmp) / "A")
         capacity = int(config.kv_capacity_tokens)
         cost = fit_cost_model([Path(tmp) / "A"], capacity)
         drift = None
         if args.drift:
             progress("run A again (the machine's drift between runs) ...")
-            serve(model, "fcfs", calibration, Path(tmp) / "A2", settings)
+            serve(model, "fcfs", calibration, Path(tmp) / "A2", settings, args.reuse)
             drift = predict(Path(tmp) / "A2", cost, "fcfs")["e2e_median_abs_pct_error"]
             cost = fit_cost_model([Path(tmp) / "A", Path(tmp) / "A2"], capacity)
         results = []
         for policy in policies:
+            name = policy.replace(":", "_")
+            policy_cost = cost
+            if args.calibrate == "own" and policy != "fcfs":
+                progress(f"run A ({policy}'s own calibration): {args.requests} requests ...")
+                serve(model, policy, calibration, Path(tmp) / f"A-{name}", settings, args.reuse)
+                policy_cost = fit_cost_model([Path(tmp) / f"A-{name}"], capacity)
             progress(f"run B ({policy}): {args.requests} requests at {args.rate} req/s ...")
-            out = Path(tmp) / f"B-{policy.replace(':', '_')}"
-            serve(model, policy, predicted, out, settings)
+            out = Path(tmp) / f"B-{name}"
+            serve(model, policy, predicted, out, settings, args.reuse)
             load = os.getloadavg()[0]  # other work on the machine slows live steps, not replayed ones
+            repeat = None
+            if args.repeat:
+                progress(f"run B again ({policy}: the live engine's own noise floor) ...")
+                serve(model, policy, predicted, Path(tmp) / f"B2-{name}", settings, args.reuse)
+                repeat = live_repeat(out, Path(tmp) / f"B2-{name}")
             agreement = conformance(out, policy)
             result = {
                 "policy": policy,
@@ -337,7 +407,9 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
                 "decision_agreement": agreement.agreement,
                 "steps": agreement.steps,
                 "first_divergence": None if agreement.first_divergence is None else agreement.describe(),
-                **predict(out, cost, policy),
+                **predict(out, policy_cost, policy),
+                "calibrated_on": policy if policy_cost is not cost else "fcfs",
+                "live_repeat": repeat,
                 "policy_errors": json.loads((out / "engine.json").read_text())["policy_errors"],
                 "calibration_drift_e2e_pct": drift,
                 "machine_load_1m": load,
@@ -348,15 +420,21 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
                 f" E2E |err| median {result['e2e_median_abs_pct_error']:.1f}%"
             )
             results.append(result)
+
+    def order(values: list[float]) -> list[str]:
+        return [r["policy"] for _, r in sorted(zip(values, results, strict=True), key=lambda x: x[0])]
+
+    def tau(a: list[float], b: list[float]) -> float:
+        return float(kendalltau(a, b).statistic) if len(results) > 1 else 1.0
+
     rankings = {}
-    for name, key in (("e2e_mean", "e2e_mean"), ("ttft_p50", "ttft_p50")):
+    for key in ("e2e_mean", "ttft_p50"):
         live = [r["live"][key] for r in results]
         sim = [r["replay"][key] for r in results]
-        rankings[name] = {
-            "live": [r["policy"] for _, r in sorted(zip(live, results, strict=True), key=lambda x: x[0])],
-            "replay": [r["policy"] for _, r in sorted(zip(sim, results, strict=True), key=lambda x: x[0])],
-            "kendall_tau": float(kendalltau(live, sim).statistic) if len(results) > 1 else 1.0,
-        }
+        rankings[key] = {"live": order(live), "replay": order(sim), "kendall_tau": tau(live, sim)}
+        if args.repeat:  # does the live engine rank the policies the same way twice?
+            again = [r["live_repeat"][key] for r in results]
+            rankings[key] |= {"live_repeat": order(again), "live_repeat_kendall_tau": tau(live, again)}
     return {"results": results, "rankings": rankings, "drift_e2e_pct": drift, "settings": settings}
 
 
@@ -372,16 +450,31 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['ttft_median_abs_pct_error']:>10.1f}%{r['e2e_bias_pct']:>+9.1f}%"
             f"{r['live']['e2e_mean']:>10.3f}{r['replay']['e2e_mean']:>9.3f}"
             f"{r['live']['preemptions']:>9}{r['replay']['preemptions']:>8}"
+            f"{r['live']['dropped']:>10}{r['replay']['dropped']:>9}"
             f"{100 * r['policy_share_of_step_time']:>7.1f}%{r['machine_load_1m']:>6.2f}"
         )
+    print("errors over requests served by both engines; drop: requests refused by admission control")
     print("policy: share of live step time in the policy (not charged by replay); load: 1-min load average")
     if report["drift_e2e_pct"] is not None:
         print(f"machine drift (FCFS on run A's rows, again): E2E median |err| {report['drift_e2e_pct']:.1f}%")
+    for r in report["results"]:
+        if r["live_repeat"] is not None:
+            floor = r["live_repeat"]
+            print(
+                f"{r['policy']}: live run repeated (noise floor) E2E |err| median"
+                f" {floor['e2e_median_abs_pct_error']:.1f}%, P90 {floor['e2e_p90_abs_pct_error']:.1f}%,"
+                f" TTFT |err| median {floor['ttft_median_abs_pct_error']:.1f}%"
+            )
     for name, ranking in report["rankings"].items():
         print(
             f"ranking by {name}: live {ranking['live']}; replay {ranking['replay']};"
             f" tau {ranking['kendall_tau']:.2f}"
         )
+        if "live_repeat" in ranking:
+            print(
+                f"  live again: {ranking['live_repeat']}; tau live vs live again"
+                f" {ranking['live_repeat_kendall_tau']:.2f}"
+            )
     for r in report["results"]:
         live, replay = r["live"]["prior_share"], r["replay"]["prior_share"]
         if live is not None and replay is not None:

@@ -333,6 +333,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     names = [p for p in (args.policies or args.policy or "").split(",") if p]
     if not names:
         raise UsageError("adapt fidelity: give --policy P or --policies a,b,c")
+    if args.reuse and not args.keep:
+        raise UsageError("adapt fidelity: --reuse re-analyses the runs kept by --keep DIR; give --keep")
     report = execute(args, names)
     errors = sum(r["policy_errors"] for r in report["results"])
     return 1 if errors else 0
@@ -536,8 +538,22 @@ def build_parser() -> argparse.ArgumentParser:
     fidelity.add_argument("--token-budget", type=COUNT, default=2048, help="vLLM's max_num_batched_tokens")
     fidelity.add_argument("--kv-blocks", type=COUNT, default=128, help="KV cache size in 32-token blocks")
     fidelity.add_argument("--no-drift", dest="drift", action="store_false", help="skip the repeat of run A")
+    fidelity.add_argument(
+        "--repeat", action="store_true", help="serve each policy twice: the live engine's own noise floor"
+    )
+    fidelity.add_argument(
+        "--calibrate",
+        choices=("fcfs", "own"),
+        default="fcfs",
+        help="fit the cost model on FCFS's run A (default) or on each policy's own run A",
+    )
     fidelity.add_argument("--model", help="model directory (default: a generated tiny model)")
     fidelity.add_argument("--keep", metavar="DIR", help="keep the live runs' logs here (default: deleted)")
+    fidelity.add_argument(
+        "--reuse",
+        action="store_true",
+        help="with --keep: re-analyse runs already kept there instead of serving again",
+    )
     fidelity.add_argument("--json", help="write the report here (one policy: its record alone)")
     fidelity.set_defaults(func=cmd_fidelity)
 

@@ -1,0 +1,62 @@
+"""`adapt fidelity`'s analysis of kept runs: the live engine's noise floor and `--reuse`.
+
+The live runs themselves are in `tests/integration/test_conformance.py`; here a run directory is
+written by hand (the client's times and the engine's request log), so every figure is known.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from experiments import fidelity
+
+
+def write_run(out: Path, requests: dict[str, tuple[float, float | None, float | None]]) -> None:
+    """A kept run: `requests` maps client id -> (arrival, first token, finish); None = dropped."""
+    out.mkdir(parents=True)
+    (out / "client.json").write_text(json.dumps({k: list(v) for k, v in requests.items()}))
+    lines = [
+        json.dumps({"request_id": f"{k}-abc", "outcome": "dropped" if v[2] is None else "finished"})
+        for k, v in requests.items()
+    ]
+    (out / "requests-000001.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_live_repeat_compares_each_request_with_itself(tmp_path: Path) -> None:
+    # E2E 1.0 -> 1.1 (+10%), 2.0 -> 1.0 (-50%), 4.0 -> 4.0 (0%); TTFT 0.5 -> 0.5, 1.0 -> 0.5, 2.0 -> 3.0
+    write_run(tmp_path / "B", {"r0": (0.0, 0.5, 1.0), "r1": (1.0, 2.0, 3.0), "r2": (2.0, 4.0, 6.0)})
+    write_run(tmp_path / "B2", {"r0": (0.0, 0.5, 1.1), "r1": (1.0, 1.5, 2.0), "r2": (2.0, 5.0, 6.0)})
+    floor = fidelity.live_repeat(tmp_path / "B", tmp_path / "B2")
+    assert floor["e2e_median_abs_pct_error"] == pytest.approx(10.0)
+    assert floor["e2e_bias_pct"] == pytest.approx(0.0)
+    assert floor["ttft_median_abs_pct_error"] == pytest.approx(50.0)
+    assert floor["e2e_mean"] == pytest.approx((1.1 + 1.0 + 4.0) / 3)
+    assert floor["ttft_p50"] == pytest.approx(0.5)
+
+
+def test_live_repeat_leaves_out_requests_dropped_in_either_run(tmp_path: Path) -> None:
+    write_run(tmp_path / "B", {"r0": (0.0, 0.5, 1.0), "r1": (1.0, None, None)})
+    write_run(tmp_path / "B2", {"r0": (0.0, 0.5, 2.0), "r1": (1.0, 1.5, 2.0)})
+    floor = fidelity.live_repeat(tmp_path / "B", tmp_path / "B2")
+    assert floor["e2e_median_abs_pct_error"] == pytest.approx(100.0)  # r0 only
+
+
+def test_reuse_keeps_a_finished_run_and_refuses_one_of_other_requests(tmp_path: Path) -> None:
+    rows, settings = [{"arrival_s": 0.0, "prompt": 8, "output": 4, "slo": {}}], {"kv_blocks": 64}
+    out = tmp_path / "B-fcfs"
+    out.mkdir()
+    (out / "workload.json").write_text(json.dumps({"rows": rows, "settings": settings}))
+    (out / "engine.json").write_text("{}")
+    fidelity.serve("no-model", "fcfs", rows, out, settings, reuse=True)  # kept: no engine started
+    with pytest.raises(ValueError, match="other requests or engine settings"):
+        fidelity.serve("no-model", "fcfs", rows, out, {"kv_blocks": 128}, reuse=True)
+
+
+def test_reuse_without_keep_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from adapt.cli import main
+
+    assert main(["fidelity", "--policy", "fcfs", "--reuse"]) == 2
+    assert "--keep" in capsys.readouterr().err
