@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from serving_hooks.http import STATUS_PATH
+from serving_hooks.http import read_status
 
 STARTUP_TIMEOUT_S = 300
 
@@ -56,8 +56,8 @@ def stop(process: subprocess.Popen, timeout_s: float = 60) -> None:
 
 
 def adapt_status(port: int) -> dict[str, Any]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{STATUS_PATH}", timeout=10) as response:
-        return json.loads(response.read())
+    """The status of the local server on `port`; ConnectionError until it answers with one."""
+    return read_status(f"http://127.0.0.1:{port}", timeout_s=10)
 
 
 def wait_for_status(
@@ -72,7 +72,7 @@ def wait_for_status(
             status = adapt_status(port)
             if ready(status):
                 return status
-        except OSError:
+        except ConnectionError:  # still starting: not listening yet, or no status written yet
             pass
         time.sleep(0.5)
     raise RuntimeError(f"adapt serve not ready after {timeout_s} s; see {log}")

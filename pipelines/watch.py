@@ -25,22 +25,18 @@ answer nor a registry error stops the loop: each is reported and that poll goes 
 
 from __future__ import annotations
 
-import json
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from adapt.registry import CHAMPION, PREVIOUS, Registry
-from serving_hooks.http import STATUS_PATH
+from serving_hooks.http import STATUS_TIMEOUT_S, read_status
 
 DEFAULT_LEAST_REQUESTS = 200
 DEFAULT_MARGIN = 0.05
 DEFAULT_COOLDOWN_S = 300.0
-TIMEOUT_S = 5.0
 ROLLED_BACK_TAG = "adapt.rolled_back"
 QUALITY_METRICS = ("coverage", "rank_correlation")  # higher is better for both
 
@@ -141,22 +137,6 @@ def check_url(url: str) -> str:
     return url.rstrip("/")
 
 
-def fetch_status(url: str, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
-    """A server's status JSON; ConnectionError when it does not answer with one."""
-    try:
-        with urllib.request.urlopen(url + STATUS_PATH, timeout=timeout_s) as response:
-            status = json.loads(response.read())
-    except urllib.error.HTTPError as exc:  # 503 until the engine wrote its first status
-        raise ConnectionError(f"HTTP {exc.code}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise ConnectionError(str(getattr(exc, "reason", exc))) from None
-    except ValueError as exc:
-        raise ConnectionError(f"not a status JSON ({exc})") from None
-    if not isinstance(status, dict):
-        raise ConnectionError("not a status JSON (not an object)")
-    return status
-
-
 class QualityWatch:
     """Polls servers and acts on what `early_retrain` and `rollbacks` decide; one printed line per
     action, and per server that stops or starts answering (not one per failed poll)."""
@@ -169,7 +149,7 @@ class QualityWatch:
         least_requests: int = DEFAULT_LEAST_REQUESTS,
         margin: float = DEFAULT_MARGIN,
         cooldown_s: float = DEFAULT_COOLDOWN_S,
-        timeout_s: float = TIMEOUT_S,
+        timeout_s: float = STATUS_TIMEOUT_S,
         say: Callable[[str], None] = lambda line: print(line, flush=True),  # a log read as it runs
     ) -> None:
         if not urls:
@@ -214,7 +194,7 @@ class QualityWatch:
         answered = {}
         for url in self.urls:
             try:
-                answered[url] = fetch_status(url, self.timeout_s)
+                answered[url] = read_status(url, self.timeout_s)
             except ConnectionError as exc:
                 if url not in self._silent:
                     self.say(f"watch: {url} does not answer ({exc}); skipped until it does")

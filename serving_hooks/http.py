@@ -4,13 +4,19 @@ answers `GET /v1/adapt/status`.
 vLLM passes `vllm_xargs` through to the engine untouched, where a bad value could only be logged
 and ignored; checking them here gives the client an HTTP 400 whose message names the field, e.g.
 `vllm_xargs.deadline_s: must be > 0, got -3`. Absent fields mean best effort. The status is the
-JSON file the scheduler's live slots keep current (`serving_hooks.live`).
+JSON file the scheduler's live slots keep current (`serving_hooks.live`); `read_status` is the one
+client of that route (the CLI's `adapt status`, the retrain watcher, the quickstart), so every
+reader tells "not written yet" from "not answering" the same way.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import urllib.error
+import urllib.request
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -19,6 +25,47 @@ from serving_hooks.xargs import validate_xargs
 
 STATUS_PATH = "/v1/adapt/status"
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+STATUS_TIMEOUT_S = 5.0
+
+
+class StatusNotReady(ConnectionError):
+    """The server answered 503: it runs, but its engine has not written a first status yet
+    (a caller waiting for a starting server retries; one showing the status shows none)."""
+
+
+class NoStatusRoute(ConnectionError):
+    """The server answered 404: it does not serve the route (not `adapt serve`), though it may
+    still answer `/metrics`."""
+
+
+def read_status(url: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
+    """The status JSON of the server at base URL `url`. Every failure is a ConnectionError whose
+    message names the address and the cause, so a caller that polls servers catches one type:
+    `StatusNotReady` (503), `NoStatusRoute` (404), or plain for another HTTP error, a server that
+    cannot be reached, or a body that is not a JSON object."""
+    address = url.rstrip("/") + STATUS_PATH
+    body = _get_status_body(address, timeout_s)
+    try:
+        status = json.loads(body)
+    except ValueError as exc:
+        raise ConnectionError(f"{address}: not a status JSON ({exc})") from None
+    if not isinstance(status, dict):
+        raise ConnectionError(f"{address}: not a status JSON (a {type(status).__name__}, not an object)")
+    return status
+
+
+def _get_status_body(address: str, timeout_s: float) -> bytes:
+    try:
+        with urllib.request.urlopen(address, timeout=timeout_s) as response:
+            return response.read()
+    except urllib.error.HTTPError as exc:  # before URLError, its base class: the server did answer
+        if exc.code == 503:
+            raise StatusNotReady(f"{address}: HTTP 503, no status written yet") from None
+        if exc.code == 404:
+            raise NoStatusRoute(f"{address}: HTTP 404, not served here") from None
+        raise ConnectionError(f"{address}: HTTP {exc.code}") from None
+    except (OSError, http.client.HTTPException) as exc:  # refused, timed out, not speaking HTTP
+        raise ConnectionError(f"cannot reach {address} ({getattr(exc, 'reason', exc)})") from None
 
 
 def _error(message: str) -> JSONResponse:

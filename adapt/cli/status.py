@@ -12,7 +12,6 @@ status part.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -27,25 +26,27 @@ TIMEOUT_S = 5.0
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
 
-def _get(url: str) -> bytes | None:
-    """The body of `url`; None for a 503 (status not written yet) or a 404 (no such route)."""
+def _get_metrics(url: str) -> bytes | None:
+    """The server's `/metrics` text; None when it answers 404 or 503 there (no metrics to read, e.g.
+    started with `--no-metrics`): the status part still shows."""
+    address = f"{url.rstrip('/')}/metrics"
     try:
-        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+        with urllib.request.urlopen(address, timeout=TIMEOUT_S) as response:
             return response.read()
     except urllib.error.HTTPError as exc:
         if exc.code in (404, 503):
             return None
-        raise ConnectionError(f"{url}: HTTP {exc.code}") from None
+        raise ConnectionError(f"{address}: HTTP {exc.code}") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise ConnectionError(f"cannot reach {url} ({reason}); is adapt serve running there?") from None
+        raise ConnectionError(f"cannot reach {address} ({reason}); is adapt serve running there?") from None
 
 
 def scrape(url: str) -> Samples:
     """Every sample of the server's `/metrics`, by name (parsed with prometheus_client's parser)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    metrics_text = _get(f"{url.rstrip('/')}/metrics")
+    metrics_text = _get_metrics(url)
     samples: Samples = defaultdict(list)
     for family in text_string_to_metric_families((metrics_text or b"").decode()):
         for sample in family.samples:
@@ -54,12 +55,15 @@ def scrape(url: str) -> Samples:
 
 
 def read_server(url: str) -> tuple[dict[str, Any] | None, Samples]:
-    """(status JSON or None, every sample of /metrics by name)."""
+    """(status JSON, every sample of /metrics by name). The status is None while the engine has
+    not written one, or when the server does not serve the route: the metrics still show."""
     samples = scrape(url)
-    from serving_hooks.http import STATUS_PATH
+    from serving_hooks.http import NoStatusRoute, StatusNotReady, read_status
 
-    status_body = _get(f"{url.rstrip('/')}{STATUS_PATH}")
-    return (json.loads(status_body) if status_body else None), samples
+    try:
+        return read_status(url, TIMEOUT_S), samples
+    except (StatusNotReady, NoStatusRoute):
+        return None, samples
 
 
 def _by(samples: Samples, name: str, label: str) -> dict[str, float]:

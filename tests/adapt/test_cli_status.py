@@ -3,10 +3,6 @@ file produce, and one clear line (exit 2) when nothing answers."""
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
 from prometheus_client import generate_latest
 
@@ -14,6 +10,7 @@ from adapt.cli import main
 from adapt.policy import RequestState
 from adapt.requests import SLO
 from serving_hooks.metrics import SchedulerMetrics
+from tests.serving_helpers import StatusServer
 
 
 def _recorded() -> SchedulerMetrics:
@@ -50,22 +47,6 @@ def _recorded() -> SchedulerMetrics:
     return metrics
 
 
-def _serve(metrics_text: bytes, status: dict):
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = metrics_text if self.path == "/metrics" else json.dumps(status).encode()
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
-
-
 @pytest.fixture
 def server():
     metrics_text = generate_latest(_recorded().registry)
@@ -83,9 +64,9 @@ def server():
         },
     }  # fmt: skip
 
-    httpd, url = _serve(metrics_text, status)
-    yield url
-    httpd.shutdown()
+    stand_in = StatusServer(status, metrics_text)
+    yield stand_in.url
+    stand_in.close()
 
 
 def test_status_summarises_a_running_server(server, capsys):
@@ -114,15 +95,15 @@ def test_fleet_status_shows_each_replica_and_the_version_split(capsys):
     base = {"policy": "jitserve", "swaps": 2, "failed_swaps": 0, "policy_swaps": 0, "quality": {}}
     lagging = {**base, "components": {"qrf-length": 3, "pattern-graph": 2}, "failed_swaps": 1}
     servers = [
-        _serve(metrics_text, {**base, "components": {"qrf-length": 4, "pattern-graph": 2}}),
-        _serve(metrics_text, lagging),
+        StatusServer({**base, "components": {"qrf-length": 4, "pattern-graph": 2}}, metrics_text),
+        StatusServer(lagging, metrics_text),
     ]
-    urls = [url for _, url in servers] + ["http://127.0.0.1:9"]
+    urls = [server.url for server in servers] + ["http://127.0.0.1:9"]
     try:
         assert main(["status", "--fleet", ",".join(urls)]) == 1  # a replica did not answer
     finally:
-        for httpd, _ in servers:
-            httpd.shutdown()
+        for server in servers:
+            server.close()
     out = capsys.readouterr().out
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("http")}
     assert "qrf-length v4" in rows[urls[0]] and "qrf-length v3" in rows[urls[1]]
@@ -147,3 +128,16 @@ def test_a_new_versions_empty_window_shows_no_coverage_rather_than_nan():
     }
     line = next(line for line in render(None, samples, now=0.0).splitlines() if "pattern-graph" in line)
     assert "nan" not in line and line.split()[:3] == ["pattern-graph", "0", "-"]
+
+
+@pytest.mark.parametrize("code", [503, 404])
+def test_a_server_without_a_status_yet_still_shows_its_metrics(code, capsys):
+    """503: the engine has not written its first status; 404: the server does not serve the route."""
+    stand_in = StatusServer(code, generate_latest(_recorded().registry))
+    try:
+        assert main(["status", stand_in.url]) == 0
+    finally:
+        stand_in.close()
+    out = capsys.readouterr().out
+    assert "policy      jitserve" in out and "qrf-length" in out  # from the metrics alone
+    assert not any(line.startswith("swaps ") for line in out.splitlines())  # the status-only line

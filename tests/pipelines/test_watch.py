@@ -5,10 +5,7 @@ registry, the in-process retrain loop, and `adapt retrain --every/--watch` on th
 from __future__ import annotations
 
 import json
-import socket
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -19,6 +16,7 @@ from adapt.cli import build_parser, main
 from adapt.registry import Registry
 from pipelines.retrain import RetrainResult, every, retrain_loop
 from pipelines.watch import ROLLED_BACK_TAG, Aliases, QualityWatch, Rollback, early_retrain, rollbacks
+from tests.serving_helpers import StatusServer, silent_url
 
 URL = "http://replica-a:8000"
 
@@ -209,49 +207,11 @@ def test_the_recorders_status_entries_are_what_the_decisions_read():
 
 
 # ---------------------------------------------------------- the watch, on HTTP
-class _StatusServer:
-    """A real local HTTP server answering `GET /v1/adapt/status` with `self.status`."""
-
-    def __init__(self, status: dict[str, Any]) -> None:
-        self.status = status
-        owner = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path != "/v1/adapt/status":
-                    self.send_error(404)
-                    return
-                body = json.dumps(owner.status).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
-def status_server() -> Iterator[_StatusServer]:
-    server = _StatusServer(_status(**{"qrf-length": _entry(4, 0.95, 300)}))
+def status_server() -> Iterator[StatusServer]:
+    server = StatusServer(_status(**{"qrf-length": _entry(4, 0.95, 300)}))
     yield server
     server.close()
-
-
-def _silent_url() -> str:
-    """A local port nothing listens on."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 class _NoRegistry:
@@ -262,7 +222,7 @@ class _NoRegistry:
 
 
 def test_the_watch_reads_servers_skips_a_silent_one_and_asks_for_a_retrain(status_server):
-    silent = _silent_url()
+    silent = silent_url()
     said: list[str] = []
     watch = QualityWatch([status_server.url + "/", silent], _NoRegistry(), say=said.append, timeout_s=2)
     assert watch.poll(now=0.0) is False

@@ -1,0 +1,56 @@
+"""Test doubles for the serving side: a real local HTTP server standing in for `adapt serve`'s
+status and metrics routes, and a URL nothing listens on."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from serving_hooks.http import STATUS_PATH
+
+
+class StatusServer:
+    """A real local HTTP server (a thread on a free port) answering `GET /v1/adapt/status` with
+    `self.status` and `GET /metrics` with `self.metrics`; both can change while it runs.
+
+    `status` is sent as JSON, unless it is bytes (sent as they are, e.g. a body that is not JSON)
+    or an int (that HTTP error code, e.g. 503 before the engine wrote a status). `metrics` None
+    answers 404, as a server started with `--no-metrics`; so does any other path."""
+
+    def __init__(self, status: Any, metrics: bytes | None = None) -> None:
+        self.status = status
+        self.metrics = metrics
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                answer = {STATUS_PATH: owner.status, "/metrics": owner.metrics}.get(self.path)
+                if answer is None or isinstance(answer, int):
+                    self.send_error(answer or 404)
+                    return
+                body = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def silent_url() -> str:
+    """The URL of a local port nothing listens on (bound, read, released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
