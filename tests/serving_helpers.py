@@ -1,5 +1,5 @@
 """Test doubles for the serving side: a real local HTTP server standing in for `adapt serve`'s
-status and metrics routes, and a URL nothing listens on."""
+status and metrics routes, a URL nothing listens on, and a hot-swap slot as the metrics read it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 from typing import Any
 
 from serving_hooks.http import STATUS_PATH
@@ -54,3 +55,23 @@ def silent_url() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def fake_slot(
+    name: str,
+    version: int | None,
+    swaps: int,
+    failed: int = 0,
+    held_out: dict[str, float] | None = None,
+    last: float | None = None,
+) -> SimpleNamespace:
+    """What `SchedulerMetrics.publish` reads of a hot-swap slot (`adapt.hotswap.Slot`): its
+    component, the version serving, swap counts, held-out figures and the last swap's time."""
+    return SimpleNamespace(
+        name=name,
+        version=version,
+        swaps=swaps,
+        failed_swaps=failed,
+        held_out=held_out or {},
+        last_swap_s=last,
+    )

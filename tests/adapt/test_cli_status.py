@@ -10,7 +10,7 @@ from adapt.cli import main
 from adapt.policy import RequestState
 from adapt.requests import SLO
 from serving_hooks.metrics import SchedulerMetrics
-from tests.serving_helpers import StatusServer
+from tests.serving_helpers import StatusServer, fake_slot
 
 
 def _recorded() -> SchedulerMetrics:
@@ -27,14 +27,7 @@ def _recorded() -> SchedulerMetrics:
         metrics.finished(state, "finished", policy)
     metrics.finished(RequestState("d", 0.0, 10, 64, SLO()), "dropped", policy)
     metrics.step(0.002, 0.03, fallback=False)
-    slot = SimpleNamespace(
-        name="qrf-length",
-        version=4,
-        swaps=2,
-        failed_swaps=1,
-        held_out={"coverage_at_0": 0.95},
-        last_swap_s=None,
-    )
+    slot = fake_slot("qrf-length", 4, swaps=2, failed=1, held_out={"coverage_at_0": 0.95})
     quality = metrics.publish(
         0.0,
         policy=policy,

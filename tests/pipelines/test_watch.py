@@ -16,7 +16,7 @@ from adapt.cli import build_parser, main
 from adapt.registry import Registry
 from pipelines.retrain import RetrainResult, every, retrain_loop
 from pipelines.watch import ROLLED_BACK_TAG, Aliases, QualityWatch, Rollback, early_retrain, rollbacks
-from tests.serving_helpers import StatusServer, silent_url
+from tests.serving_helpers import StatusServer, fake_slot, silent_url
 
 URL = "http://replica-a:8000"
 
@@ -176,14 +176,7 @@ def test_the_recorders_status_entries_are_what_the_decisions_read():
             return ("qrf-length", request.cache["bound"])
 
     metrics, policy = SchedulerMetrics(window=500, drift_least=100), Bounded()
-    slot = SimpleNamespace(
-        name="qrf-length",
-        version=3,
-        swaps=1,
-        failed_swaps=0,
-        held_out={"coverage_at_0": 0.95},
-        last_swap_s=None,
-    )
+    slot = fake_slot("qrf-length", 3, swaps=1, held_out={"coverage_at_0": 0.95})
     live = SimpleNamespace(slots={"qrf": slot}, config_slot=None)
 
     def serve(count: int, covered_every: int) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import pytest
 from adapt.policy import Policy, RequestState
 from adapt.requests import SLO
 from serving_hooks.metrics import MAX_TIERS, SchedulerMetrics, goodput_tokens, slo_met
+from tests.serving_helpers import fake_slot
 
 
 def _request(
@@ -106,23 +107,13 @@ def _finish_with_bound(metrics, policy, generated, bound, request_id="r"):
     metrics.finished(state, "finished", policy)
 
 
-def _slot(name, version, swaps, failed=0, held_out=None, last=None):
-    return SimpleNamespace(
-        name=name,
-        version=version,
-        swaps=swaps,
-        failed_swaps=failed,
-        held_out=held_out or {},
-        last_swap_s=last,
-    )
-
-
 def test_coverage_window_and_drift_alarm_reach_gauges_and_status():
     metrics = SchedulerMetrics(window=10, drift_margin=0.05, drift_least=10)
     policy = _Bounded()
     for i in range(10):  # outputs 1..10 under a bound of 7 tokens: coverage 0.7, ratios 7/n
         _finish_with_bound(metrics, policy, i + 1, 7.0, request_id=f"r{i}")
-    slot = _slot("qrf-length", 3, swaps=1, held_out={"coverage_at_0": 0.93, "coverage_at_50": 0.95}, last=1e9)
+    held_out_figures = {"coverage_at_0": 0.93, "coverage_at_50": 0.95}
+    slot = fake_slot("qrf-length", 3, swaps=1, held_out=held_out_figures, last=1e9)
     live = SimpleNamespace(slots={"qrf": slot}, config_slot=None)
     quality = metrics.publish(0.0, policy=policy, waiting=[], running=0, kv_usage=0.25, live=live)
     assert _value(metrics, "adapt_length_bound_coverage", component="qrf-length") == pytest.approx(0.7)
@@ -142,14 +133,14 @@ def test_coverage_window_and_drift_alarm_reach_gauges_and_status():
 def test_swaps_are_counted_once_and_restart_with_new_slots():
     metrics = SchedulerMetrics()
     policy = _Bounded()
-    slot = _slot("qrf-length", 1, swaps=1)
+    slot = fake_slot("qrf-length", 1, swaps=1)
     live = SimpleNamespace(slots={"qrf": slot}, config_slot=None)
     for swaps, failed in [(1, 0), (1, 0), (2, 1), (3, 1)]:
         slot.swaps, slot.failed_swaps = swaps, failed
         metrics.publish(0.0, policy=policy, waiting=[], running=0, kv_usage=0.0, live=live)
     assert _value(metrics, "adapt_component_swaps_total", component="qrf-length") == 3
     assert _value(metrics, "adapt_component_failed_swaps_total", component="qrf-length") == 1
-    live.slots = {"qrf": _slot("qrf-length", 4, swaps=1)}  # a policy swap made a new slot
+    live.slots = {"qrf": fake_slot("qrf-length", 4, swaps=1)}  # a policy swap made a new slot
     metrics.publish(0.0, policy=policy, waiting=[], running=0, kv_usage=0.0, live=live)
     assert _value(metrics, "adapt_component_swaps_total", component="qrf-length") == 4
 
@@ -253,7 +244,7 @@ def test_semantic_neighbour_share_reaches_gauge_and_status():
 def test_a_new_version_starts_its_windows_afresh_and_keeps_the_predecessors_figures():
     metrics = SchedulerMetrics(window=10)
     policy = _Bounded()
-    slot = _slot("qrf-length", 3, swaps=1)
+    slot = fake_slot("qrf-length", 3, swaps=1)
     live = SimpleNamespace(slots={"qrf": slot}, config_slot=None)
     for i in range(10):  # v3: outputs 1..10 under a bound of 7 tokens, coverage 0.7
         _finish_with_bound(metrics, policy, i + 1, 7.0, request_id=f"a{i}")
