@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from adapt.files import write_text_atomic
 from adapt.hotswap import Slot
 from adapt.policy import Policy
 
@@ -137,9 +138,7 @@ class LiveComponents:
         status = self.status()
         if status == self._last_status or self.status_file is None:
             return
-        tmp = self.status_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(status))
-        tmp.replace(self.status_file)
+        write_text_atomic(self.status_file, json.dumps(status))
         self._last_status = status
 
     def stop(self) -> None:

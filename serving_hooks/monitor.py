@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from adapt.files import write_text_atomic
 from adapt.replay.engine import ENGINE_FILE, EngineConfig
 from adapt.requests import CompletedRequest
 
@@ -91,10 +92,7 @@ class Monitor:
     def engine(self, config: EngineConfig) -> None:
         """Record the serving engine's limits beside the logs (`ENGINE_FILE`), replaced atomically:
         what a retrain's gate replays the logged requests on."""
-        path = self.requests.directory / ENGINE_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(config.to_json())
-        tmp.replace(path)
+        write_text_atomic(self.requests.directory / ENGINE_FILE, config.to_json())
 
     def flush(self) -> None:
         self.requests.flush()
