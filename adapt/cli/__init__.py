@@ -192,11 +192,28 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    """Both tuners register the best component version and a policy-config that uses it."""
-    workload = {"slai": "slai-tiers", "ewsjf": "ewsjf-mixed"}[args.policy]
+    """Every tuner registers a policy-config; slai's and ewsjf's also the best component version."""
+    workload = {"slai": "slai-tiers", "ewsjf": "ewsjf-mixed", "jitserve": "jitserve-mix"}[args.policy]
     if args.trace or args.workload not in (None, workload):
         raise UsageError(f"tune {args.policy}: only --workload {workload} is supported")
 
+    if args.policy == "jitserve":
+        from pipelines.jitserve_tune import tune_jitserve
+
+        if args.storage:  # registering a shared study's best once needs ewsjf's lock dance; not built
+            raise UsageError("tune jitserve: --storage (a study shared by workers) is not supported")
+
+        outcome = tune_jitserve(
+            _registry(args),
+            rate=args.rate,
+            num_requests=args.num_requests,
+            trials=args.trials,
+            jobs=args.jobs,
+        )
+        print(f"  policy-config: registered version {outcome.version} (not promoted)")
+        for key, value in sorted(outcome.metrics.items()):
+            print(f"    {key}: {value:.4g}")
+        return 0
     if args.policy == "ewsjf" and args.online:
         from pipelines.ewsjf import online_tune_ewsjf
 
@@ -425,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(func=cmd_evaluate)
 
     tune = sub.add_parser("tune", help="Bayesian optimisation of a policy on replay; registers the best")
-    tune.add_argument("policy", choices=["slai", "ewsjf"])
+    tune.add_argument("policy", choices=["slai", "ewsjf", "jitserve"])
     tune_source = tune.add_mutually_exclusive_group()
     tune_source.add_argument("--workload")
     tune_source.add_argument("--trace")
