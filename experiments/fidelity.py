@@ -319,17 +319,17 @@ def live_repeat(out: Path, repeat: Path) -> dict[str, float]:
     order-sensitive policy under overload can serve a request first in one run and last in the
     next; replay cannot predict a request more closely than the engine repeats itself."""
     first = {r["request_id"].rsplit("-", 1)[0]: r for r in real_requests(out)}
+    again = [r for r in real_requests(repeat) if r["outcome"] != "dropped"]
     errors: dict[str, list[float]] = {"ttft": [], "e2e": []}
-    for record in real_requests(repeat):
+    for record in again:
         before = first.get(record["request_id"].rsplit("-", 1)[0])
-        if before is None or "dropped" in (record["outcome"], before["outcome"]):
+        if before is None or before["outcome"] == "dropped":
             continue
         for key, end in (("ttft", "first_token_s"), ("e2e", "finish_s")):
-            measured, again = before[end] - before["arrival_s"], record[end] - record["arrival_s"]
+            measured, repeated = before[end] - before["arrival_s"], record[end] - record["arrival_s"]
             if measured > 0:
-                errors[key].append((again - measured) / measured)
+                errors[key].append((repeated - measured) / measured)
     e2e, ttft = np.abs(errors["e2e"]), np.abs(errors["ttft"])
-    again = [r for r in real_requests(repeat) if r["outcome"] != "dropped"]
     return {
         "e2e_median_abs_pct_error": 100 * float(np.median(e2e)),
         "e2e_p90_abs_pct_error": 100 * float(np.percentile(e2e, 90)),
