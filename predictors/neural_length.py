@@ -114,6 +114,8 @@ class NeuralLength(BoundEvidence, LearnedComponent):
             log_lengths = self.net_(torch.from_numpy(rows)).numpy()
         return np.expm1(np.clip(log_lengths, 0.0, 12.0))
 
+    reads_prompt_text = True  # a bound is a function of the prompt's embedding
+
     def predict_bound(
         self,
         prompt_tokens: Sequence[int],

@@ -119,6 +119,11 @@ class QrfLength(BoundEvidence, LearnedComponent):
                 blocks.append(vectorizer.transform(list(texts)).toarray())
         return np.hstack(blocks).astype(np.float32)
 
+    @property
+    def reads_prompt_text(self) -> bool:
+        """Whether a bound depends on the prompt's words (a serving engine must then supply them)."""
+        return self.prompt_features > 0
+
     def predict_bound(
         self,
         prompt_tokens: Sequence[int],

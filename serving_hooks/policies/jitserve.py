@@ -156,6 +156,14 @@ class JITServe(Policy):
         self.frames = 0
         self.preemptions = 0
 
+    @property
+    def needs_prompt_text(self) -> bool:  # type: ignore[override]
+        """Whether the length bound reads the prompt's words (`reads_prompt_text`: a forest with
+        prompt features, the network): then vLLM detokenises each prompt for it, as replay passes
+        the trace's text, so the live bound is the one replay computed. Read per arrival: a version
+        swapped in later brings its own answer."""
+        return self.qrf is not None and bool(getattr(self.qrf, "reads_prompt_text", False))
+
     def use_component(self, attribute: str, component: Any) -> None:
         """A new version applies to bounds and sub-deadlines computed from now on (bounds the old
         one is still computing are used for their requests but not memoised)."""

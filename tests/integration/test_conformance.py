@@ -92,5 +92,7 @@ def test_jitserve_bounds_its_requests_off_the_step_and_replay_hands_over_at_the_
     asked_at = {key: int(key.rsplit("@", 1)[1]) for key in handed_at}
     assert handed_at and {key.rsplit("@", 1)[0] for key in handed_at} <= arrived_at.keys()
     assert any(g > 0 for g in asked_at.values())  # refreshed as requests generated
+    # the forest reads prompt words: live, vLLM detokenised every prompt for it, as replay has text
+    assert all(arrival[4]["prompt_text"] for step in live for arrival in step["arrived"])
     assert any(handed_at[key] > arrived_at[key.rsplit("@", 1)[0]] for key in handed_at if key.endswith("@0"))
     assert result.agreement == 1.0, result.describe()

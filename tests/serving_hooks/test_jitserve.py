@@ -551,3 +551,18 @@ def test_compiled_forest_equals_quantile_forest():
         expected = forest.predict(X_test, quantiles=q)
         assert np.allclose(compiled.predict(X_test, q), expected)  # the vectorised search
         assert np.allclose([compiled.predict(X_test[i : i + 1], q)[0] for i in range(5)], expected[:5])
+
+
+def test_prompt_text_is_asked_of_the_engine_only_when_the_bound_reads_it():
+    """vLLM detokenises prompts for a policy that says it needs them (a cost per arrival): JITServe
+    needs them exactly when its length bound reads words, so live and replay bound alike."""
+    from predictors.neural_length import NeuralLength
+    from predictors.qrf_length import QrfLength
+
+    assert not JITServe().needs_prompt_text  # online quantile only
+    assert JITServe(qrf=QrfLength(prompt_features=16)).needs_prompt_text
+    assert not JITServe(qrf=QrfLength(prompt_features=0)).needs_prompt_text  # lengths only
+    assert JITServe(qrf=NeuralLength()).needs_prompt_text
+    policy = JITServe()
+    policy.use_component("qrf", QrfLength(prompt_features=16))  # a live swap brings its own answer
+    assert policy.needs_prompt_text
