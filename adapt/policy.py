@@ -182,7 +182,9 @@ class Policy:
     `needs_prompt_text` -- fill `RequestState.prompt_text` where the engine only has token ids
     (vLLM's engine core detokenises the prompt for such policies; replay passes the trace's text);
     `components` -- the learned components the policy holds, by attribute, which `adapt serve`
-    follows in the registry and swaps in with `use_component`.
+    follows in the registry and swaps in with `use_component`;
+    `alternatives` -- other registered components the policy also takes in an attribute's place
+    (same interface; a policy built with one follows that name instead).
     """
 
     name: str = "policy"
@@ -191,6 +193,7 @@ class Policy:
     needs_oracle: bool = False
     needs_prompt_text: bool = False
     components: dict[str, str] = {}  # noqa: RUF012  (attribute -> registered component it holds)
+    alternatives: dict[str, tuple[str, ...]] = {}  # noqa: RUF012  (attribute -> other components)
 
     def use_component(self, attribute: str, component: Any) -> None:
         """Serve a new version of a learned component (a live hot swap in `adapt serve`).

@@ -190,6 +190,7 @@ class BackgroundWorker(PredictionQueue):
         self._lock = threading.Condition()
         self._pending: list[tuple[str, Any]] = []
         self._done: list[tuple[str, Any]] = []
+        self._computing = 0  # payloads taken by the thread, not yet in `_done`
         self._closed = False
         # Started by the first submission, not here: the engine is still starting up when it
         # creates the queue, and a model loading in another thread meanwhile (torch initialising
@@ -205,7 +206,7 @@ class BackgroundWorker(PredictionQueue):
                 self.stats.refused += 1
                 return False
             self._pending.append((key, payload))
-            self._lock.notify()
+            self._lock.notify_all()  # the worker, and any `drain` waiting
         return super().submit(key, payload, now)
 
     def ready(self, now: float) -> list[tuple[str, Any]]:
@@ -213,10 +214,17 @@ class BackgroundWorker(PredictionQueue):
             done, self._done = self._done, []
         return self._hand_over(done, now)
 
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every payload submitted so far is computed (at most `timeout_s`); True if it
+        was. The engine never calls this (a step must not wait on a model); a benchmark or a test
+        that needs the results at a known point does."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._pending and not self._computing, timeout_s)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._lock.notify()
+            self._lock.notify_all()  # the worker, and any `drain` waiting
         if self._thread is not None:
             self._thread.join(timeout=30)  # a batch in flight finishes first (never killed mid-model)
 
@@ -239,12 +247,17 @@ class BackgroundWorker(PredictionQueue):
                 if self._closed:
                     return
                 batch, self._pending = self._pending, []
+                self._computing = len(batch)
             try:
                 results = list(self.function([payload for _, payload in batch]))
             except Exception:  # a failed batch leaves its requests on their prior
                 log.exception("prediction worker: a batch of %d failed", len(batch))
                 with self._lock:
                     self.errors += 1
+                    self._computing = 0
+                    self._lock.notify_all()
                 continue
             with self._lock:
                 self._done.extend((key, result) for (key, _), result in zip(batch, results, strict=True))
+                self._computing = 0
+                self._lock.notify_all()

@@ -59,16 +59,32 @@ def make_policy(name: str, **params: Any) -> Policy:
     """A fresh policy instance (policies keep per-replay state, so never share one).
 
     A learned component given by registry reference -- an alias such as `champion` or a version
-    `vN`, as a user types it (`jitserve:qrf=v2`) -- is loaded here, so policies only ever receive
-    component instances (or their parameters) and never look anything up themselves."""
+    `vN`, as a user types it (`jitserve:qrf=v2`), or another component the policy takes in that
+    place (`Policy.alternatives`) as `NAME@vN` / `NAME@alias` (`jitserve:qrf=neural-length@v1`) --
+    is loaded here, so policies only ever receive component instances (or their parameters) and
+    never look anything up themselves."""
     if name not in POLICIES:
         raise ValueError(f"policy: unknown {name!r}; expected one of {', '.join(POLICIES)}")
     policy_class = POLICIES[name]
     check_params(policy_class, params)
-    for attribute, component in getattr(policy_class, "components", {}).items():
+    for attribute in getattr(policy_class, "components", {}):
         if isinstance(params.get(attribute), str):
-            params[attribute] = load_reference(component, params[attribute])
+            component, reference = component_reference(policy_class, attribute, params[attribute])
+            params[attribute] = load_reference(component, reference)
     return policy_class(**params)
+
+
+def component_reference(policy_class: Any, attribute: str, reference: str) -> tuple[str, str]:
+    """(registered component, version or alias) a policy parameter names: `v3` or `champion` for
+    the attribute's own component, `NAME@v3` for an alternative the policy lists for it."""
+    own = policy_class.components[attribute]
+    name, sep, version = reference.rpartition("@")
+    if not sep:
+        return own, reference
+    allowed = (own, *getattr(policy_class, "alternatives", {}).get(attribute, ()))
+    if name not in allowed:
+        raise ValueError(f"{attribute}: {name!r} cannot serve there; expected one of {', '.join(allowed)}")
+    return name, version
 
 
 def servable_policies() -> list[str]:
@@ -126,11 +142,13 @@ class PolicySpec:
 
     def __call__(self) -> Policy:
         name, params = parse_policy_spec(self.spec)
-        for attribute, component in getattr(POLICIES[name], "components", {}).items():
-            reference = params.get(attribute)
-            if isinstance(reference, str) and reference[:1] == "v" and reference[1:].isdigit():
-                params[attribute] = _pinned_component(tracking_uri(), component, int(reference[1:]))
         try:
+            for attribute in getattr(POLICIES[name], "components", {}):
+                if not isinstance(params.get(attribute), str):
+                    continue
+                component, reference = component_reference(POLICIES[name], attribute, params[attribute])
+                if reference[:1] == "v" and reference[1:].isdigit():
+                    params[attribute] = _pinned_component(tracking_uri(), component, int(reference[1:]))
             return make_policy(name, **params)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"policy {self.spec!r}: {exc}") from exc

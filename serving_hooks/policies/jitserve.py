@@ -84,6 +84,7 @@ class JITServe(Policy):
 
     name = "jitserve"
     components = {"qrf": "qrf-length", "patterns": "pattern-graph"}  # noqa: RUF012
+    alternatives = {"qrf": ("neural-length",)}  # noqa: RUF012  (the network bounds as the forest does)
 
     def __init__(
         self,
@@ -111,6 +112,8 @@ class JITServe(Policy):
         if not 0 <= fairness <= 1:
             raise ValueError(f"fairness: must be in [0, 1], got {fairness}")
         self.qrf = qrf
+        if getattr(qrf, "name", None) in self.alternatives["qrf"]:  # follow (and report) that name
+            self.components = {**self.components, "qrf": qrf.name}
         self.patterns = patterns
         self.quantile = quantile
         self.frame_steps = int(frame_steps)

@@ -120,6 +120,27 @@ def test_background_worker_survives_a_failing_batch():
         queue.close()
 
 
+def test_drain_waits_until_every_submission_is_computed():
+    release = threading.Event()
+
+    def slow(batch):
+        release.wait(5)
+        return doubled(batch)
+
+    queue = BackgroundWorker(slow)
+    try:
+        assert queue.drain(0.1)  # nothing submitted: nothing to wait for
+        queue.submit("a", 1, now=0.0)
+        queue.submit("b", 2, now=0.0)
+        assert not queue.drain(0.2)  # still computing: it times out, nothing handed over
+        release.set()
+        assert queue.drain(5.0)
+        assert queue.ready(1.0) == [("a", 2), ("b", 4)]
+    finally:
+        release.set()
+        queue.close()
+
+
 class _Model:
     """A batch function with a warm-up that counts its calls and the thread it ran in."""
 

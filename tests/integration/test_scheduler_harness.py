@@ -184,3 +184,44 @@ def test_a_server_stopped_under_load_keeps_every_record_it_made(tiny_model, monk
     assert records("steps") == steps
     # The engine's limits beside the logs, for the retrain gates that replay them.
     assert EngineConfig.from_json((tmp_path / ENGINE_FILE).read_text()) == scheduler.engine_limits()
+
+
+def test_jitserve_serves_with_a_registered_neural_length_off_the_step(tiny_model, tmp_path, monkeypatch):
+    """`jitserve:qrf=neural-length@v1`: the network takes the forest's place (its bounds computed by
+    the prediction worker from each detokenised prompt, never in a step), the live slot follows
+    neural-length, and every request is served."""
+    import gzip
+    import json
+
+    from vllm.v1.request import RequestStatus
+
+    from adapt.registry import Registry
+    from adapt.traces import load_trace
+    from adapt.workloads import bundled
+    from experiments.bench_scheduler import make_requests, make_scheduler, step
+    from predictors.neural_length import NeuralLength
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    with gzip.open(bundled("alpaca_eval_lengths.jsonl.gz"), "rt") as handle:
+        rows = [json.loads(line) for line in handle][:400]
+    data = tmp_path / "slice.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    uri = f"sqlite:///{tmp_path / 'r.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    version = Registry(uri, cache_dir=tmp_path / "c").log(NeuralLength(epochs=1).fit(load_trace(data)))
+    monkeypatch.setenv("ADAPT_POLICY", f"jitserve:qrf=neural-length@v{version}")
+    scheduler = make_scheduler(tiny_model, PolicyScheduler, 8, 4000)
+    assert scheduler.policy.components["qrf"] == "neural-length"
+    requests = make_requests(30, 0, seed=3, max_tokens=16)
+    for request in requests:
+        scheduler.add_request(request)
+    step(scheduler)  # the arrivals' bounds are asked of the worker (the network loads there first)
+    assert all(queue.drain(120) for queue in scheduler.prediction_queues)
+    for _ in range(20_000):
+        if not scheduler.requests:
+            break
+        step(scheduler)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in requests)
+    assert scheduler.policy_errors == 0
+    assert scheduler.prediction_summary()["delivered"] > 0  # the network's bounds came back
+    scheduler.shutdown()

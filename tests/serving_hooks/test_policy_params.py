@@ -49,3 +49,26 @@ def test_valid_specs_still_build(spec):
 def test_every_policy_builds_with_its_defaults():
     for name in POLICIES:
         make_policy(name)
+
+
+def test_a_component_reference_may_name_an_alternative_the_policy_lists():
+    from serving_hooks.policies import component_reference
+    from serving_hooks.policies.jitserve import JITServe
+
+    assert component_reference(JITServe, "qrf", "v3") == ("qrf-length", "v3")
+    assert component_reference(JITServe, "qrf", "neural-length@v2") == ("neural-length", "v2")
+    assert component_reference(JITServe, "qrf", "qrf-length@champion") == ("qrf-length", "champion")
+    with pytest.raises(ValueError, match="'semantic-history' cannot serve there; expected one of qrf-length"):
+        component_reference(JITServe, "qrf", "semantic-history@v1")
+    with pytest.raises(ValueError, match=r"policy 'jitserve:patterns=neural-length@v1'.*cannot serve there"):
+        make_policy_from_spec("jitserve:patterns=neural-length@v1")  # no alternative listed there
+
+
+def test_a_policy_built_with_an_alternative_follows_and_reports_that_name():
+    from predictors.neural_length import NeuralLength
+    from serving_hooks.policies.jitserve import JITServe
+
+    policy = JITServe(qrf=NeuralLength())
+    assert policy.components == {"qrf": "neural-length", "patterns": "pattern-graph"}
+    assert JITServe.components["qrf"] == "qrf-length"  # the class default is untouched
+    assert JITServe().components["qrf"] == "qrf-length"
