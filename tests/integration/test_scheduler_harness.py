@@ -225,3 +225,64 @@ def test_jitserve_serves_with_a_registered_neural_length_off_the_step(tiny_model
     assert scheduler.policy_errors == 0
     assert scheduler.prediction_summary()["delivered"] > 0  # the network's bounds came back
     scheduler.shutdown()
+
+
+class _SleepingBound:
+    """A length bound that takes 200 ms a batch (a slow model), or fails every call."""
+
+    name = "qrf-length"
+    reads_prompt_text = False
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.calls = 0
+        self.metadata: dict = {}
+
+    def predict_bound(self, prompt_tokens, prompt_texts, generated, generated_texts=(), quantile=None):
+        import time
+
+        import numpy as np
+
+        self.calls += 1
+        time.sleep(0.2)
+        if self.fail:
+            raise RuntimeError("length model down")
+        return np.full(len(prompt_tokens), 64.0)
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["slow", "failing"])
+def test_a_slow_or_failing_predictor_never_holds_a_step(tiny_model, monkeypatch, fail):
+    """JITServe's bounds come from a model that sleeps 200 ms a batch (or raises): the scheduler's
+    steps never wait for it -- each takes a few ms, as without it -- and every request is served,
+    on its prior until (and unless) its bound comes."""
+    import time
+
+    from vllm.v1.request import RequestStatus
+
+    from experiments.bench_scheduler import make_requests, make_scheduler, step
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    monkeypatch.setenv("ADAPT_POLICY", "jitserve")
+    scheduler = make_scheduler(tiny_model, PolicyScheduler, 8, 4000)
+    model = _SleepingBound(fail)
+    scheduler.policy.use_component("qrf", model)  # as a live swap would
+    requests = make_requests(24, 0, seed=4, max_tokens=48)
+    for request in requests:
+        scheduler.add_request(request)
+    slowest = 0.0
+    for _ in range(20_000):
+        if not scheduler.requests:
+            break
+        started = time.perf_counter()
+        step(scheduler)
+        slowest = max(slowest, time.perf_counter() - started)
+        time.sleep(0.002)  # an engine's forward pass: the worker runs meanwhile
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in requests)
+    assert scheduler.policy_errors == 0
+    assert model.calls >= 1  # the model was asked, in the worker
+    assert slowest < 0.15, f"a step took {slowest * 1000:.0f} ms: it waited for the 200 ms model"
+    summary = scheduler.prediction_summary()
+    assert summary["on_prior"] > 0  # scheduled on the prior meanwhile
+    if fail:
+        assert summary["delivered"] == 0 and sum(q.errors for q in scheduler.prediction_queues) >= 1
+    scheduler.shutdown()
