@@ -2,7 +2,7 @@
 `PolicyScheduler` with each policy, on the same model and the same burst of requests.
 
     .venv/bin/python -m experiments.bench_throughput [--requests 768] [--max-tokens 128]
-        [--max-num-seqs 64] [--policies fcfs,sarathi,...] [--model DIR] [--repeats 1]
+        [--max-num-seqs 64] [--policies fcfs,sarathi,...] [--model DIR] [--repeats 1] [--json OUT]
 
 Every request arrives at once (the queue never empties: saturation), prompts are 16-256 filler
 words, each generates exactly `--max-tokens` tokens (ignore_eos). Each configuration runs in its
@@ -11,7 +11,10 @@ throughput is output tokens per second of wall time from the first submission to
 finish, and the table gives it relative to vLLM's default. Without `--model` a tiny random model is
 generated (DESIGN.md section 6) -- on a CPU its forward pass is cheap, so scheduling shows more
 than it would next to a real model on a GPU. Policies that cap the batch on purpose (jitserve's B)
-trade throughput for goodput; the table says how many ran at most.
+trade throughput for goodput; the table says how many ran at most. With `--repeats N` the
+configurations run round-robin and each policy's ratio is taken against the default *of the same
+round* (a drift in machine speed hits both), the median and the spread of the N ratios reported;
+`--json OUT` writes `{"policies": {NAME: {"tok_per_s", "ratio_to_default", "round_ratios", ...}}}`.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ def main() -> None:
         "--repeats", type=int, default=1, help="rounds over all configurations (median taken)"
     )
     parser.add_argument("--model", help="model directory (default: a generated tiny model)")
+    parser.add_argument("--json", metavar="OUT", help="write the table as JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -141,17 +145,41 @@ def main() -> None:
                     f"  run {repeat + 1}: {policy} {runs[policy][-1]['tokens_per_s']:.1f} tokens/s",
                     flush=True,
                 )
-        print(f"{'scheduler':<16}{'tokens/s':>10}{'vs default':>12}{'most running':>14}{'errors':>8}")
-        base = None
-        for policy, results in runs.items():
-            result = sorted(results, key=lambda r: r["tokens_per_s"])[len(results) // 2]
-            base = base or result["tokens_per_s"]
+        report = summarise(runs)
+        print(
+            f"{'scheduler':<40}{'tokens/s':>10}{'vs default':>12}{'rounds':>20}{'most running':>14}"
+            f"{'errors':>8}"
+        )
+        for policy, row in report.items():
+            rounds = "/".join(f"{r:.2f}" for r in row["round_ratios"])
             print(
-                f"{policy:<16}{result['tokens_per_s']:>10.1f}{result['tokens_per_s'] / base:>12.3f}"
-                f"{result['most_running']:>14}{result['policy_errors']:>8}"
-                + ("" if result["finished"] == args.requests else f"  only {result['finished']} finished"),
+                f"{policy:<40}{row['tok_per_s']:>10.1f}{row['ratio_to_default']:>12.3f}{rounds:>20}"
+                f"{row['most_running']:>14}{row['policy_errors']:>8}"
+                + ("" if row["finished"] == args.requests else f"  only {row['finished']} finished"),
                 flush=True,
             )
+        if args.json:
+            settings = {k: getattr(args, k) for k in ("requests", "max_tokens", "max_num_seqs", "repeats")}
+            Path(args.json).write_text(json.dumps({"settings": settings, "policies": report}, indent=2))
+
+
+def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per configuration: the median tokens/s over rounds, and its ratio to the default's run of
+    the same round for every round (median and all of them)."""
+    base = runs[DEFAULT]
+    report = {}
+    for policy, results in runs.items():
+        ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(results, base, strict=True)]
+        middle = sorted(results, key=lambda r: r["tokens_per_s"])[len(results) // 2]
+        report[policy] = {
+            "tok_per_s": middle["tokens_per_s"],
+            "ratio_to_default": sorted(ratios)[len(ratios) // 2],
+            "round_ratios": ratios,
+            "most_running": middle["most_running"],
+            "policy_errors": max(r["policy_errors"] for r in results),
+            "finished": min(r["finished"] for r in results),
+        }
+    return report
 
 
 if __name__ == "__main__":

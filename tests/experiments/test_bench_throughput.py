@@ -1,0 +1,25 @@
+"""bench_throughput's summary: each policy's ratio is taken against the default of the same round."""
+
+from experiments.bench_throughput import DEFAULT, summarise
+
+
+def result(tokens_per_s: float, most_running: int = 64, errors: int = 0, finished: int = 10) -> dict:
+    return {
+        "tokens_per_s": tokens_per_s,
+        "most_running": most_running,
+        "policy_errors": errors,
+        "finished": finished,
+    }
+
+
+def test_ratios_are_per_round_and_the_median_is_reported():
+    runs = {
+        DEFAULT: [result(100.0), result(50.0), result(80.0)],  # the machine slowed in round 2
+        "sagesched": [result(95.0), result(49.0), result(60.0, errors=1, finished=9)],
+    }
+    report = summarise(runs)
+    assert report[DEFAULT]["round_ratios"] == [1.0, 1.0, 1.0]
+    assert report["sagesched"]["round_ratios"] == [0.95, 0.98, 0.75]
+    assert report["sagesched"]["ratio_to_default"] == 0.95  # median of the rounds' ratios
+    assert report["sagesched"]["tok_per_s"] == 60.0  # median tokens/s (60, 49, 95 -> 60)
+    assert report["sagesched"]["policy_errors"] == 1 and report["sagesched"]["finished"] == 9  # worst round
