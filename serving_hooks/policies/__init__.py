@@ -122,11 +122,8 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 
 def make_policy_from_spec(spec: str) -> Policy:
-    name, params = parse_policy_spec(spec)
-    try:
-        return make_policy(name, **params)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"policy {spec!r}: {exc}") from exc
+    """The policy a spec string names (`PolicySpec`: pinned versions loaded once per process)."""
+    return PolicySpec(spec)()
 
 
 @dataclass(frozen=True)
