@@ -301,15 +301,23 @@ def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
             "prior_share": None if not predictions else predictions["share_on_prior"],
         }
 
+    return {
+        **error_summary(errors),
+        "compared_requests": len(errors["e2e"]),
+        "live": summary(live, preempted_live, dropped_live, live_predictions),
+        "replay": summary(sim, result.preemptions, dropped_replay, replay_predictions),
+    }
+
+
+def error_summary(errors: dict[str, list[float]]) -> dict[str, float]:
+    """Median and P90 absolute % error, and the signed median (bias), of per-request relative
+    errors (`errors["e2e"]`, `errors["ttft"]`): replay against live, or live against its repeat."""
     e2e, ttft = np.abs(errors["e2e"]), np.abs(errors["ttft"])
     return {
         "e2e_median_abs_pct_error": 100 * float(np.median(e2e)),
         "e2e_p90_abs_pct_error": 100 * float(np.percentile(e2e, 90)),
         "ttft_median_abs_pct_error": 100 * float(np.median(ttft)),
         "e2e_bias_pct": 100 * float(np.median(errors["e2e"])),
-        "compared_requests": len(e2e),
-        "live": summary(live, preempted_live, dropped_live, live_predictions),
-        "replay": summary(sim, result.preemptions, dropped_replay, replay_predictions),
     }
 
 
@@ -329,12 +337,8 @@ def live_repeat(out: Path, repeat: Path) -> dict[str, float]:
             measured, repeated = before[end] - before["arrival_s"], record[end] - record["arrival_s"]
             if measured > 0:
                 errors[key].append((repeated - measured) / measured)
-    e2e, ttft = np.abs(errors["e2e"]), np.abs(errors["ttft"])
     return {
-        "e2e_median_abs_pct_error": 100 * float(np.median(e2e)),
-        "e2e_p90_abs_pct_error": 100 * float(np.percentile(e2e, 90)),
-        "ttft_median_abs_pct_error": 100 * float(np.median(ttft)),
-        "e2e_bias_pct": 100 * float(np.median(errors["e2e"])),
+        **error_summary(errors),
         # the repeat's own summary, for the live engine's ranking against itself
         "ttft_p50": float(np.median([r["first_token_s"] - r["arrival_s"] for r in again])),
         "e2e_mean": float(np.mean([r["finish_s"] - r["arrival_s"] for r in again])),
