@@ -36,6 +36,7 @@ from adapt.workloads import WORKLOADS
 from pipelines.outcome import TrainOutcome
 from serving_hooks.policies import PolicySpec, make_policy
 from serving_hooks.policies.config import PolicyConfig
+from serving_hooks.policies.jitserve import JITServe
 
 WORKLOAD = "jitserve-mix"
 FAIRNESS_POINTS = 0.10  # every class's SLO attainment at least EDF's minus this
@@ -116,7 +117,7 @@ class JitserveObjective:
 def pinned_components(registry: Registry) -> str:
     """The champions of JITServe's components as a spec suffix pinned to their versions."""
     parts = []
-    for attribute, name in (("qrf", "qrf-length"), ("patterns", "pattern-graph")):
+    for attribute, name in JITServe.components.items():
         version = registry.resolve(name, missing_ok=True) if name in registry.names() else None
         if version is not None:
             parts.append(f":{attribute}=v{version}")
@@ -160,7 +161,6 @@ def tune_jitserve(
         print(
             f"  no trial kept every class within {FAIRNESS_POINTS:.2f} of EDF's attainment", file=sys.stderr
         )
-    max_running = _setup(rate, num_requests, seed)[2].max_running
-    config = PolicyConfig("jitserve", policy_params(result.params, max_running))
+    config = PolicyConfig("jitserve", policy_params(result.params, spec.engine_config().max_running))
     version = registry.log(config, metrics=metrics, run_name="policy-config:jitserve")
     return TrainOutcome(version, False, metrics, None)
