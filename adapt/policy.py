@@ -161,7 +161,9 @@ class Horizon:
     decode steps after the step it was asked about, an absolute time, and a KV-usage level whose
     crossing (from below) changes the plan. The replay engine uses it to advance runs of identical
     decode steps in one move; a policy that re-plans at token, time or memory boundaries must say
-    so."""
+    so. It is asked right after `on_step`, before the planned step runs: the requests' counters
+    are those the plan was made from (a request `d` tokens short of a boundary it re-plans at
+    leaves `d - 1` steps after the planned one)."""
 
     steps: float = math.inf
     until_s: float = math.inf

@@ -55,13 +55,14 @@ class CheckedEngine(ReplayEngine):
         if not self.now > before:
             self.violations.append(f"time did not advance at {before}")
 
-    def _decode_run(self, view):
+    def _decode_run(self, view, order=None):
         before = self.now
-        super()._decode_run(view)
+        taken = super()._decode_run(view, order)
         if self.now < before:
             self.violations.append("time went backwards in a decode run")
         if self.kv.free_blocks < 0:
             self.violations.append("kv overflow in a decode run")
+        return taken
 
     def _finish(self, state, now):
         if state.id in self.completions:

@@ -23,10 +23,11 @@ Compound programs: a request whose `program.parent_ids` are set is held back whe
 arrives `program.after_parents_s` (a tool call) after its last parent finishes; if a parent is
 dropped, its dependants are dropped too, with that reason, so no request disappears unreported.
 
-Fast path: when a step was decode-only over every running request and the plan did nothing else,
-the following steps are identical until an arrival, a completion, a KV block shortfall or the
-policy's horizon; the engine advances that whole run at once with vectorised step times. With
-`skip_decode_runs=False` it steps one by one (the property tests check both agree).
+Fast path: when every running request got a token at the end of the last step and the plan for
+this one drops, preempts, defers and admits nothing, the step is plain decodes, and so are the
+steps after it until an arrival, a completion, a KV block shortfall or the policy's horizon; the
+engine takes that whole run at once (step times summed in Python for a few steps, vectorised for
+more). With `skip_decode_runs=False` it steps one by one (the property tests check both agree).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import time
@@ -177,10 +179,9 @@ class ReplayEngine:
         self._preempted_now: list[str] = []
         self._freed_since: list[str] = []
         self._queues: dict[str, list[str]] = {}
-        # Whether the step just executed was plain decodes only (a decode run repeats such a step:
-        # at a tiny token budget a 1-token prefill chunk also has n == 1, but it samples nothing,
-        # so only the phase tells them apart).
-        self._decodes_only = False
+        # When every running request last got a token, if all got it together at the end of the
+        # last step (it is then `now`, and each is a decode): `_repeats_last_step`'s test.
+        self._all_sampled_at = -math.inf
         # One decode-only step's time alone, where the cost model offers it (the roofline does):
         # short decode runs are then timed step by step in Python (`_short_run`).
         self._step_time = getattr(cost, "decode_step_time", None)
@@ -343,31 +344,75 @@ class ReplayEngine:
         if self.decisions is not None:
             self._queues = {"running": [r.id for r in self.running], "waiting": list(self.waiting)}
         plan = self.policy.on_step(view)
-        scheduled, changed, acted = self._schedule(plan)
-        # Every running request ran (counted before the step: one finishing in it leaves the list,
-        # and what is left -- a prefill at a 1-token budget, say -- need not have been a decode).
-        everyone_ran = len(scheduled) == len(self.running)
+        if trace is None and self._repeats_last_step(plan) and self._decode_run(view, plan.running_order):
+            return
+        scheduled, changed = self._schedule(plan)
         if self.decisions is not None:
             self._record_decision(trace.index if trace is not None else self.step_index, scheduled)
         previous, self._in_flight = self._in_flight, None
         if scheduled or trace is not None:
             self._execute(scheduled, trace)
         delivered = self._deliver(previous)
-        if trace is not None:
-            return
-        if not scheduled and not changed and not delivered:
+        if trace is None and not scheduled and not changed and not delivered:
             self._idle(view)
-            return
+
+    def _repeats_last_step(self, plan: Plan) -> bool:
+        """Whether this step is plain decodes that repeat the last step's: every running request
+        is a decode whose last token came at the end of the previous step, and the plan drops,
+        preempts, defers and admits nothing. Such a step opens a decode run itself, instead of
+        being taken one by one before the run (about one step in two on a busy trace)."""
         if (
-            self.config.skip_decode_runs
-            and not self.config.async_scheduling
-            and not acted
-            and self.running
-            and everyone_ran
-            and len(scheduled) == len(self.running)  # and none finished: the plan may change
-            and self._decodes_only
+            not self.config.skip_decode_runs
+            or self.config.async_scheduling
+            or self.decisions is not None
+            or not self.running
+            or self._all_sampled_at != self.now
+            or plan.drop
+            or plan.preempt
         ):
-            self._decode_run(view)
+            return False
+        running = self.running
+        if plan.defer and not plan.defer.isdisjoint(running):
+            return False
+        order = plan.running_order
+        if order is not None and len(set(order).intersection(running)) < len(running):
+            return False
+        return not self.waiting or plan.admit is None or self._admits_nothing(plan)
+
+    def _admits_nothing(self, plan: Plan) -> bool:
+        """Whether `_admit` would admit nothing after this step's decodes (one token each) took
+        their blocks: the running cap is reached, or the first request of the plan's order still
+        waiting does not fit (the head-of-line rule). Reads the plan's order as far as that first
+        request and puts back what it read (the order may be a one-pass iterator)."""
+        running = self.running
+        room = self.config.max_running - len(running)
+        budget = self.token_budget - len(running)
+        if room <= 0 or budget <= 0:
+            return True
+        if self.policy.prefill_first:
+            return False
+        order = iter(plan.admit)  # type: ignore[arg-type]
+        read: list[RequestState] = []
+        head = None
+        for state in order:
+            read.append(state)
+            if self.waiting.get(state.id) is state:
+                head = state
+                break
+        plan.admit = itertools.chain(read, order)
+        if head is None:
+            return True
+        need = head.tokens_to_compute
+        fits = need if self.config.reserve_full_sequence else min(need, budget)
+        kv = self.kv
+        extra, free = kv.extra_blocks(head.id, fits), kv.free_blocks
+        if extra > free or extra <= free - len(running):  # whatever the decodes take
+            return extra > free
+        held, block_size = kv.held_by_request.get, kv.block_size
+        for state in running:
+            if held(state.id, 0) * block_size <= state.tokens_computed:
+                free -= 1  # its decode takes a new block
+        return extra > free
 
     def _record_decision(self, index: int, scheduled: list[tuple[RequestState, int]]) -> None:
         self.decisions.append(  # type: ignore[union-attr]
@@ -396,10 +441,9 @@ class ReplayEngine:
             )
         self.now = wake
 
-    def _schedule(self, plan: Plan) -> tuple[list[tuple[RequestState, int]], bool, bool]:
-        """Apply the plan. Returns the (request, tokens) pairs to compute this step; whether any
-        request changed queues (drop or preemption: re-plan at once even if nothing runs); and
-        whether the step did anything beyond plain decoding (no fast path after it)."""
+    def _schedule(self, plan: Plan) -> tuple[list[tuple[RequestState, int]], bool]:
+        """Apply the plan. Returns the (request, tokens) pairs to compute this step, and whether
+        any request changed queues (drop or preemption: re-plan at once even if nothing runs)."""
         changed = False
         for state in plan.drop:
             if self.waiting.pop(state.id, None) is not None:
@@ -416,7 +460,7 @@ class ReplayEngine:
         if self.policy.prefill_first and plan.admit is not None:
             admitted = self._admit(plan, self.token_budget, chunked=False)
             if admitted:
-                return admitted, changed, True
+                return admitted, changed
         budget = self.token_budget
         scheduled: list[tuple[RequestState, int]] = []
         if plan.running_order is not None:
@@ -429,13 +473,9 @@ class ReplayEngine:
         if self.decisions is not None:
             self._queues["order"] = [r.id for r in sequence]
         budget, preempted_now = self._schedule_running(sequence, budget, scheduled)
-        changed = changed or preempted_now
-        acted = changed or len(sequence) < len(self.running)
         if plan.admit is not None and not preempted_now and budget > 0:
-            admitted = self._admit(plan, budget, chunked=True)
-            scheduled.extend(admitted)
-            acted = acted or bool(admitted)
-        return scheduled, changed, acted
+            scheduled.extend(self._admit(plan, budget, chunked=True))
+        return scheduled, changed or preempted_now
 
     def _last_token_in_flight(self, state: RequestState) -> bool:
         placeholder = self._placeholders.get(state.id, 0)
@@ -548,7 +588,6 @@ class ReplayEngine:
         # Decodes counted from what is not one (fewer operations per decode, most of a step).
         decodes = len(scheduled) - len(work)
         decode_samples = len(sampled_states) - sum(sampled for _, _, _, sampled in work)
-        self._decodes_only = not work
         base = step_batch(work) if work else _NO_WORK
         batch = _with_decodes(base, decodes, decode_samples, context_sum, context_max)
         duration = trace.duration if trace is not None else float(self.cost.time(batch))
@@ -560,6 +599,8 @@ class ReplayEngine:
         if scheduled:
             self.recorder.step(start, duration, batch, self.kv.usage)
         output_at = trace.output_at if trace is not None and trace.output_at is not None else self.now
+        if len(sampled_states) == len(self.running) and not asynchronous:
+            self._all_sampled_at = output_at
         if asynchronous:
             for state in sampled_states:
                 placeholders[state.id] += 1
@@ -616,35 +657,57 @@ class ReplayEngine:
         self._parent_done(state.id, finished=True)
 
     # ------------------------------------------------------------ fast path
-    def _decode_run(self, view: EngineView) -> None:
-        """Advance the longest run of steps identical to the one just taken (see module doc)."""
+    def _decode_run(self, view: EngineView, order: list[RequestState] | None = None) -> int:
+        """Take the step planned from `view` -- plain decodes repeating the last step's
+        (`_repeats_last_step`) -- and the longest run of identical steps after it (see module
+        doc) at once; return how many steps that was. The planned step runs whatever the walls
+        (the next arrival, the policy's horizon), as it would alone; 0 (nothing done) if the KV
+        blocks it needs are not free: it is then scheduled one by one, preempting. `order`: the
+        plan's running order, which requests finishing together leave in (`_advance`)."""
         horizon = self.policy.horizon(view)
         running = self.running
-        true_len = self._true_len
-        limit = min(MAX_RUN_STEPS, horizon.steps, min(true_len[s.id] - s.tokens_generated for s in running))
         wall = min(self.next_arrival_s, self.arrival_fence_s, horizon.until_s)
-        if limit < 1 or self.now >= wall:
-            return
+        # One pass over the running requests gathers what both paths need (this is the hot loop).
+        true_len, held, block_size = self._true_len, self.kv.held_by_request.get, self.kv.block_size
+        remaining = MAX_RUN_STEPS
+        context_sum = context_max = 0
+        # new_blocks[j]: requests whose step j of the run takes another block (j <= SHORT_RUN_STEPS).
+        new_blocks = [0] * (SHORT_RUN_STEPS + 1)
+        overdrawn = False  # a request with fewer blocks than cached tokens (a KV-capacity override)
+        for state in running:
+            rid, computed = state.id, state.tokens_computed
+            left = true_len[rid] - state.tokens_generated
+            if left < remaining:
+                remaining = left
+            context_sum += computed
+            if computed > context_max:
+                context_max = computed
+            room = held(rid, 0) * block_size - computed  # tokens it can still cache in its blocks
+            if room < SHORT_RUN_STEPS:
+                if room < 0:
+                    overdrawn = True
+                else:
+                    new_blocks[room + 1] += 1
+        limit = min(remaining, 1 + horizon.steps)
         threshold = horizon.kv_usage_below if view.kv_usage < horizon.kv_usage_below else math.inf
-        if self._step_time is not None and self._short_run(limit, wall, threshold):
-            return
+        if self._step_time is not None and not overdrawn:
+            taken = self._short_run(limit, wall, threshold, context_sum, context_max, new_blocks, order)
+            if taken is not None:
+                return taken
         computed = np.fromiter((s.tokens_computed for s in running), dtype=np.int64, count=len(running))
-        context_sum, context_max = int(computed.sum()), int(computed.max())
         times = self.cost.decode_run_times(len(running), context_sum, context_max, int(limit))
         # Step by step, as `_execute` adds each duration to `now` (now + cumsum(times) would round
         # differently and move a run's end across an arrival).
         ends = np.cumsum(np.concatenate(([self.now], times)))[1:]
         starts = np.concatenate(([self.now], ends[:-1]))
-        k = int(np.searchsorted(starts, wall, side="left"))
-        if k < 1:
-            return
+        k = max(int(np.searchsorted(starts, wall, side="left")), 1)
         # KV room last: the run is usually cut short by the next arrival, and this check's cost
         # grows with the steps it looks at (each step's times do not depend on the run's length).
         ids = [s.id for s in running]
         held = self.kv.held_many(ids)
         k = self._kv_step_limit(computed, held, k, threshold)
         if k < 1:
-            return
+            return 0
         times, ends = times[:k], ends[:k]
         alpha, mean = self.config.batch_time_ema, self.mean_batch_time
         for duration in times.tolist():  # `_note_batch_time`, step by step
@@ -654,31 +717,29 @@ class ReplayEngine:
         self.step_index += k
         self.now = now = float(ends[-1])
         self.kv.grow_many(ids, held, computed + k)
-        self._advance(running, k, now)
+        self._advance(running, k, now, order)
+        return k
 
-    def _short_run(self, limit: float, wall: float, threshold: float) -> bool:
+    def _short_run(
+        self,
+        limit: float,
+        wall: float,
+        threshold: float,
+        context_sum: int,
+        context_max: int,
+        new_blocks: list[int],
+        order: list[RequestState] | None,
+    ) -> int | None:
         """`_decode_run` in plain Python for a run of at most `SHORT_RUN_STEPS` steps (most runs:
         the next arrival is a few steps away, and SLAI's horizon is one step), where numpy's fixed
         cost per call outweighs the work. The same arithmetic, step by step: each step's time
         from the cost model's `decode_step_time`, `now` advanced by each in turn, and the KV test
         of `_kv_step_limit` -- within `block_size` steps a request needs at most one more block,
-        from the step at which its tokens pass its blocks. False (nothing done) when the run may
-        be longer than that: the vectorised path takes it."""
+        from the step at which its tokens pass its blocks (`new_blocks`, from `_decode_run`). The
+        first step runs whatever the walls. Returns the steps taken, or None (nothing done) when
+        the run may be longer than this path looks."""
         running, kv = self.running, self.kv
-        held, block_size = kv.held_by_request.get, kv.block_size
-        reach = int(min(limit, SHORT_RUN_STEPS, block_size))
-        computed = [state.tokens_computed for state in running]
-        context_sum, context_max = sum(computed), max(computed)
-        # Tokens each request can still cache in its blocks: step room + 1 is its first to need one.
-        room = [
-            held(state.id, 0) * block_size - tokens for state, tokens in zip(running, computed, strict=True)
-        ]
-        if min(room) < 0:
-            return False  # fewer blocks than cached tokens: not this path's arithmetic
-        new_blocks = [0] * (reach + 1)  # new_blocks[j]: requests whose step j takes another block
-        for tokens in room:
-            if tokens < reach:
-                new_blocks[tokens + 1] += 1
+        reach = int(min(limit, SHORT_RUN_STEPS, kv.block_size))
         count, free, num_blocks = len(running), kv.free_blocks, kv.num_blocks
         times: list[float] = []
         ends: list[float] = []
@@ -686,7 +747,7 @@ class ReplayEngine:
         for step in range(1, reach + 1):
             free_at_start = free - extra
             extra += new_blocks[step]
-            if now >= wall or extra > free or 1.0 - free_at_start / num_blocks >= threshold:
+            if extra > free or (step > 1 and (now >= wall or 1.0 - free_at_start / num_blocks >= threshold)):
                 break
             duration = self._step_time(count, context_sum, context_max, step - 1)  # type: ignore[misc]
             now = now + duration
@@ -694,32 +755,43 @@ class ReplayEngine:
             ends.append(now)
         else:
             if reach < limit:
-                return False
-        if not times:
-            return True
+                return None
         k = len(times)
+        if not k:
+            return 0
         for duration in times:
             self._note_batch_time(duration)
         self.recorder.decode_run(running, np.array(times), np.array(ends), kv.usage, context_sum, context_max)
         self.step_index += k
         self.now = now
         if any(new_blocks[1 : k + 1]):
-            for state, tokens in zip(running, room, strict=True):
-                if tokens < k:
+            held, block_size = kv.held_by_request.get, kv.block_size
+            for state in running:
+                if held(state.id, 0) * block_size - state.tokens_computed < k:
                     kv.grow(state.id, state.tokens_computed + k)
-        self._advance(running, k, now)
-        return True
+        self._advance(running, k, now, order)
+        return k
 
-    def _advance(self, running: list[RequestState], k: int, now: float) -> None:
-        """Every running request decoded `k` tokens, the last at `now`; finished ones leave."""
+    def _advance(
+        self, running: list[RequestState], k: int, now: float, order: list[RequestState] | None
+    ) -> None:
+        """Every running request decoded `k` tokens, the last at `now`; finished ones leave, in
+        the order the step scheduled them (`order`, else admission order), as `_emit_tokens`
+        has them leave: a policy that learns from finished requests sees them in the same order."""
         true_len = self._true_len
         finished = []
+        self._all_sampled_at = now
         for state in running:
             state.tokens_computed += k
             state.tokens_generated += k
             state.last_token_s = now
             if state.tokens_generated >= true_len[state.id]:
                 finished.append(state)
+        if len(finished) > 1 and order is not None:
+            position: dict[RequestState, int] = {}
+            for index, state in enumerate(order):
+                position.setdefault(state, index)
+            finished.sort(key=position.__getitem__)
         for state in finished:
             self._finish(state, now)
 

@@ -193,8 +193,9 @@ class Trail(PriorityPolicy):
     def horizon(self, view: EngineView) -> Horizon:
         if not view.running:
             return Horizon()
-        steps = min(self.refresh - (r.tokens_generated - r.cache["trail_at"]) for r in view.running)
-        # 0 at a boundary: the next step must re-plan; so must crossing the KV level of `full`.
+        # The first request to reach `refresh` tokens since its last refinement ends the run (0
+        # when the planned step takes it there); so does crossing the KV level of `full`.
+        steps = min(self.refresh - (r.tokens_generated - r.cache["trail_at"]) for r in view.running) - 1
         return Horizon(steps=max(0, steps), kv_usage_below=FULL_KV_USAGE)
 
 
@@ -246,11 +247,15 @@ class FastServe(PriorityPolicy):
     def horizon(self, view: EngineView) -> Horizon:
         if not view.running:
             return Horizon()
-        steps = min(
-            self._quantum(self._level(r)) - (r.tokens_generated - r.cache.get("mlfq_base", 0))
-            for r in view.running
+        # The first request to use up its quantum ends the run (0 when the planned step does);
+        # so does crossing the KV level of `full`.
+        steps = (
+            min(
+                self._quantum(self._level(r)) - (r.tokens_generated - r.cache.get("mlfq_base", 0))
+                for r in view.running
+            )
+            - 1
         )
-        # 0 at a boundary: the next step must re-plan; so must crossing the KV level of `full`.
         return Horizon(steps=max(0, steps), kv_usage_below=FULL_KV_USAGE)
 
 

@@ -399,7 +399,7 @@ class SageSched(PriorityPolicy):
         if self.order == "static":  # no bucket refresh: only the KV level of "full" changes the plan
             return Horizon(until_s=until, kv_usage_below=FULL_KV_USAGE)
         due = self._due
-        steps = min(due[r] - r.tokens_generated for r in view.running)
+        steps = min(due[r] - r.tokens_generated for r in view.running) - 1  # a bucket refresh ends it
         return Horizon(steps=max(0, steps), until_s=until, kv_usage_below=FULL_KV_USAGE)
 
 
