@@ -36,9 +36,10 @@ real engine's step log replaces this model when calibration matters.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -181,15 +182,26 @@ class RooflineCostModel:
 
     def time(self, batch: StepBatch) -> np.ndarray | float:
         """Seconds for one step (or each of many steps when the fields are arrays)."""
-        m = self.model
         attn_units, kv_read = attention_work(batch, self.decode_attention)
+        # One step's figures are scalars: Python's max (same value) costs a fraction of numpy's.
+        arrays = any(isinstance(x, np.ndarray) for x in (batch.tokens, batch.sampled, attn_units, kv_read))
+        return self._seconds(batch.tokens, batch.sampled, attn_units, kv_read, np.maximum if arrays else max)
+
+    def _seconds(
+        self,
+        tokens: np.ndarray | float,
+        sampled: np.ndarray | float,
+        attn_units: np.ndarray | float,
+        kv_read: np.ndarray | float,
+        maximum: Callable[[Any, Any], Any],
+    ) -> np.ndarray | float:
+        """`time` from the step's token counts and attention work (scalars with `max`, or arrays
+        with `np.maximum`)."""
+        m = self.model
         peak, bandwidth, weight_bytes, per_token, per_sample, per_attention_unit = self._coefficients
-        linear_flops = per_token * batch.tokens + per_sample * batch.sampled
+        linear_flops = per_token * tokens + per_sample * sampled
         attention_flops = per_attention_unit * attn_units
         kv_bytes = m.kv_bytes_per_token * kv_read
-        # One step's figures are scalars: Python's max (same value) costs a fraction of numpy's.
-        arrays = any(isinstance(x, np.ndarray) for x in (linear_flops, attention_flops, kv_bytes))
-        maximum = np.maximum if arrays else max
         if self.overlap == "operator":
             linear = maximum(linear_flops / peak, weight_bytes / bandwidth)
             attention = maximum(attention_flops / peak, kv_bytes / bandwidth)
@@ -198,7 +210,7 @@ class RooflineCostModel:
             flops = linear_flops + attention_flops
             seconds = self.step_overhead_s + maximum(flops / peak, (weight_bytes + kv_bytes) / bandwidth)
         if self.tp > 1:
-            message = batch.tokens * m.hidden * m.dtype_bytes
+            message = tokens * m.hidden * m.dtype_bytes
             ring = 2.0 * (self.tp - 1) / self.tp * message / (self.gpu.interconnect_gbps * 1e9)
             seconds = seconds + 2 * m.layers * (ring + self.allreduce_latency_s)
         return seconds
@@ -213,9 +225,11 @@ class RooflineCostModel:
 
     def decode_step_time(self, num_decodes: int, context_sum: int, context_max: int, step: int) -> float:
         """`decode_run_times(...)[step]` alone, in Python floats: the same operations on the same
-        values (IEEE doubles either way), for the replay engine's short decode runs, where numpy's
-        fixed cost per call would dominate."""
-        return float(self.time(_decode_steps(num_decodes, context_sum, context_max, float(step))))
+        values (IEEE doubles either way) as `time` of `_decode_steps` and `attention_work`, for
+        the replay engine's short decode runs, where numpy's fixed cost per call would dominate."""
+        n, at = float(num_decodes), float(step)
+        read = n * (context_max + at) if self.decode_attention == "max" else context_sum + num_decodes * at
+        return float(self._seconds(n, n, 0.0 + read + n, 0.0 + read, max))
 
     def kv_capacity_tokens(
         self, gpu_memory_utilization: float = 0.9, activation_reserve_gb: float = 2.0

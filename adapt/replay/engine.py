@@ -671,8 +671,10 @@ class ReplayEngine:
         true_len, held, block_size = self._true_len, self.kv.held_by_request.get, self.kv.block_size
         remaining = MAX_RUN_STEPS
         context_sum = context_max = 0
-        # new_blocks[j]: requests whose step j of the run takes another block (j <= SHORT_RUN_STEPS).
+        # new_blocks[j]: requests whose step j of the run takes another block (j <= SHORT_RUN_STEPS);
+        # near: those requests, with their room (the tokens they can still cache in their blocks).
         new_blocks = [0] * (SHORT_RUN_STEPS + 1)
+        near: list[tuple[RequestState, int]] = []
         overdrawn = False  # a request with fewer blocks than cached tokens (a KV-capacity override)
         for state in running:
             rid, computed = state.id, state.tokens_computed
@@ -682,16 +684,17 @@ class ReplayEngine:
             context_sum += computed
             if computed > context_max:
                 context_max = computed
-            room = held(rid, 0) * block_size - computed  # tokens it can still cache in its blocks
+            room = held(rid, 0) * block_size - computed
             if room < SHORT_RUN_STEPS:
                 if room < 0:
                     overdrawn = True
                 else:
                     new_blocks[room + 1] += 1
+                    near.append((state, room))
         limit = min(remaining, 1 + horizon.steps)
         threshold = horizon.kv_usage_below if view.kv_usage < horizon.kv_usage_below else math.inf
         if self._step_time is not None and not overdrawn:
-            taken = self._short_run(limit, wall, threshold, context_sum, context_max, new_blocks, order)
+            taken = self._short_run(limit, wall, threshold, context_sum, context_max, new_blocks, near, order)
             if taken is not None:
                 return taken
         computed = np.fromiter((s.tokens_computed for s in running), dtype=np.int64, count=len(running))
@@ -728,6 +731,7 @@ class ReplayEngine:
         context_sum: int,
         context_max: int,
         new_blocks: list[int],
+        near: list[tuple[RequestState, int]],
         order: list[RequestState] | None,
     ) -> int | None:
         """`_decode_run` in plain Python for a run of at most `SHORT_RUN_STEPS` steps (most runs:
@@ -735,7 +739,8 @@ class ReplayEngine:
         cost per call outweighs the work. The same arithmetic, step by step: each step's time
         from the cost model's `decode_step_time`, `now` advanced by each in turn, and the KV test
         of `_kv_step_limit` -- within `block_size` steps a request needs at most one more block,
-        from the step at which its tokens pass its blocks (`new_blocks`, from `_decode_run`). The
+        from the step at which its tokens pass its blocks (`new_blocks` and `near`, from
+        `_decode_run`). The
         first step runs whatever the walls. Returns the steps taken, or None (nothing done) when
         the run may be longer than this path looks."""
         running, kv = self.running, self.kv
@@ -764,11 +769,9 @@ class ReplayEngine:
         self.recorder.decode_run(running, np.array(times), np.array(ends), kv.usage, context_sum, context_max)
         self.step_index += k
         self.now = now
-        if any(new_blocks[1 : k + 1]):
-            held, block_size = kv.held_by_request.get, kv.block_size
-            for state in running:
-                if held(state.id, 0) * block_size - state.tokens_computed < k:
-                    kv.grow(state.id, state.tokens_computed + k)
+        for state, room in near:
+            if room < k:
+                kv.grow(state.id, state.tokens_computed + k)
         self._advance(running, k, now, order)
         return k
 
