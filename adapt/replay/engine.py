@@ -375,8 +375,8 @@ class ReplayEngine:
         if plan.defer and not plan.defer.isdisjoint(running):
             return False
         order = plan.running_order
-        if order is not None and len(set(order).intersection(running)) < len(running):
-            return False
+        if order is not None and order != running and not set(order).issuperset(running):
+            return False  # it defers some
         return not self.waiting or plan.admit is None or self._admits_nothing(plan)
 
     def _admits_nothing(self, plan: Plan) -> bool:
