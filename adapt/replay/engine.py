@@ -669,7 +669,7 @@ class ReplayEngine:
         wall = min(self.next_arrival_s, self.arrival_fence_s, horizon.until_s)
         # One pass over the running requests gathers what both paths need (this is the hot loop).
         true_len, held, block_size = self._true_len, self.kv.held_by_request.get, self.kv.block_size
-        remaining = MAX_RUN_STEPS
+        remaining, together = MAX_RUN_STEPS, 0  # fewest tokens left, and how many have that few
         context_sum = context_max = 0
         # new_blocks[j]: requests whose step j of the run takes another block (j <= SHORT_RUN_STEPS);
         # near: those requests, with their room (the tokens they can still cache in their blocks).
@@ -680,7 +680,9 @@ class ReplayEngine:
             rid, computed = state.id, state.tokens_computed
             left = true_len[rid] - state.tokens_generated
             if left < remaining:
-                remaining = left
+                remaining, together = left, 1
+            elif left == remaining:
+                together += 1
             context_sum += computed
             if computed > context_max:
                 context_max = computed
@@ -692,6 +694,10 @@ class ReplayEngine:
                     new_blocks[room + 1] += 1
                     near.append((state, room))
         limit = min(remaining, 1 + horizon.steps)
+        if together > 1 and order is not None and remaining > 1:
+            # Requests finishing in one step leave in that step's running order, which the policy
+            # may have changed by then: that step is planned afresh.
+            limit = min(limit, remaining - 1)
         threshold = horizon.kv_usage_below if view.kv_usage < horizon.kv_usage_below else math.inf
         if self._step_time is not None and not overdrawn:
             taken = self._short_run(limit, wall, threshold, context_sum, context_max, new_blocks, near, order)
@@ -740,9 +746,8 @@ class ReplayEngine:
         from the cost model's `decode_step_time`, `now` advanced by each in turn, and the KV test
         of `_kv_step_limit` -- within `block_size` steps a request needs at most one more block,
         from the step at which its tokens pass its blocks (`new_blocks` and `near`, from
-        `_decode_run`). The
-        first step runs whatever the walls. Returns the steps taken, or None (nothing done) when
-        the run may be longer than this path looks."""
+        `_decode_run`). The first step runs whatever the walls. Returns the steps taken, or None
+        (nothing done) when the run may be longer than this path looks."""
         running, kv = self.running, self.kv
         reach = int(min(limit, SHORT_RUN_STEPS, kv.block_size))
         count, free, num_blocks = len(running), kv.free_blocks, kv.num_blocks
@@ -780,7 +785,8 @@ class ReplayEngine:
     ) -> None:
         """Every running request decoded `k` tokens, the last at `now`; finished ones leave, in
         the order the step scheduled them (`order`, else admission order), as `_emit_tokens`
-        has them leave: a policy that learns from finished requests sees them in the same order."""
+        has them leave: a policy that learns from finished requests sees them in the same order.
+        (Requests finish together only in a run's first step, whose plan gave `order`.)"""
         true_len = self._true_len
         finished = []
         self._all_sampled_at = now

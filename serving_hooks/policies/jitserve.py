@@ -300,9 +300,13 @@ class JITServe(Policy):
 
     def horizon(self, view: EngineView) -> Horizon:
         # The view is the step just planned: the frame has this many steps left after it; a bound
-        # still to come re-ranks its request when it is ready.
+        # still to come re-ranks its request when it is ready; admission control drops the oldest
+        # request still waiting once its wait passes `waiting_time_s`.
         steps = max(0, self._frame_start + self.frame_steps - view.step_index - 1)
-        return Horizon(steps=steps, until_s=self._predictions.next_ready_s if self._asked else math.inf)
+        until = self._predictions.next_ready_s if self._asked else math.inf
+        if self.waiting_time_s is not None and self._arrivals:
+            until = min(until, self._arrivals[0].arrival_s + self.waiting_time_s)
+        return Horizon(steps=steps, until_s=until)
 
     def _admission_control(self, now: float) -> list[RequestState]:
         if self.waiting_time_s is None:

@@ -172,6 +172,31 @@ def make_requests(rows):
     max_running=2,
     kv_blocks=80,
 )
+# Regression: two requests finishing in the last step of a decode run left in the running order
+# of the run's first step; TRAIL's order had changed by then (remaining lengths floor at 1).
+@example(
+    rows=[
+        (0.0, 1, 1, "x"),
+        (0.0, 1, 1, "x"),
+        (0.0, 1, 51, "x"),
+        (0.0, 1, 51, "x"),
+        (1.0, 1, 73, "x"),
+        (1.0, 1, 73, "x"),
+    ],
+    policy="trail",
+    budget=2,
+    max_running=2,
+    kv_blocks=30,
+)
+# Regression: a decode run stepped past the time JITServe's admission control drops a request that
+# waited too long, so the drop came at the run's end instead of at the first step after it.
+@example(
+    rows=[(0.0, 1, 2, "x"), (0.0, 4, 10, "y"), (2.0, 275, 120, "y"), (0.0, 131, 120, "y")],
+    policy="jitserve-oracle",
+    budget=2,
+    max_running=1,
+    kv_blocks=30,
+)
 # Regression: requests finishing in the same step of a decode run left in admission order, not in
 # the plan's running order as they do one step at a time (a policy learning online saw them swapped).
 @example(
@@ -200,7 +225,7 @@ def test_engine_invariants_and_fast_path_agree(rows, policy, budget, max_running
 
     requests = make_requests(rows)
     cost = roofline("llama-2-7b", "a100-80g")
-    results, finish_orders = [], []
+    results, lifecycles = [], []
     for skip in (True, False):
         config = EngineConfig(
             token_budget=budget,
@@ -208,7 +233,9 @@ def test_engine_invariants_and_fast_path_agree(rows, policy, budget, max_running
             kv_capacity_tokens=kv_blocks * 16,
             skip_decode_runs=skip,
         )
-        engine = CheckedEngine(make_policy(policy), cost, config)
+        scheduler = make_policy(policy)
+        lifecycles.append(_log_lifecycle(scheduler))
+        engine = CheckedEngine(scheduler, cost, config)
         result = engine.run(requests)
         assert engine.violations == []
         records = by_id(result)
@@ -222,9 +249,9 @@ def test_engine_invariants_and_fast_path_agree(rows, policy, budget, max_running
                 assert request.prompt_tokens + request.output_tokens > kv_blocks * 16
         assert len(records) == len(requests)
         results.append(result.metrics())
-        finish_orders.append(list(engine.completions))
-    # The policy sees requests finish in the same order (SageSched learns from them in order).
-    assert finish_orders[0] == finish_orders[1]
+    # The policy sees the same arrivals, admissions, preemptions and finishes, in the same order
+    # at the same times (SageSched learns from finished requests in order).
+    assert lifecycles[0] == lifecycles[1]
     fast, slow = results
     for key in ("completed", "goodput_tokens", "goodput_requests", "preemptions"):
         assert fast[key] == slow[key], key
@@ -233,6 +260,24 @@ def test_engine_invariants_and_fast_path_agree(rows, policy, budget, max_running
             assert fast[key] is None, key
         else:
             assert fast[key] == pytest.approx(slow[key], rel=1e-9, abs=1e-9), key
+
+
+def _log_lifecycle(policy) -> list[tuple[str, str, float]]:
+    """Record each lifecycle call the engine makes to `policy`: (callback, request, time)."""
+    calls: list[tuple[str, str, float]] = []
+
+    def logging(name: str):
+        method = getattr(policy, name)
+
+        def logged(request, now):
+            calls.append((name, request.id, now))
+            return method(request, now)
+
+        return logged
+
+    for name in ("on_arrival", "on_admit", "on_preempt", "on_finish"):
+        setattr(policy, name, logging(name))
+    return calls
 
 
 class _VectorisedOnly:
