@@ -163,7 +163,8 @@ class Horizon:
     decode steps in one move; a policy that re-plans at token, time or memory boundaries must say
     so. It is asked right after `on_step`, before the planned step runs: the requests' counters
     are those the plan was made from (a request `d` tokens short of a boundary it re-plans at
-    leaves `d - 1` steps after the planned one)."""
+    leaves `d - 1` steps after the planned one). `steps` is at least 0; an engine left idle asks
+    it only for `until_s`, its wake-up time."""
 
     steps: float = math.inf
     until_s: float = math.inf

@@ -25,7 +25,8 @@ dropped, its dependants are dropped too, with that reason, so no request disappe
 
 Fast path: when every running request got a token at the end of the last step and the plan for
 this one drops, preempts, defers and admits nothing, the step is plain decodes, and so are the
-steps after it until an arrival, a completion, a KV block shortfall or the policy's horizon; the
+steps after it until an arrival, a completion, a KV block shortfall or the policy's horizon (or
+just before requests finish together, whose leaving order the policy's next plan gives); the
 engine takes that whole run at once (step times summed in Python for a few steps, vectorised for
 more). With `skip_decode_runs=False` it steps one by one (the property tests check both agree).
 """
@@ -180,7 +181,7 @@ class ReplayEngine:
         self._freed_since: list[str] = []
         self._queues: dict[str, list[str]] = {}
         # When every running request last got a token, if all got it together at the end of the
-        # last step (it is then `now`, and each is a decode): `_repeats_last_step`'s test.
+        # last step (it is then `now`, and each is a decode): `_plain_decode_step`'s test.
         self._all_sampled_at = -math.inf
         # One decode-only step's time alone, where the cost model offers it (the roofline does):
         # short decode runs are then timed step by step in Python (`_short_run`).
@@ -344,7 +345,7 @@ class ReplayEngine:
         if self.decisions is not None:
             self._queues = {"running": [r.id for r in self.running], "waiting": list(self.waiting)}
         plan = self.policy.on_step(view)
-        if trace is None and self._repeats_last_step(plan) and self._decode_run(view, plan.running_order):
+        if trace is None and self._plain_decode_step(plan) and self._decode_run(view, plan.running_order):
             return
         scheduled, changed = self._schedule(plan)
         if self.decisions is not None:
@@ -356,11 +357,11 @@ class ReplayEngine:
         if trace is None and not scheduled and not changed and not delivered:
             self._idle(view)
 
-    def _repeats_last_step(self, plan: Plan) -> bool:
-        """Whether this step is plain decodes that repeat the last step's: every running request
-        is a decode whose last token came at the end of the previous step, and the plan drops,
-        preempts, defers and admits nothing. Such a step opens a decode run itself, instead of
-        being taken one by one before the run (about one step in two on a busy trace)."""
+    def _plain_decode_step(self, plan: Plan) -> bool:
+        """Whether this step is plain decodes only: every running request sampled a token at the
+        end of the previous step (so each is a decode owing one token), and the plan drops,
+        preempts, defers and admits nothing. Such a step opens a decode run itself (more than
+        half of the engine's steps on a busy trace)."""
         if (
             not self.config.skip_decode_runs
             or self.config.async_scheduling
@@ -385,21 +386,23 @@ class ReplayEngine:
         waiting does not fit (the head-of-line rule). Reads the plan's order as far as that first
         request and puts back what it read (the order may be a one-pass iterator)."""
         running = self.running
-        room = self.config.max_running - len(running)
-        budget = self.token_budget - len(running)
-        if room <= 0 or budget <= 0:
+        if self.config.max_running - len(running) <= 0:
             return True
-        if self.policy.prefill_first:
+        if self.policy.prefill_first:  # it admits before the decodes, with the whole budget
             return False
-        order = iter(plan.admit)  # type: ignore[arg-type]
+        budget = self.token_budget - len(running)
+        if budget <= 0:
+            return True
+        candidates = iter(plan.admit)  # type: ignore[arg-type]
         read: list[RequestState] = []
         head = None
-        for state in order:
+        for state in candidates:
             read.append(state)
             if self.waiting.get(state.id) is state:
                 head = state
                 break
-        plan.admit = itertools.chain(read, order)
+        if candidates is plan.admit:  # a one-pass iterator: hand `_admit` what was read, too
+            plan.admit = itertools.chain(read, candidates)
         if head is None:
             return True
         need = head.tokens_to_compute
@@ -599,8 +602,8 @@ class ReplayEngine:
         if scheduled:
             self.recorder.step(start, duration, batch, self.kv.usage)
         output_at = trace.output_at if trace is not None and trace.output_at is not None else self.now
-        if len(sampled_states) == len(self.running) and not asynchronous:
-            self._all_sampled_at = output_at
+        everyone_sampled = len(sampled_states) == len(self.running) and not asynchronous
+        self._all_sampled_at = output_at if everyone_sampled else -math.inf
         if asynchronous:
             for state in sampled_states:
                 placeholders[state.id] += 1
@@ -658,12 +661,12 @@ class ReplayEngine:
 
     # ------------------------------------------------------------ fast path
     def _decode_run(self, view: EngineView, order: list[RequestState] | None = None) -> int:
-        """Take the step planned from `view` -- plain decodes repeating the last step's
-        (`_repeats_last_step`) -- and the longest run of identical steps after it (see module
-        doc) at once; return how many steps that was. The planned step runs whatever the walls
-        (the next arrival, the policy's horizon), as it would alone; 0 (nothing done) if the KV
-        blocks it needs are not free: it is then scheduled one by one, preempting. `order`: the
-        plan's running order, which requests finishing together leave in (`_advance`)."""
+        """Take the step planned from `view` -- plain decodes only (`_plain_decode_step`) -- and
+        the longest run of identical steps after it (see module doc) at once; return how many
+        steps that was. The planned step runs whatever the walls (the next arrival, the policy's
+        horizon), as it would alone; 0 (nothing done) if the KV blocks it needs are not free: it
+        is then scheduled one by one, preempting. `order`: the plan's running order, which
+        requests finishing together leave in (`_advance`)."""
         horizon = self.policy.horizon(view)
         running = self.running
         wall = min(self.next_arrival_s, self.arrival_fence_s, horizon.until_s)
@@ -693,7 +696,7 @@ class ReplayEngine:
                 else:
                     new_blocks[room + 1] += 1
                     near.append((state, room))
-        limit = min(remaining, 1 + horizon.steps)
+        limit = min(remaining, 1 + max(0, horizon.steps))
         if together > 1 and order is not None and remaining > 1:
             # Requests finishing in one step leave in that step's running order, which the policy
             # may have changed by then: that step is planned afresh.
@@ -722,10 +725,11 @@ class ReplayEngine:
         for duration in times.tolist():  # `_note_batch_time`, step by step
             mean = duration if mean == 0 else ((1 - alpha) * mean + alpha * duration)
         self.mean_batch_time = mean
-        self.recorder.decode_run(running, times, ends, self.kv.usage, context_sum, context_max)
         self.step_index += k
         self.now = now = float(ends[-1])
         self.kv.grow_many(ids, held, computed + k)
+        # KV usage after the run's blocks are taken, as `_execute` records a step's.
+        self.recorder.decode_run(running, times, ends, self.kv.usage, context_sum, context_max)
         self._advance(running, k, now, order)
         return k
 
@@ -771,12 +775,12 @@ class ReplayEngine:
             return 0
         for duration in times:
             self._note_batch_time(duration)
-        self.recorder.decode_run(running, np.array(times), np.array(ends), kv.usage, context_sum, context_max)
         self.step_index += k
         self.now = now
         for state, room in near:
             if room < k:
                 kv.grow(state.id, state.tokens_computed + k)
+        self.recorder.decode_run(running, np.array(times), np.array(ends), kv.usage, context_sum, context_max)
         self._advance(running, k, now, order)
         return k
 
@@ -786,7 +790,8 @@ class ReplayEngine:
         """Every running request decoded `k` tokens, the last at `now`; finished ones leave, in
         the order the step scheduled them (`order`, else admission order), as `_emit_tokens`
         has them leave: a policy that learns from finished requests sees them in the same order.
-        (Requests finish together only in a run's first step, whose plan gave `order`.)"""
+        (Given a running order, requests finish together only in a run's first step, whose plan
+        gave it: `_decode_run` stops a run before such a step.)"""
         true_len = self._true_len
         finished = []
         self._all_sampled_at = now

@@ -346,3 +346,23 @@ def test_fast_path_advances_whole_decode_runs():
         assert engine.completions == {"a": 200, "b": 150}
     fast, slow = counts
     assert slow >= 200 and fast <= 5
+
+
+def test_prefill_first_admits_when_the_decodes_alone_fill_the_budget():
+    """vLLM V0 admits prefills before the decodes, with the whole budget: a step whose running
+    decodes alone would fill the budget still admits (regression: the fast path took it for a
+    step of plain decodes and ran the decodes instead)."""
+    from serving_hooks.policies.baselines import VllmV0
+
+    class TightV0(VllmV0):
+        token_budget = 2
+
+    requests = [Request("a", 0.0, 4, 100), Request("b", 0.0, 4, 100), Request("c", 0.5, 4, 5)]
+    lifecycles = []
+    for skip in (True, False):
+        policy = TightV0()
+        lifecycles.append(_log_lifecycle(policy))
+        config = EngineConfig(max_running=4, skip_decode_runs=skip)
+        ReplayEngine(policy, ConstantCost(0.01), config).run(requests)
+    assert lifecycles[0] == lifecycles[1]
+    assert ("on_admit", "c", pytest.approx(0.5, abs=0.011)) in lifecycles[0]
