@@ -55,11 +55,14 @@ def test_policy_params_scale_the_batch_share_to_the_running_cap():
     assert policy_params({**point, "batch_share": 0.001}, 256)["batch_size"] == 1
 
 
-def test_objective_replays_jitserve_against_edf_on_the_same_requests():
-    objective = JitserveObjective(rate=2.0, num_requests=60, seed=3)
+def test_objective_replays_jitserve_against_edf_at_each_rate_and_keeps_the_worse():
+    objective = JitserveObjective(rates=(2.0, 3.0), num_requests=60, seed=3)
     no_cap = {"batch_share": 1.0, "waiting_time_s": 60.0, "fairness": 0.0, "delta": 8.0}
     value, record = objective(no_cap)
-    assert record["latency_attainment_edf"] >= 0.0 and record["goodput_tokens"] > 0
+    for rate in ("2", "3"):
+        assert record[f"latency_attainment_edf_at_{rate}"] >= 0.0 and record[f"goodput_tokens_at_{rate}"] > 0
+    assert record["shortfall"] == record["shortfall_at_2"] + record["shortfall_at_3"]
+    assert record["goodput_vs_edf"] == min(record["goodput_vs_edf_at_2"], record["goodput_vs_edf_at_3"])
     assert value == (record["shortfall"] if record["shortfall"] > 0 else -record["goodput_vs_edf"])
 
 
