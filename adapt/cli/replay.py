@@ -18,7 +18,13 @@ from adapt.replay.runner import ReplaySetup, log_to_mlflow
 from adapt.traces import load_trace
 from adapt.workloads import WORKLOADS, get_workload
 from adapt.workloads.builders import trace_requests
-from serving_hooks.policies import POLICIES, PolicySpec, make_policy_from_spec, parse_policy_spec
+from serving_hooks.policies import (
+    POLICIES,
+    PolicySpec,
+    make_policy_from_spec,
+    parse_policy_spec,
+    pin_policy_config,
+)
 
 # A generated workload is built in memory before it replays; more than this is a typo, not a study.
 MAX_GENERATED = 10_000_000
@@ -44,7 +50,10 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies",
         default="fcfs,sjf-oracle",
-        help=f"comma-separated NAME or NAME:key=value:..., NAME from {','.join(POLICIES)}",
+        help=(
+            f"comma-separated NAME or NAME:key=value:..., NAME from {','.join(POLICIES)}; or"
+            " policy-config@vN / policy-config@ALIAS, a registered policy-config"
+        ),
     )
     parser.add_argument("--rate", type=RATE, help="arrivals per second (a trace is time-scaled to it)")
     parser.add_argument("--duration", type=DURATION, help="keep arrivals in the first S seconds")
@@ -176,12 +185,15 @@ def run_replay_command(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise UsageError("--policies: none given")
-    for spec in policies:
+    for index, spec in enumerate(policies):
         try:
-            parse_policy_spec(spec)
-            make_policy_from_spec(spec)
+            policies[index], runs = pin_policy_config(spec)
+            parse_policy_spec(policies[index])
+            make_policy_from_spec(policies[index])
         except ValueError as exc:
             raise UsageError(f"--policies: {exc}") from exc
+        if runs is not None:
+            print(f"{spec} is {policies[index]}: {runs}", file=sys.stderr)
     setup = build_setup(args)
     budget = given(args.token_budget, setup.workload.get("token_budget", EngineConfig.token_budget))
     setup.workload.update(token_budget=budget, max_running=args.max_running)

@@ -7,9 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from adapt.component import ComponentError
 from adapt.mechanics import UnsupportedPolicy, check_policy
 from adapt.policy import Policy
-from adapt.registry import Registry, load_reference
+from adapt.registry import Registry, RegistryError, load_reference
 from adapt.tracking import tracking_uri
 from serving_hooks.policies.baselines import (
     EDF,
@@ -101,12 +102,27 @@ def servable_policies() -> list[str]:
     return servable
 
 
+POLICY_CONFIG = "policy-config"
+
+
 def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """`name` or `name:key=value:key=value` (values parsed as JSON when they parse, else strings),
-    e.g. `sarathi:order=spf` or `slai-fixed:offset=5`, so the CLI can name configured variants."""
+    e.g. `sarathi:order=spf` or `slai-fixed:offset=5`, so the CLI can name configured variants.
+
+    `policy-config@vN` / `policy-config@ALIAS` names a registered `policy-config` (what a tuner
+    registered, what `adapt serve --follow-policy-config` serves once promoted): its policy and
+    parameters, read from the registry, so the exact version an operator is about to promote can
+    be replayed first. It takes no `key=value`: another configuration is another version."""
     import json
 
     name, *assignments = spec.strip().split(":")
+    if name.startswith(f"{POLICY_CONFIG}@"):
+        if assignments:
+            raise ValueError(
+                f"policy {spec!r}: a registered {POLICY_CONFIG} takes no key=value (register another version)"
+            )
+        config = registered_policy_config(name.partition("@")[2])
+        return config.policy, dict(config.params or {})
     params: dict[str, Any] = {}
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
@@ -152,6 +168,40 @@ class PolicySpec:
 
     def __str__(self) -> str:
         return self.spec
+
+
+def registered_policy_config(reference: str) -> Any:
+    """The `policy-config` a reference names (`v3`, or an alias such as `champion`), read once per
+    process and store for each version (a version never changes; an alias is resolved each time)."""
+    store = tracking_uri()
+    try:
+        if reference[:1] == "v" and reference[1:].isdigit():
+            version = int(reference[1:])
+        else:
+            version = None
+            if reference:
+                version = Registry(store).resolve(POLICY_CONFIG, reference, missing_ok=True)
+            if version is None:
+                raise ValueError(
+                    f"{POLICY_CONFIG}@{reference}: no such version or alias (expected vN or an alias"
+                    f" such as champion; `adapt models show {POLICY_CONFIG}` lists them)"
+                )
+        return _pinned_component(store, POLICY_CONFIG, version)
+    except (RegistryError, ComponentError) as exc:  # an unknown version, a config that fails its canary
+        raise ValueError(str(exc)) from exc
+
+
+def pin_policy_config(spec: str) -> tuple[str, str | None]:
+    """(`spec` with a `policy-config` alias replaced by the version it points at now, what that
+    version runs), so every cell of a replay -- in whichever process -- runs one version even if
+    the alias moves meanwhile, and the results name it. Any other spec: (`spec`, None)."""
+    name = spec.strip().split(":")[0]
+    if not name.startswith(f"{POLICY_CONFIG}@"):
+        return spec, None
+    parse_policy_spec(spec)  # a clear error for extra parameters
+    config = registered_policy_config(name.partition("@")[2])
+    params = "".join(f":{key}={value}" for key, value in sorted((config.params or {}).items()))
+    return f"{POLICY_CONFIG}@v{config.metadata['registry_version']}", f"{config.policy}{params}"
 
 
 @functools.lru_cache(maxsize=8)

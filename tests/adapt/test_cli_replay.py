@@ -239,3 +239,48 @@ def test_drops_are_a_table_column_and_counted_by_reason(tmp_path, capsys):
     assert "fcfs: 1 dropped (1 longer than max_model_len)" in captured.err
     metrics = json.loads(out.read_text())["policies"]["fcfs"]
     assert metrics["dropped"] == 1 and metrics["dropped_by_reason"] == {"longer than max_model_len": 1}
+
+
+def test_a_registered_policy_config_replays_as_the_policy_it_names(tmp_path, capsys):
+    """`policy-config@champion` is pinned to the version it points at when the replay starts (the
+    table and JSON name the version) and replays exactly as its policy with its parameters."""
+    from adapt.registry import Registry
+    from serving_hooks.policies.config import PolicyConfig
+
+    registry = Registry(cache_dir=tmp_path / "cache")
+    registry.log(PolicyConfig("fcfs"))
+    registry.promote(
+        "policy-config", registry.log(PolicyConfig("sarathi", {"order": "spf", "token_budget": 256}))
+    )
+    out = tmp_path / "r.json"
+    args = ["replay", "--workload", "slai-tiers", "--num-requests", "80", "--no-mlflow", "--quiet"]
+    policies = "policy-config@champion,sarathi:order=spf:token_budget=256,policy-config@v1"
+    assert main([*args, "--policies", policies, "--json", str(out)]) == 0
+    assert (
+        "policy-config@champion is policy-config@v2: sarathi:order=spf:token_budget=256"
+        in capsys.readouterr().err
+    )
+    results = json.loads(out.read_text())["policies"]
+    assert set(results) == {"policy-config@v2", "sarathi:order=spf:token_budget=256", "policy-config@v1"}
+    for key in ("ttft_mean", "ttlt_mean", "preemptions", "completed"):
+        assert results["policy-config@v2"][key] == results["sarathi:order=spf:token_budget=256"][key]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("policy-config@v7", "no version 7"),
+        ("policy-config@canary", "policy-config@canary: no such version or alias"),
+        ("policy-config@", "no such version or alias"),
+        ("policy-config@v1:order=spf", "takes no key=value"),
+    ],
+)
+def test_a_bad_policy_config_reference_exits_2_with_one_line(tmp_path, capsys, spec, message):
+    from adapt.registry import Registry
+    from serving_hooks.policies.config import PolicyConfig
+
+    Registry(cache_dir=tmp_path / "cache").log(PolicyConfig("spf"))
+    capsys.readouterr()  # MLflow's own notes while logging
+    assert main(["replay", "--workload", "slai-tiers", "--no-mlflow", "--quiet", "--policies", spec]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
