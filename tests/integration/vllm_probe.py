@@ -67,9 +67,9 @@ def main(model: str, spec: str, max_num_seqs: int = 1) -> None:
         order.extend(out.request_id for out in engine.step() if out.finished)
         most_running = max(most_running, len(scheduler.running))
     report = {"order": order, "errors": scheduler.policy_errors, "most_running": most_running}
-    if hasattr(scheduler.policy, "frames"):  # jitserve: GMAX frames planned inside the engine
-        report["frames"] = scheduler.policy.frames
-    history = getattr(scheduler.policy, "history", None)
+    if hasattr(scheduler.adapt_policy, "frames"):  # jitserve: GMAX frames planned inside the engine
+        report["frames"] = scheduler.adapt_policy.frames
+    history = getattr(scheduler.adapt_policy, "history", None)
     if history is not None:  # sagesched: what it learned online from the prompts it was given
         report["history_size"] = history.size
         report["history_texts"] = int(history.index_.ntotal)

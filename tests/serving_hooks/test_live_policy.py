@@ -31,7 +31,7 @@ def test_scheduler_follows_the_policy_config_champion(tmp_path, monkeypatch):
         monkeypatch.setenv(key, value)
     scheduler = make_scheduler(make_tiny_model(tmp_path / "tiny"), PolicyScheduler, 4, 2000)
     try:
-        assert scheduler.policy.name == "spf"  # the champion config, not --policy, serves
+        assert scheduler.adapt_policy.name == "spf"  # the champion config, not --policy, serves
         requests = make_requests(12, 0, 0)
         for request in requests:
             scheduler.add_request(request)
@@ -41,10 +41,10 @@ def test_scheduler_follows_the_policy_config_champion(tmp_path, monkeypatch):
             "policy-config", registry.log(PolicyConfig("sarathi", {"order": "spf", "token_budget": 256}))
         )
         deadline = time.time() + 30
-        while scheduler.policy.name != "sarathi" and time.time() < deadline:
+        while scheduler.adapt_policy.name != "sarathi" and time.time() < deadline:
             time.sleep(0.1)
             step(scheduler)
-        assert scheduler.policy.name == "sarathi" and scheduler.policy.token_budget == 256
+        assert scheduler.adapt_policy.name == "sarathi" and scheduler.adapt_policy.token_budget == 256
         for _ in range(5000):  # every request finishes under the new policy: none lost in the swap
             if not scheduler.requests:
                 break

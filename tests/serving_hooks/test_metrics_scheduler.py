@@ -32,7 +32,7 @@ def test_kv_pressure_preemptions_and_a_failing_policy_are_counted(tiny_model, mo
     requests = make_requests(12, 0, seed=4, max_tokens=96)
     for request in requests:
         scheduler.add_request(request)
-    on_step = scheduler.policy.on_step
+    on_step = scheduler.adapt_policy.on_step
     calls = iter(range(10**6))
 
     def fails_once(view):
@@ -40,7 +40,7 @@ def test_kv_pressure_preemptions_and_a_failing_policy_are_counted(tiny_model, mo
             raise RuntimeError("a policy bug")
         return on_step(view)
 
-    scheduler.policy.on_step = fails_once
+    scheduler.adapt_policy.on_step = fails_once
     for _ in range(5000):
         if not scheduler.requests:
             break
