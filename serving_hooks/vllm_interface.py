@@ -9,6 +9,11 @@ name fails at import or at engine start with the vLLM version and the names it l
 an `AttributeError` in the middle of a step. `scripts/upstream_vllm.py` runs the harness against
 upstream vLLM releases; `.[gpu]` in `pyproject.toml` allows exactly the checked range.
 
+No public hook covers what a policy does (admission order, deferral, drops, a step's budget,
+the eviction victim): vLLM's `--scheduling-policy priority` orders by a fixed per-request number
+only, and the scheduler plugin framework (RFC vllm-project/vllm#51608, PR #51601) is open, not in
+any release checked here; the adapter should move onto it when it lands.
+
 One name is special: vLLM's scheduler keeps its scheduling policy (FCFS or priority) in
 `self.policy`, and its preemption path branches on it. The adapter requires FCFS (vLLM then pops
 the end of its running list, which the adapter arranges in the policy's order) and keeps its own
