@@ -44,7 +44,7 @@ def read_status(url: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]
     `StatusNotReady` (503), `NoStatusRoute` (404), or plain for another HTTP error, a server that
     cannot be reached, or a body that is not a JSON object."""
     address = url.rstrip("/") + STATUS_PATH
-    body = _get_status_body(address, timeout_s)
+    body = get_body(address, timeout_s)
     try:
         status = json.loads(body)
     except ValueError as exc:
@@ -54,7 +54,10 @@ def read_status(url: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]
     return status
 
 
-def _get_status_body(address: str, timeout_s: float) -> bytes:
+def get_body(address: str, timeout_s: float) -> bytes:
+    """The body `address` answers with; every failure a ConnectionError naming the address:
+    `StatusNotReady` for HTTP 503, `NoStatusRoute` for 404 (read as "nothing here yet" / "not
+    served here" for any route of the server, `/metrics` too), plain for anything else."""
     try:
         with urllib.request.urlopen(address, timeout=timeout_s) as response:
             return response.read()

@@ -15,8 +15,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections import defaultdict
 from typing import Any
 
@@ -29,17 +27,15 @@ Samples = dict[str, list[tuple[dict[str, str], float]]]
 def _get_metrics(url: str) -> bytes | None:
     """The server's `/metrics` text; None when it answers 404 or 503 there (no metrics to read, e.g.
     started with `--no-metrics`): the status part still shows."""
+    from serving_hooks.http import NoStatusRoute, StatusNotReady, get_body
+
     address = f"{url.rstrip('/')}/metrics"
     try:
-        with urllib.request.urlopen(address, timeout=TIMEOUT_S) as response:
-            return response.read()
-    except urllib.error.HTTPError as exc:
-        if exc.code in (404, 503):
-            return None
-        raise ConnectionError(f"{address}: HTTP {exc.code}") from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise ConnectionError(f"cannot reach {address} ({reason}); is adapt serve running there?") from None
+        return get_body(address, TIMEOUT_S)
+    except (StatusNotReady, NoStatusRoute):
+        return None
+    except ConnectionError as exc:
+        raise ConnectionError(f"{exc}; is adapt serve running there?") from None
 
 
 def scrape(url: str) -> Samples:
