@@ -194,14 +194,14 @@ def format_scenario(name: str, result: dict[str, Any], seeds: list[int]) -> str:
     lines = [
         f"\n{name}: {settings['requests']:,} requests at {settings['rate']:g} req/s, {settings['arrivals']};"
         f" seeds {','.join(map(str, seeds))}; best baseline {result['best_baseline']}",
-        f"  {'policy':<10} {SHOWN[0][1] + ' [spread]':>24}"
+        f"  {'policy':<18} {SHOWN[0][1] + ' [spread]':>24}"
         + "".join(f"{t:>12}" for t in titles)
         + f"{'rank':>6}{'gain':>8}  text",
     ]
     ranking = result["ranking"]
     for policy, m in result["policies"].items():
         low, high = m["spread"][SHOWN[0][0]]
-        row = f"  {policy:<10} {f'{m[SHOWN[0][0]]:.2f} [{low:.2f}-{high:.2f}]':>24}"
+        row = f"  {policy:<18} {f'{m[SHOWN[0][0]]:.2f} [{low:.2f}-{high:.2f}]':>24}"
         row += "".join(f"{m[key]:>12.2f}" for key, _ in SHOWN[1:])
         row += f"{ranking.index(policy) + 1 if policy in ranking else '-':>6}"
         learned = result["learned"].get(policy)

@@ -169,7 +169,7 @@ def main() -> None:
                 served = m["completed"] / m["num_requests"]
                 why = headline.barred(m, table["fcfs"])
                 flag = "" if why is None else f"  (not eligible: {why})"
-                print(f"  {name:<16} {headline.value(m) / headline.scale:>10.3f}   served {served:.0%}{flag}")
+                print(f"  {name:<18} {headline.value(m) / headline.scale:>10.3f}   served {served:.0%}{flag}")
             shown = ", ".join(
                 f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in outcome.items()
             )

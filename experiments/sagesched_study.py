@@ -5,13 +5,15 @@
                                                      [--history fit|champion|vN] [--jobs N]
                                                      [--ray [ADDRESS]] [--out DIR]
 
-Replays, at each rate, the baselines `fcfs`, `ltr`, `trail`, `fastserve`, `sjf-oracle` and
-`sagesched`, plus the paper's ablations: the predictor (semantic vs length-only history vs a point
-prediction), the cost model (KV footprint vs output length vs weighted), the ordering (Gittins vs
-mean vs Gittins without refresh), predictions mixed 1:4 with a uniform distribution, and
-preemption on order flips. `ltr` and `trail` run twice: with their default noisy oracle (true
-length x lognormal(0, 0.5) -- better informed than any real predictor) and with a point
-prediction from the same semantic history SageSched uses (`+history`).
+Replays, at each rate, the baselines `fcfs`, `spf`, `ltr`, `trail`, `fastserve`, `sjf-oracle` and
+`sagesched`, SPF and SageSched with the other KV-pressure victim (`victim=newest`: under recompute
+preemption the victim rule moves mean TTLT more than the order does), plus the paper's
+ablations: the predictor (semantic vs length-only history vs a point prediction), the cost model
+(KV footprint vs output length vs weighted), the ordering (Gittins vs mean vs Gittins without
+refresh), predictions mixed 1:4 with a uniform distribution, and preemption on order flips.
+`ltr` and `trail` run twice: with their default noisy oracle (true length x lognormal(0, 0.5) --
+better informed than any real predictor) and with a point prediction from the same semantic
+history SageSched uses (`+history`).
 
 The history is fitted on the bundled AlpacaEval train split (`fit`, default) or loaded from the
 registry; `sagesched-mix` draws only held-out instructions, which the policy learns online.
@@ -45,7 +47,10 @@ from predictors.semantic_history import SemanticHistory
 from serving_hooks.policies import make_policy
 from serving_hooks.policies.sagesched import HistoryLengthPredictor
 
-NON_ORACLE = ("fcfs", "ltr+history", "trail+history", "fastserve", "sagesched")
+NON_ORACLE = (
+    "fcfs", "spf", "spf, victim newest", "ltr+history", "trail+history", "fastserve",
+    "sagesched", "sagesched, victim newest",
+)  # fmt: skip
 
 
 def train_split_history() -> SemanticHistory:
@@ -69,6 +74,9 @@ def policies(history: SemanticHistory) -> dict[str, Callable[[], Policy]]:
 
     return {
         "fcfs": functools.partial(make_policy, "fcfs"),
+        "spf": functools.partial(make_policy, "spf"),
+        # the KV-pressure victim: the newest admitted (vLLM's FCFS rule) instead of the largest key
+        "spf, victim newest": functools.partial(make_policy, "spf", victim="newest"),
         "ltr(noisy oracle)": functools.partial(make_policy, "ltr"),
         "ltr+history": functools.partial(with_history_prediction, "ltr", history),
         "trail(noisy oracle)": functools.partial(make_policy, "trail"),
@@ -76,6 +84,7 @@ def policies(history: SemanticHistory) -> dict[str, Callable[[], Policy]]:
         "fastserve": functools.partial(make_policy, "fastserve"),
         "sjf-oracle": functools.partial(make_policy, "sjf-oracle"),
         "sagesched": sage(),
+        "sagesched, victim newest": sage(victim="newest"),
         "ablation: length-only history": sage(history_mode="length"),
         "ablation: point prediction": sage(history_mode="point"),
         "ablation: cost = output length": sage(cost="output"),

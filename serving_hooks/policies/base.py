@@ -15,17 +15,27 @@ from sortedcontainers import SortedList
 
 from adapt.policy import EngineView, Plan, Policy, RequestState
 
+VICTIMS = ("priority", "newest")
+
 
 class PriorityPolicy(Policy):
     """Admit waiting requests by ascending `key`, and order the running ones by `running_key`, so
     that the running request with the largest key gets tokens last and is the first evicted under
     KV pressure (vLLM's priority-scheduling rule). Subclasses define `key`; those with
     `orders_running = False` keep vLLM's FCFS running order (admission order: the last admitted
-    is evicted first)."""
+    is evicted first).
+
+    `victim="newest"` keeps the FCFS running order for a policy that orders admissions by its key:
+    under recompute preemption an evicted request loses every token it computed, and the newest
+    admitted has computed the fewest, while the largest key (the longest predicted, the longest
+    prompt) is often the one that has computed the most (`experiments.sagesched_study`)."""
 
     orders_running = True
 
-    def __init__(self) -> None:
+    def __init__(self, victim: str = "priority") -> None:
+        if victim not in VICTIMS:
+            raise ValueError(f"victim: expected one of {', '.join(VICTIMS)}, got {victim!r}")
+        self.victim = victim
         self._waiting = SortedList()
         self._entries: dict[str, tuple[Any, ...]] = {}
         self._seq = itertools.count()
@@ -68,6 +78,6 @@ class PriorityPolicy(Policy):
     def running_in_order(self, running: Sequence[RequestState]) -> list[RequestState] | None:
         """The running requests by ascending `running_key` (None: keep admission order). The
         sort is stable: ties keep admission order (the last admitted is evicted first)."""
-        if not self.orders_running:
+        if not self.orders_running or self.victim == "newest":
             return None
         return sorted(running, key=lambda r: self.running_key(r, r.last_token_s or r.arrival_s))

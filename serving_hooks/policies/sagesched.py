@@ -22,7 +22,10 @@ distribution.
    whose index exceeds the best waiting one's by `flip_ratio` (4x) if its recompute is cheap (fewer
    than `preempt_below_tokens` tokens). The paper assumes swap-based, nearly free preemption; vLLM
    V1 and our replay preempt by recompute, and there flip preemption raised mean TTLT at every load
-   we measured (`experiments.sagesched_study`), so it is off by default.
+   we measured (`experiments.sagesched_study`), so it is off by default. With `victim="newest"`
+   running requests keep admission order instead (vLLM's FCFS rule: the newest admitted is evicted
+   first, which loses the fewest computed tokens to a recompute) and their indices need no refresh;
+   it helps SageSched under KV pressure as much as it helps SPF (see the study).
 5. Learning online: every completion is added to the history window.
 
 Ablations from the paper: `order="mean"` (mean remaining cost), `order="static"` (Gittins without
@@ -143,8 +146,9 @@ class SageSched(PriorityPolicy):
         preempt_on_flip: bool = False,
         flip_ratio: float = 4.0,
         preempt_below_tokens: int = 512,
+        victim: str = "priority",
     ) -> None:
-        super().__init__()
+        super().__init__(victim)
         if cost not in COSTS:
             raise ValueError(f"cost: expected one of {', '.join(COSTS)}, got {cost!r}")
         if order not in ORDERS:
@@ -169,6 +173,9 @@ class SageSched(PriorityPolicy):
         self.preempt_on_flip = preempt_on_flip
         self.flip_ratio = flip_ratio
         self.preempt_below_tokens = preempt_below_tokens
+        # A running request's index decides its place in the running order (whom KV pressure
+        # evicts) and flip preemptions; with neither, refreshing it every bucket changes nothing.
+        self._indexes_running = victim == "priority" or preempt_on_flip
         self._new: dict[str, RequestState] = {}  # arrived since the last step, not yet ranked
         self._awaiting: dict[str, RequestState] = {}  # embedding submitted, not yet here
         self._predictions: PredictionQueue = Delayed(PromptEmbeddings())
@@ -257,6 +264,8 @@ class SageSched(PriorityPolicy):
         """`PriorityPolicy.running_in_order` with the key taken directly: the index does not
         depend on the time, and this sort runs every step (so it is reused while the running
         requests and their indices stay the same: `_refresh` clears it)."""
+        if not self._indexes_running:
+            return None  # vLLM's running order: the newest admitted is evicted first
         members = tuple(running)
         if members != self._sorted_for:
             self._sorted = sorted(members, key=self._keys.__getitem__)
@@ -375,7 +384,7 @@ class SageSched(PriorityPolicy):
     def on_step(self, view: EngineView) -> Plan:
         if self._new or self._awaiting:
             self._predict(view.now)
-        if self.order != "static":
+        if self.order != "static" and self._indexes_running:
             due = self._due
             crossed = [r for r in view.running if r.tokens_generated >= due[r]]
             self._refresh(crossed)
@@ -396,7 +405,8 @@ class SageSched(PriorityPolicy):
         until = self._predictions.next_ready_s if self._awaiting else math.inf  # it re-ranks one
         if not view.running:
             return Horizon(until_s=until)
-        if self.order == "static":  # no bucket refresh: only the KV level of "full" changes the plan
+        if self.order == "static" or not self._indexes_running:  # no bucket refresh: only the KV
+            # level of "full" changes the plan
             return Horizon(until_s=until, kv_usage_below=FULL_KV_USAGE)
         due = self._due
         steps = min(due[r] - r.tokens_generated for r in view.running) - 1  # a bucket refresh ends it

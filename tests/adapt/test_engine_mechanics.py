@@ -104,3 +104,18 @@ def test_an_arrivals_intake_runs_before_the_next_step_by_hand():
     records = {r.request_id: r for r in CheckedEngine(Ordered(), cost, config).run(requests).records}
     assert records["r0"].first_token_s == pytest.approx(0.1)
     assert records["r2"].first_token_s == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize(("victim", "evicted"), [("priority", "long"), ("newest", "short")])
+def test_a_priority_policy_evicts_its_largest_key_or_with_victim_newest_the_last_admitted(victim, evicted):
+    # 5 blocks of 4 tokens. "long" (8-token prompt) is admitted alone at t=0; "short" (4 tokens)
+    # arrives at 0.05 and is admitted next. When their decodes need more blocks than are left, SPF
+    # evicts the longest prompt (its largest key: vLLM's priority rule), which has computed the
+    # most; with victim="newest" it keeps admission order and the last admitted goes (vLLM's FCFS
+    # rule, the fewest tokens lost to the recompute).
+    from serving_hooks.policies import make_policy
+
+    e = engine(make_policy("spf", victim=victim), kv_tokens=20, record_decisions=True)
+    e.run([Request("long", 0.0, 8, 12), Request("short", 0.05, 4, 12)])
+    assert e.violations == []
+    assert next(rid for step in e.decisions for rid in step["preempted"]) == evicted

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from adapt.replay.engine import EngineConfig, ReplayEngine
 from adapt.requests import SLO, Request
-from serving_hooks.policies import POLICIES, make_policy
+from serving_hooks.policies import POLICIES, make_policy, make_policy_from_spec
 from tests.replay_helpers import CheckedEngine, ConstantCost
 
 
@@ -215,7 +215,7 @@ def make_requests(rows):
 )
 @given(
     rows=request_lists,
-    policy=st.sampled_from(tuple(POLICIES)),
+    policy=st.sampled_from((*POLICIES, "sagesched:victim=newest", "spf:victim=newest")),
     budget=st.one_of(st.integers(1, 3), st.integers(16, 512)),
     max_running=st.integers(1, 12),
     kv_blocks=st.integers(30, 80),
@@ -233,7 +233,7 @@ def test_engine_invariants_and_fast_path_agree(rows, policy, budget, max_running
             kv_capacity_tokens=kv_blocks * 16,
             skip_decode_runs=skip,
         )
-        scheduler = make_policy(policy)
+        scheduler = make_policy_from_spec(policy)
         lifecycles.append(_log_lifecycle(scheduler))
         engine = CheckedEngine(scheduler, cost, config)
         result = engine.run(requests)

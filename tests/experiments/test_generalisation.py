@@ -9,7 +9,7 @@ from adapt.requests import Request
 from experiments import generalisation
 from experiments.generalisation import SCENARIOS, text_use
 from experiments.quickstart import LEARNED, NON_ORACLE_BASELINES
-from serving_hooks.policies import POLICIES
+from serving_hooks.policies import POLICIES, parse_policy_spec
 
 UNPINNED = {policy: policy for policy in LEARNED}
 
@@ -29,7 +29,7 @@ def test_every_scenario_runs_every_policy_on_one_engine_and_the_json_says_so(tmp
         assert set(scenario["policies"]) == {*NON_ORACLE_BASELINES, *LEARNED}, name
         # one engine for all, but for a policy that declares its own budget (vllm-v0: 4096)
         for policy, engine in settings["engine_settings_per_policy"].items():
-            own = getattr(POLICIES[policy], "token_budget", None)
+            own = getattr(POLICIES[parse_policy_spec(policy)[0]], "token_budget", None)
             assert engine == {"token_budget": own or settings["token_budget"], "max_running": 256}, policy
         for metrics in scenario["policies"].values():
             low, high = metrics["spread"]["ttlt_mean"]

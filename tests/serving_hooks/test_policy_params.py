@@ -20,6 +20,8 @@ from serving_hooks.policies import POLICIES, make_policy, make_policy_from_spec
         ("sarathi:order=3", "order: expected a string"),
         ("ltr:sigma=-0.5", "sigma: expected a finite number in [0, inf)"),
         ("sarathi:budget=5", "unexpected keyword argument 'budget'"),
+        ("spf:victim=oldest", "victim: expected one of priority, newest, got 'oldest'"),
+        ("sagesched:victim=3", "victim: expected a string"),
     ],
 )
 def test_bad_spec_values_are_one_line_naming_the_parameter(spec, message):
@@ -40,6 +42,8 @@ def test_bad_spec_values_are_one_line_naming_the_parameter(spec, message):
         "jitserve:batch_size=null",
         "jitserve:fairness=0.5",
         "sagesched:preempt_on_flip=true",
+        "spf:victim=newest",
+        "sagesched:victim=newest",
     ],
 )
 def test_valid_specs_still_build(spec):
