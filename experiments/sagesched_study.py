@@ -6,8 +6,9 @@
                                                      [--ray [ADDRESS]] [--out DIR]
 
 Replays, at each rate, the baselines `fcfs`, `spf`, `ltr`, `trail`, `fastserve`, `sjf-oracle` and
-`sagesched`, SPF and SageSched with the other KV-pressure victim (`victim=newest`: under recompute
-preemption the victim rule moves mean TTLT more than the order does), plus the paper's
+`sagesched`, SPF and SageSched with the other KV-pressure victim (SPF's default evicts the longest
+prompt, SageSched's the newest admitted: under recompute preemption the victim rule moves mean TTLT
+more than the order does), plus the paper's
 ablations: the predictor (semantic vs length-only history vs a point prediction), the cost model
 (KV footprint vs output length vs weighted), the ordering (Gittins vs mean vs Gittins without
 refresh), predictions mixed 1:4 with a uniform distribution, and preemption on order flips.
@@ -49,7 +50,7 @@ from serving_hooks.policies.sagesched import HistoryLengthPredictor
 
 NON_ORACLE = (
     "fcfs", "spf", "spf, victim newest", "ltr+history", "trail+history", "fastserve",
-    "sagesched", "sagesched, victim newest",
+    "sagesched", "sagesched, victim priority",
 )  # fmt: skip
 
 
@@ -84,13 +85,14 @@ def policies(history: SemanticHistory) -> dict[str, Callable[[], Policy]]:
         "fastserve": functools.partial(make_policy, "fastserve"),
         "sjf-oracle": functools.partial(make_policy, "sjf-oracle"),
         "sagesched": sage(),
-        "sagesched, victim newest": sage(victim="newest"),
+        "sagesched, victim priority": sage(victim="priority"),
         "ablation: length-only history": sage(history_mode="length"),
         "ablation: point prediction": sage(history_mode="point"),
         "ablation: cost = output length": sage(cost="output"),
         "ablation: cost = weighted": sage(cost="weighted"),
         "ablation: order = mean": sage(order="mean"),
-        "ablation: Gittins, no refresh": sage(order="static"),
+        # the refresh re-ranks running requests, which only the priority victim reads
+        "ablation: Gittins, no refresh (victim priority)": sage(order="static", victim="priority"),
         "ablation: 1:4 uniform noise": sage(uniform_mix=0.2),
         "ablation: mean + 1:4 uniform noise": sage(order="mean", uniform_mix=0.2),
         "ablation: preempt on order flip": sage(preempt_on_flip=True),

@@ -16,20 +16,22 @@ distribution.
 
    lowest first: the best ratio of expected work to completion probability over all budgets. With
    the support sorted, prefix sums give every budget's ratio at once, O(K) per request.
-4. Refresh: a running request's index is recomputed when it crosses a bucket boundary (every
-   `bucket` generated tokens, 200 by default); it decides which running request the engine evicts
-   when KV blocks run out. With `preempt_on_flip`, a full engine also preempts a running request
+4. Eviction: the paper assumes swap-based, nearly free preemption; vLLM V1 and our replay preempt
+   by recompute, which loses every token the victim computed. By default (`victim="newest"`)
+   running requests keep admission order, so KV pressure evicts the newest admitted (vLLM's FCFS
+   rule: the fewest tokens lost). With `victim="priority"` they are ordered by index and the
+   largest is evicted -- the longest predicted, often the one that computed the most: 11-20% higher
+   mean TTLT on `sagesched-mix` at 3.0-3.5 req/s (`experiments.sagesched_study`). Only then is a
+   running request's index refreshed, when it crosses a bucket boundary (every `bucket` generated
+   tokens, 200 by default). With `preempt_on_flip`, a full engine also preempts a running request
    whose index exceeds the best waiting one's by `flip_ratio` (4x) if its recompute is cheap (fewer
-   than `preempt_below_tokens` tokens). The paper assumes swap-based, nearly free preemption; vLLM
-   V1 and our replay preempt by recompute, and there flip preemption raised mean TTLT at every load
-   we measured (`experiments.sagesched_study`), so it is off by default. With `victim="newest"`
-   running requests keep admission order instead (vLLM's FCFS rule: the newest admitted is evicted
-   first, which loses the fewest computed tokens to a recompute) and their indices need no refresh;
-   it helps SageSched under KV pressure as much as it helps SPF (see the study).
+   than `preempt_below_tokens` tokens); under recompute preemption it raised mean TTLT at every
+   load we measured, so it is off by default.
 5. Learning online: every completion is added to the history window.
 
 Ablations from the paper: `order="mean"` (mean remaining cost), `order="static"` (Gittins without
-refresh), `uniform_mix=0.2` (predictions mixed 1:4 with a uniform distribution).
+refresh; with the default victim the running order needs no index, so it matters only with
+`victim="priority"`), `uniform_mix=0.2` (predictions mixed 1:4 with a uniform distribution).
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ class SageSched(PriorityPolicy):
         preempt_on_flip: bool = False,
         flip_ratio: float = 4.0,
         preempt_below_tokens: int = 512,
-        victim: str = "priority",
+        victim: str = "newest",
     ) -> None:
         super().__init__(victim)
         if cost not in COSTS:

@@ -335,6 +335,23 @@ def test_preempt_on_flip_only_when_full_and_clearly_better():
     assert guarded.on_step(EngineView(1.0, [newcomer], [running], 0.1, 2048, 1, 0.02)).preempt == []
 
 
+def test_running_requests_keep_admission_order_unless_the_victim_is_by_priority():
+    """By default KV pressure evicts the newest admitted (the running order is the engine's);
+    with victim="priority" the running requests are sorted by index, the largest evicted first."""
+    long, short = state("long", 1000), state("short", 10, arrival=1.0)
+    orders = {}
+    for victim in ("newest", "priority"):
+        policy = SageSched(history=seeded_history(), victim=victim)
+        for request in (long, short):
+            request.cache.clear()
+            policy.on_arrival(request, request.arrival_s)
+            policy.on_admit(request, 1.0)
+        view = EngineView(1.0, [], [long, short], 0.1, 2048, 8, 0.02)
+        running_order = policy.on_step(view).running_order
+        orders[victim] = None if running_order is None else [r.id for r in running_order]
+    assert orders == {"newest": None, "priority": ["short", "long"]}
+
+
 def test_bad_parameters_are_rejected():
     for params in (
         {"cost": "flops"},
@@ -342,6 +359,7 @@ def test_bad_parameters_are_rejected():
         {"bucket": 0},
         {"uniform_mix": 2.0},
         {"history_mode": "x"},
+        {"victim": "largest"},
     ):
         with pytest.raises(ValueError):
             make_policy("sagesched", **params)
@@ -355,6 +373,8 @@ spec_variants = st.sampled_from(
         {"cost": "output", "bucket": 7},
         {"uniform_mix": 0.2, "bucket": 5},
         {"preempt_on_flip": True, "bucket": 3, "flip_ratio": 1.0},
+        {"victim": "priority", "bucket": 4},
+        {"victim": "priority", "order": "static"},
     ]
 )
 rows = st.lists(
