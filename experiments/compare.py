@@ -47,13 +47,14 @@ def format_table(rows: list[dict[str, Any]], metric: str) -> str:
     value = {(r["workload"], r["rate"], r["policy"]): r["metrics"].get(metric) for r in rows}
     titles = [f"{w}@{rate}" for w, rate in columns]
     width = max([len(t) for t in titles] + [12]) + 2
-    lines = [f"{metric}", f"{'policy':<14}" + "".join(f"{t:>{width}}" for t in titles)]
+    name_width = max([len(p) for p in policies] + [12]) + 2  # specs such as spf:victim=newest
+    lines = [f"{metric}", f"{'policy':<{name_width}}" + "".join(f"{t:>{width}}" for t in titles)]
     for policy in policies:
         cells = []
         for workload, rate in columns:
             v = value.get((workload, rate, policy))
             cells.append(f"{'-':>{width}}" if v is None else f"{v:>{width}.4g}")
-        lines.append(f"{policy:<14}" + "".join(cells))
+        lines.append(f"{policy:<{name_width}}" + "".join(cells))
     return "\n".join(lines)
 
 

@@ -75,7 +75,12 @@ def main() -> int:
     for version in args.versions:
         start = time.monotonic()
         print(f"vllm {version}: installing (once) and running the scheduler harness ...", flush=True)
-        result = run_harness(version, args.cache)
+        try:
+            result = run_harness(version, args.cache)
+        except RuntimeError as exc:  # not installable or not importable: say so, check the others
+            print(f"vllm {version}: FAILED -- {exc}", flush=True)
+            failed.append(version)
+            continue
         summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
         print(f"vllm {version}: {'passed' if result.returncode == 0 else 'FAILED'} -- {summary}"
               f" ({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip

@@ -38,6 +38,10 @@ class NoStatusRoute(ConnectionError):
     still answer `/metrics`."""
 
 
+class Unreachable(ConnectionError):
+    """Nothing answered: refused, timed out, or not speaking HTTP."""
+
+
 def read_status(url: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
     """The status JSON of the server at base URL `url`. Every failure is a ConnectionError whose
     message names the address and the cause, so a caller that polls servers catches one type:
@@ -57,18 +61,19 @@ def read_status(url: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]
 def get_body(address: str, timeout_s: float) -> bytes:
     """The body `address` answers with; every failure a ConnectionError naming the address:
     `StatusNotReady` for HTTP 503, `NoStatusRoute` for 404 (read as "nothing here yet" / "not
-    served here" for any route of the server, `/metrics` too), plain for anything else."""
+    served here" for any route of the server, `/metrics` too), `Unreachable` when nothing
+    answered, plain for another HTTP error."""
     try:
         with urllib.request.urlopen(address, timeout=timeout_s) as response:
             return response.read()
     except urllib.error.HTTPError as exc:  # before URLError, its base class: the server did answer
         if exc.code == 503:
-            raise StatusNotReady(f"{address}: HTTP 503, no status written yet") from None
+            raise StatusNotReady(f"{address}: HTTP 503, nothing written there yet") from None
         if exc.code == 404:
             raise NoStatusRoute(f"{address}: HTTP 404, not served here") from None
         raise ConnectionError(f"{address}: HTTP {exc.code}") from None
     except (OSError, http.client.HTTPException) as exc:  # refused, timed out, not speaking HTTP
-        raise ConnectionError(f"cannot reach {address} ({getattr(exc, 'reason', exc)})") from None
+        raise Unreachable(f"cannot reach {address} ({getattr(exc, 'reason', exc)})") from None
 
 
 def _error(message: str) -> JSONResponse:

@@ -42,7 +42,9 @@ from typing import Any
 
 import vllm
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.request_queue import FCFSRequestQueue
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
 from adapt.mechanics import check_policy
@@ -60,7 +62,17 @@ from serving_hooks.xargs import program_from_extra_args, slo_from_extra_args
 
 log = logging.getLogger("adapt.vllm")
 
-check_classes(vllm.__version__, AsyncScheduler, FCFSRequestQueue, RequestStatus)
+check_classes(
+    vllm.__version__,
+    {
+        "scheduler": AsyncScheduler,
+        "queue": FCFSRequestQueue,
+        "status": RequestStatus,
+        "scheduler_output": SchedulerOutput,
+        "output": EngineCoreOutput,
+        "outputs": EngineCoreOutputs,
+    },
+)
 
 
 class PolicyScheduler(AsyncScheduler):
@@ -69,8 +81,10 @@ class PolicyScheduler(AsyncScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         check_scheduler(vllm.__version__, self)
-        if not isinstance(self.waiting, FCFSRequestQueue):
-            raise ValueError("PolicyScheduler needs vLLM's FCFS waiting queue (scheduling_policy='fcfs')")
+        # vLLM's preemption path pops the end of the running list (which the adapter arranges in
+        # the policy's order) only under FCFS; priority mode picks its own victim.
+        if self.policy != SchedulingPolicy.FCFS or not isinstance(self.waiting, FCFSRequestQueue):
+            raise ValueError("PolicyScheduler needs vLLM's FCFS scheduling policy (scheduling_policy='fcfs')")
         self.engine_token_budget = int(self.max_num_scheduled_tokens)  # what vLLM was started with
         self.adapt_policy = make_policy_from_spec(os.environ.get("ADAPT_POLICY", "fcfs"))
         self._check(self.adapt_policy)
@@ -471,8 +485,6 @@ class PolicyScheduler(AsyncScheduler):
         finally:
             self._output_at = None
         if self._drops_to_report:
-            from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
-
             for request in self._drops_to_report:
                 finished = EngineCoreOutput(
                     request_id=request.request_id,

@@ -48,7 +48,7 @@ SCHEDULER_METHODS: dict[str, str] = {
 }
 # Attributes vLLM sets in the scheduler's __init__: read (R) or rearranged for a step (W).
 SCHEDULER_ATTRIBUTES: dict[str, str] = {
-    "policy": "R: must be SchedulingPolicy.FCFS (see the module docstring)",
+    "policy": "R: must be SchedulingPolicy.FCFS, checked at start (see the module docstring)",
     "running": "W: the policy's running order and deferrals",
     "waiting": "W: the plan's admission order (an FCFSRequestQueue)",
     "requests": "R: request id -> Request",
@@ -65,19 +65,35 @@ KV_CACHE_MANAGER_ATTRIBUTES: tuple[str, ...] = ("usage", "block_pool")
 BLOCK_POOL_ATTRIBUTES: tuple[str, ...] = ("get_num_free_blocks", "num_gpu_blocks")
 WAITING_QUEUE_METHODS: tuple[str, ...] = ("add_request", "remove_requests", "prepend_requests")
 REQUEST_STATUSES: tuple[str, ...] = ("RUNNING", "PREEMPTED", "FINISHED_ABORTED")
-# Read on every Request (instance attributes or properties).
+# Read on every Request (instance attributes or properties); the last five when a dropped request's
+# client is told (`PolicyScheduler.update_from_output`).
 REQUEST_ATTRIBUTES: tuple[str, ...] = (
-    "request_id", "status", "sampling_params", "prompt_token_ids",
+    "request_id", "status", "sampling_params", "prompt_token_ids", "max_tokens",
     "num_prompt_tokens", "num_computed_tokens", "num_output_tokens", "num_tokens",
+    "client_index", "trace_headers", "get_finished_reason", "take_events",
 )  # fmt: skip
+# Fields of the step's SchedulerOutput the adapter reads (decision log, token delivery).
+SCHEDULER_OUTPUT_FIELDS: tuple[str, ...] = ("num_scheduled_tokens", "preempted_req_ids")
+# Keyword fields of the outputs the adapter builds to tell a dropped request's client.
+ENGINE_CORE_OUTPUT_FIELDS: tuple[str, ...] = (
+    "request_id", "new_token_ids", "finish_reason", "events", "trace_headers",
+)  # fmt: skip
+ENGINE_CORE_OUTPUTS_FIELDS: tuple[str, ...] = ("outputs",)
 
 
 class UnsupportedVllm(ImportError):
     """The installed vLLM lacks part of the interface above."""
 
 
+def _has(owner: Any, name: str) -> bool:
+    """An attribute, or a field of a dataclass or msgspec struct (fields without defaults are not
+    class attributes)."""
+    fields = {*getattr(owner, "__dataclass_fields__", ()), *getattr(owner, "__struct_fields__", ())}
+    return name in fields or hasattr(owner, name)
+
+
 def _fail(version: str, what: str, owner: Any, names: Any) -> None:
-    missing = [name for name in names if not hasattr(owner, name)]
+    missing = [name for name in names if not _has(owner, name)]
     if missing:
         raise UnsupportedVllm(
             f"serving_hooks: vLLM {version} lacks {what} the adapter needs ({', '.join(missing)});"
@@ -85,11 +101,16 @@ def _fail(version: str, what: str, owner: Any, names: Any) -> None:
         )
 
 
-def check_classes(version: str, scheduler_cls: Any, queue_cls: Any, status_cls: Any) -> None:
-    """At import: the scheduler's methods, the FCFS queue's methods, the request statuses."""
-    _fail(version, "scheduler methods", scheduler_cls, SCHEDULER_METHODS)
-    _fail(version, "FCFS queue methods", queue_cls, WAITING_QUEUE_METHODS)
-    _fail(version, "request statuses", status_cls, REQUEST_STATUSES)
+def check_classes(version: str, classes: dict[str, Any]) -> None:
+    """At import: the scheduler's methods, the FCFS queue's methods, the request statuses and the
+    fields of the step output and engine outputs (`classes`: "scheduler", "queue", "status",
+    "scheduler_output", "output", "outputs" -> vLLM's class)."""
+    _fail(version, "scheduler methods", classes["scheduler"], SCHEDULER_METHODS)
+    _fail(version, "FCFS queue methods", classes["queue"], WAITING_QUEUE_METHODS)
+    _fail(version, "request statuses", classes["status"], REQUEST_STATUSES)
+    _fail(version, "SchedulerOutput fields", classes["scheduler_output"], SCHEDULER_OUTPUT_FIELDS)
+    _fail(version, "EngineCoreOutput fields", classes["output"], ENGINE_CORE_OUTPUT_FIELDS)
+    _fail(version, "EngineCoreOutputs fields", classes["outputs"], ENGINE_CORE_OUTPUTS_FIELDS)
 
 
 def check_scheduler(version: str, scheduler: Any) -> None:
@@ -102,4 +123,4 @@ def check_scheduler(version: str, scheduler: Any) -> None:
 def missing_request_attributes(request: Any) -> list[str]:
     """The `REQUEST_ATTRIBUTES` a vLLM `Request` lacks (checked by the harness on real requests:
     many are set in `Request.__init__`, so the class alone cannot tell)."""
-    return [name for name in REQUEST_ATTRIBUTES if not hasattr(request, name)]
+    return [name for name in REQUEST_ATTRIBUTES if not _has(request, name)]

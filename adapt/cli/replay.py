@@ -185,7 +185,8 @@ def run_replay_command(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise UsageError("--policies: none given")
-    for index, spec in enumerate(policies):
+    given_specs, resolved = list(policies), {}  # resolved: policy-config@vN -> the spec it runs
+    for index, spec in enumerate(given_specs):
         try:
             policies[index], runs = pin_policy_config(spec)
             parse_policy_spec(policies[index])
@@ -193,7 +194,14 @@ def run_replay_command(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UsageError(f"--policies: {exc}") from exc
         if runs is not None:
-            print(f"{spec} is {policies[index]}: {runs}", file=sys.stderr)
+            resolved[policies[index]] = runs
+    repeated = sorted({p for p in policies if policies.count(p) > 1})
+    if repeated:  # one result and one MLflow run per policy: a second copy would overwrite the first
+        raise UsageError(f"--policies: {', '.join(repeated)} given twice (after pinning aliases to versions)")
+    for spec, pinned in zip(given_specs, policies, strict=True):
+        if pinned in resolved:
+            alias = "" if spec == pinned else f" is {pinned}, which"
+            print(f"{spec}{alias} runs {resolved[pinned]}", file=sys.stderr)
     setup = build_setup(args)
     budget = given(args.token_budget, setup.workload.get("token_budget", EngineConfig.token_budget))
     setup.workload.update(token_budget=budget, max_running=args.max_running)
@@ -234,6 +242,8 @@ def run_replay_command(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, Any]] = {}
     for policy, result in zip(policies, replayed, strict=True):
         results[policy] = result.metrics()
+        if policy in resolved:  # what the registered version ran, in the JSON and the MLflow run
+            results[policy]["policy_config"] = resolved[policy]
         if not args.no_mlflow:
             log_to_mlflow(args.experiment, setup.workload, policy, results[policy])
     print(format_table(results))

@@ -27,15 +27,15 @@ Samples = dict[str, list[tuple[dict[str, str], float]]]
 def _get_metrics(url: str) -> bytes | None:
     """The server's `/metrics` text; None when it answers 404 or 503 there (no metrics to read, e.g.
     started with `--no-metrics`): the status part still shows."""
-    from serving_hooks.http import NoStatusRoute, StatusNotReady, get_body
+    from serving_hooks.http import NoStatusRoute, StatusNotReady, Unreachable, get_body
 
     address = f"{url.rstrip('/')}/metrics"
     try:
         return get_body(address, TIMEOUT_S)
     except (StatusNotReady, NoStatusRoute):
         return None
-    except ConnectionError as exc:
-        raise ConnectionError(f"{exc}; is adapt serve running there?") from None
+    except Unreachable as exc:
+        raise Unreachable(f"{exc}; is adapt serve running there?") from None
 
 
 def scrape(url: str) -> Samples:

@@ -81,6 +81,8 @@ def log_to_mlflow(experiment: str, workload: dict[str, Any], policy: str, metric
     run_id = run.info.run_id
     params = {f"workload.{k}": str(v) for k, v in workload.items() if v is not None}
     params["policy"] = policy
+    if isinstance(metrics.get("policy_config"), str):  # a registered policy-config: what it ran
+        params["policy_config"] = metrics["policy_config"]
     from mlflow.entities import Metric, Param
 
     flat = {k: v for k, v in metrics.items() if isinstance(v, int | float) and v is not None}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -112,8 +113,11 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     `policy-config@vN` / `policy-config@ALIAS` names a registered `policy-config` (what a tuner
     registered, what `adapt serve --follow-policy-config` serves once promoted): its policy and
     parameters, read from the registry, so the exact version an operator is about to promote can
-    be replayed first. It takes no `key=value`: another configuration is another version."""
-    import json
+    be replayed first. It takes no `key=value`: another configuration is another version. Reading
+    one opens the registry (the default store), so parsing such a spec does I/O; `adapt replay` pins
+    an alias to its version before it starts (`pin_policy_config`), while `adapt serve --policy
+    policy-config@ALIAS` resolves it once, when its engine starts (`--follow-policy-config` follows
+    the champion)."""
 
     name, *assignments = spec.strip().split(":")
     if name.startswith(f"{POLICY_CONFIG}@"):
@@ -200,7 +204,10 @@ def pin_policy_config(spec: str) -> tuple[str, str | None]:
         return spec, None
     parse_policy_spec(spec)  # a clear error for extra parameters
     config = registered_policy_config(name.partition("@")[2])
-    params = "".join(f":{key}={value}" for key, value in sorted((config.params or {}).items()))
+    params = "".join(  # as a spec takes them: strings bare, anything else as JSON
+        f":{key}={value if isinstance(value, str) else json.dumps(value)}"
+        for key, value in sorted((config.params or {}).items())
+    )
     return f"{POLICY_CONFIG}@v{config.metadata['registry_version']}", f"{config.policy}{params}"
 
 

@@ -25,17 +25,21 @@ class PriorityPolicy(Policy):
     `orders_running = False` keep vLLM's FCFS running order (admission order: the last admitted
     is evicted first).
 
-    `victim="newest"` keeps the FCFS running order for a policy that orders admissions by its key:
+    `victim` (default: the class's own rule) "newest" keeps the FCFS running order for a policy that
+    orders admissions by its key, "priority" sorts the running requests by it:
     under recompute preemption an evicted request loses every token it computed, and the newest
     admitted has computed the fewest, while the largest key (the longest predicted, the longest
     prompt) is often the one that has computed the most (`experiments.sagesched_study`)."""
 
     orders_running = True
 
-    def __init__(self, victim: str = "priority") -> None:
-        if victim not in VICTIMS:
+    def __init__(self, victim: str | None = None) -> None:
+        own = "priority" if self.orders_running else "newest"  # None: the class's own rule
+        if victim is not None and victim not in VICTIMS:
             raise ValueError(f"victim: expected one of {', '.join(VICTIMS)}, got {victim!r}")
-        self.victim = victim
+        if victim is not None and victim != own and not self.orders_running:
+            raise ValueError(f"victim: {self.name} keeps vLLM's running order, evicting the newest admitted")
+        self.victim = victim or own
         self._waiting = SortedList()
         self._entries: dict[str, tuple[Any, ...]] = {}
         self._seq = itertools.count()

@@ -21,9 +21,11 @@ distribution.
    running requests keep admission order, so KV pressure evicts the newest admitted (vLLM's FCFS
    rule: the fewest tokens lost). With `victim="priority"` they are ordered by index and the
    largest is evicted -- the longest predicted, often the one that computed the most: 11-20% higher
-   mean TTLT on `sagesched-mix` at 3.0-3.5 req/s (`experiments.sagesched_study`). Only then is a
-   running request's index refreshed, when it crosses a bucket boundary (every `bucket` generated
-   tokens, 200 by default). With `preempt_on_flip`, a full engine also preempts a running request
+   mean TTLT on `sagesched-mix` at 3.0-3.5 req/s (`experiments.sagesched_study`). A running
+   request's index is refreshed when it crosses a bucket boundary (every `bucket` generated tokens,
+   200 by default) only where something reads it: the priority victim, or flip preemption; a
+   preempted request is re-ranked at its attained service in any case. With `preempt_on_flip`, a
+   full engine also preempts a running request
    whose index exceeds the best waiting one's by `flip_ratio` (4x) if its recompute is cheap (fewer
    than `preempt_below_tokens` tokens); under recompute preemption it raised mean TTLT at every
    load we measured, so it is off by default.
@@ -52,7 +54,7 @@ COSTS = ("kv", "output", "weighted")
 ORDERS = ("gittins", "mean", "static")
 UNIFORM_MAX_TOKENS = 2048
 _ONE_BY_ONE = 8  # refreshes of up to this many requests run in Python floats (`_refresh_one`)
-MAX_FLIPS_PER_STEP = 4  # upper end of the uniform noise of the uniform_mix ablation
+MAX_FLIPS_PER_STEP = 4  # flip preemptions in one step, at most (`preempt_on_flip`)
 
 
 def service_cost(
@@ -176,7 +178,8 @@ class SageSched(PriorityPolicy):
         self.flip_ratio = flip_ratio
         self.preempt_below_tokens = preempt_below_tokens
         # A running request's index decides its place in the running order (whom KV pressure
-        # evicts) and flip preemptions; with neither, refreshing it every bucket changes nothing.
+        # evicts, with the priority victim) and flip preemptions; with neither, refreshing it every
+        # bucket changes nothing.
         self._indexes_running = victim == "priority" or preempt_on_flip
         self._new: dict[str, RequestState] = {}  # arrived since the last step, not yet ranked
         self._awaiting: dict[str, RequestState] = {}  # embedding submitted, not yet here
@@ -266,7 +269,7 @@ class SageSched(PriorityPolicy):
         """`PriorityPolicy.running_in_order` with the key taken directly: the index does not
         depend on the time, and this sort runs every step (so it is reused while the running
         requests and their indices stay the same: `_refresh` clears it)."""
-        if not self._indexes_running:
+        if self.victim == "newest":
             return None  # vLLM's running order: the newest admitted is evicted first
         members = tuple(running)
         if members != self._sorted_for:

@@ -72,6 +72,7 @@ def test_replay_trace_without_timestamps_needs_rate(tmp_path, shared_traces, cap
         (["--rate", "-1"], "--rate: must be > 0"),
         (["--num-requests", "0"], "--num-requests: must be > 0"),
         (["--replicas", "0"], "--replicas"),
+        (["--policies", "fcfs,spf,fcfs"], "fcfs given twice"),
     ],
 )
 def test_replay_bad_arguments_exit_2_with_one_line(capsys, args, message):
@@ -256,11 +257,11 @@ def test_a_registered_policy_config_replays_as_the_policy_it_names(tmp_path, cap
     args = ["replay", "--workload", "slai-tiers", "--num-requests", "80", "--no-mlflow", "--quiet"]
     policies = "policy-config@champion,sarathi:order=spf:token_budget=256,policy-config@v1"
     assert main([*args, "--policies", policies, "--json", str(out)]) == 0
-    assert (
-        "policy-config@champion is policy-config@v2: sarathi:order=spf:token_budget=256"
-        in capsys.readouterr().err
-    )
+    err = capsys.readouterr().err
+    assert "policy-config@champion is policy-config@v2, which runs sarathi:order=spf:token_budget=256" in err
+    assert "policy-config@v1 runs fcfs" in err
     results = json.loads(out.read_text())["policies"]
+    assert results["policy-config@v1"]["policy_config"] == "fcfs"
     assert set(results) == {"policy-config@v2", "sarathi:order=spf:token_budget=256", "policy-config@v1"}
     for key in ("ttft_mean", "ttlt_mean", "preemptions", "completed"):
         assert results["policy-config@v2"][key] == results["sarathi:order=spf:token_budget=256"][key]
@@ -273,6 +274,7 @@ def test_a_registered_policy_config_replays_as_the_policy_it_names(tmp_path, cap
         ("policy-config@canary", "policy-config@canary: no such version or alias"),
         ("policy-config@", "no such version or alias"),
         ("policy-config@v1:order=spf", "takes no key=value"),
+        ("policy-config@v1,policy-config@v1", "policy-config@v1 given twice"),
     ],
 )
 def test_a_bad_policy_config_reference_exits_2_with_one_line(tmp_path, capsys, spec, message):
@@ -284,3 +286,17 @@ def test_a_bad_policy_config_reference_exits_2_with_one_line(tmp_path, capsys, s
     assert main(["replay", "--workload", "slai-tiers", "--no-mlflow", "--quiet", "--policies", spec]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_a_pinned_policy_config_says_what_it_runs_as_a_spec_that_builds(tmp_path):
+    from adapt.registry import Registry
+    from serving_hooks.policies import make_policy_from_spec, pin_policy_config
+    from serving_hooks.policies.config import PolicyConfig
+
+    registry = Registry(cache_dir=tmp_path / "cache")
+    version = registry.log(PolicyConfig("sagesched", {"preempt_on_flip": True, "victim": "priority"}))
+    pinned, runs = pin_policy_config(f"policy-config@v{version}")
+    assert (pinned, runs) == (f"policy-config@v{version}", "sagesched:preempt_on_flip=true:victim=priority")
+    policy = make_policy_from_spec(runs)
+    assert policy.preempt_on_flip is True and policy.victim == "priority"
+    assert pin_policy_config("spf:victim=newest") == ("spf:victim=newest", None)

@@ -318,4 +318,8 @@ def test_a_vllm_without_a_name_the_adapter_needs_is_refused_with_its_version():
         def schedule(self): ...
 
     with pytest.raises(UnsupportedVllm, match=r"vLLM 0\.1\.0 lacks scheduler methods .*\(add_request, "):
-        check_classes("0.1.0", OldScheduler, object, object)
+        check_classes(
+            "0.1.0",
+            dict.fromkeys(("queue", "status", "scheduler_output", "output", "outputs"), object)
+            | {"scheduler": OldScheduler},
+        )
