@@ -119,14 +119,11 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     policy-config@ALIAS` resolves it once, when its engine starts (`--follow-policy-config` follows
     the champion)."""
 
-    name, *assignments = spec.strip().split(":")
-    if name.startswith(f"{POLICY_CONFIG}@"):
-        if assignments:
-            raise ValueError(
-                f"policy {spec!r}: a registered {POLICY_CONFIG} takes no key=value (register another version)"
-            )
-        config = registered_policy_config(name.partition("@")[2])
+    reference = _policy_config_reference(spec)
+    if reference is not None:
+        config = registered_policy_config(reference)
         return config.policy, dict(config.params or {})
+    name, *assignments = spec.strip().split(":")
     params: dict[str, Any] = {}
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
@@ -174,6 +171,18 @@ class PolicySpec:
         return self.spec
 
 
+def _policy_config_reference(spec: str) -> str | None:
+    """The version or alias a `policy-config@REF` spec names (None for any other spec)."""
+    name, *assignments = spec.strip().split(":")
+    if not name.startswith(f"{POLICY_CONFIG}@"):
+        return None
+    if assignments:
+        raise ValueError(
+            f"policy {spec!r}: a registered {POLICY_CONFIG} takes no key=value (register another version)"
+        )
+    return name.partition("@")[2]
+
+
 def registered_policy_config(reference: str) -> Any:
     """The `policy-config` a reference names (`v3`, or an alias such as `champion`), read once per
     process and store for each version (a version never changes; an alias is resolved each time)."""
@@ -199,11 +208,10 @@ def pin_policy_config(spec: str) -> tuple[str, str | None]:
     """(`spec` with a `policy-config` alias replaced by the version it points at now, what that
     version runs), so every cell of a replay -- in whichever process -- runs one version even if
     the alias moves meanwhile, and the results name it. Any other spec: (`spec`, None)."""
-    name = spec.strip().split(":")[0]
-    if not name.startswith(f"{POLICY_CONFIG}@"):
+    reference = _policy_config_reference(spec)
+    if reference is None:
         return spec, None
-    parse_policy_spec(spec)  # a clear error for extra parameters
-    config = registered_policy_config(name.partition("@")[2])
+    config = registered_policy_config(reference)  # read once: an alias resolved twice could move
     params = "".join(  # as a spec takes them: strings bare, anything else as JSON
         f":{key}={value if isinstance(value, str) else json.dumps(value)}"
         for key, value in sorted((config.params or {}).items())
