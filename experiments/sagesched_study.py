@@ -8,10 +8,10 @@
 Replays, at each rate, the baselines `fcfs`, `spf`, `ltr`, `trail`, `fastserve`, `sjf-oracle` and
 `sagesched`, SPF and SageSched with the other KV-pressure victim (SPF's default evicts the longest
 prompt, SageSched's the newest admitted: under recompute preemption the victim rule moves mean TTLT
-more than the order does), plus the paper's
-ablations: the predictor (semantic vs length-only history vs a point prediction), the cost model
-(KV footprint vs output length vs weighted), the ordering (Gittins vs mean vs Gittins without
-refresh), predictions mixed 1:4 with a uniform distribution, and preemption on order flips.
+more than the order does), plus the paper's ablations: the predictor (semantic vs length-only
+history vs a point prediction), the cost model (KV footprint vs output length vs weighted), the
+ordering (Gittins vs mean vs Gittins without refresh), predictions mixed 1:4 with a uniform
+distribution, and preemption on order flips.
 `ltr` and `trail` run twice: with their default noisy oracle (true length x lognormal(0, 0.5) --
 better informed than any real predictor) and with a point prediction from the same semantic
 history SageSched uses (`+history`).

@@ -45,8 +45,8 @@ class Unreachable(ConnectionError):
 def read_status(url: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
     """The status JSON of the server at base URL `url`. Every failure is a ConnectionError whose
     message names the address and the cause, so a caller that polls servers catches one type:
-    `StatusNotReady` (503), `NoStatusRoute` (404), or plain for another HTTP error, a server that
-    cannot be reached, or a body that is not a JSON object."""
+    `StatusNotReady` (503), `NoStatusRoute` (404), `Unreachable` (nothing answered), or plain for
+    another HTTP error or a body that is not a JSON object."""
     address = url.rstrip("/") + STATUS_PATH
     body = get_body(address, timeout_s)
     try:

@@ -25,10 +25,9 @@ distribution.
    request's index is refreshed when it crosses a bucket boundary (every `bucket` generated tokens,
    200 by default) only where something reads it: the priority victim, or flip preemption; a
    preempted request is re-ranked at its attained service in any case. With `preempt_on_flip`, a
-   full engine also preempts a running request
-   whose index exceeds the best waiting one's by `flip_ratio` (4x) if its recompute is cheap (fewer
-   than `preempt_below_tokens` tokens); under recompute preemption it raised mean TTLT at every
-   load we measured, so it is off by default.
+   full engine also preempts a running request whose index exceeds the best waiting one's by
+   `flip_ratio` (4x) if its recompute is cheap (fewer than `preempt_below_tokens` tokens); under
+   recompute preemption it raised mean TTLT at every load we measured, so it is off by default.
 5. Learning online: every completion is added to the history window.
 
 Ablations from the paper: `order="mean"` (mean remaining cost), `order="static"` (Gittins without
@@ -410,8 +409,8 @@ class SageSched(PriorityPolicy):
         until = self._predictions.next_ready_s if self._awaiting else math.inf  # it re-ranks one
         if not view.running:
             return Horizon(until_s=until)
-        if self.order == "static" or not self._indexes_running:  # no bucket refresh: only the KV
-            # level of "full" changes the plan
+        if self.order == "static" or not self._indexes_running:
+            # no bucket refresh: only the KV level of "full" changes the plan
             return Horizon(until_s=until, kv_usage_below=FULL_KV_USAGE)
         due = self._due
         steps = min(due[r] - r.tokens_generated for r in view.running) - 1  # a bucket refresh ends it
