@@ -43,17 +43,29 @@ class CheckedEngine(ReplayEngine):
             limit = max(limit, max(n for _, n in scheduled))
         if tokens > limit:
             self.violations.append(f"budget: {tokens} > {limit}")
-        if len(self.running) > self.config.max_running:
-            self.violations.append(f"running cap: {len(self.running)}")
         if len(set(ids)) != len(ids):
             self.violations.append("request scheduled twice in one step")
-        held = sum(self.kv.held(s.id) for s in self.running)
-        if held + self.kv.free_blocks != self.kv.num_blocks or self.kv.free_blocks < 0:
-            self.violations.append(f"kv accounting: held {held} free {self.kv.free_blocks}")
+        self._check_limits()
         before = self.now
         super()._execute(scheduled, trace)
         if not self.now > before:
             self.violations.append(f"time did not advance at {before}")
+
+    def _bulk_decode_step(self, plan):
+        before, steps = self.now, self.recorder._steps
+        taken = super()._bulk_decode_step(plan)
+        if taken:
+            self._check_limits()
+            if not self.now > before or self.recorder._steps != steps + 1:
+                self.violations.append(f"a bulk decode step at {before} took no step or several")
+        return taken
+
+    def _check_limits(self):
+        if len(self.running) > self.config.max_running:
+            self.violations.append(f"running cap: {len(self.running)}")
+        held = sum(self.kv.held(s.id) for s in self.running)
+        if held + self.kv.free_blocks != self.kv.num_blocks or self.kv.free_blocks < 0:
+            self.violations.append(f"kv accounting: held {held} free {self.kv.free_blocks}")
 
     def _decode_run(self, view, order=None):
         before = self.now

@@ -43,6 +43,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -153,6 +154,10 @@ class ReplayEngine:
         self.mean_batch_time = 0.0
         self.waiting: dict[str, RequestState] = {}
         self.running: list[RequestState] = []
+        # The running requests per class, and those with a latency SLO: what a decode run records
+        # of them (`Recorder.run_tokens`), kept up to date rather than counted every step.
+        self._running_labels: dict[str | None, int] = defaultdict(int)
+        self._running_latency: dict[str, RequestState] = {}
         self._pending: list[Request] = []
         self._pending_pos = 0
         # True output lengths of the requests in the engine (dropped as each leaves: memory is
@@ -180,8 +185,10 @@ class ReplayEngine:
         self._preempted_now: list[str] = []
         self._freed_since: list[str] = []
         self._queues: dict[str, list[str]] = {}
-        # When every running request last got a token, if all got it together at the end of the
-        # last step (it is then `now`, and each is a decode): `_plain_decode_step`'s test.
+        # When every running decode got its last token, if all got it together at the end of the
+        # last step (each then owes one token; the other running requests are prefilling):
+        # `_decodes_only`'s test. `_all_sampled_at`: the same, and no request is prefilling.
+        self._decodes_sampled_at = -math.inf
         self._all_sampled_at = -math.inf
         # One decode-only step's time alone, where the cost model offers it (the roofline does):
         # short decode runs are then timed step by step in Python (`_short_run`).
@@ -345,8 +352,14 @@ class ReplayEngine:
         if self.decisions is not None:
             self._queues = {"running": [r.id for r in self.running], "waiting": list(self.waiting)}
         plan = self.policy.on_step(view)
-        if trace is None and self._plain_decode_step(plan) and self._decode_run(view, plan.running_order):
-            return
+        if trace is None and self._decodes_only(plan):
+            if self._all_sampled_at == self.now and (
+                not self.waiting or plan.admit is None or self._admits_nothing(plan)
+            ):
+                if self._decode_run(view, plan.running_order):
+                    return
+            elif self._bulk_decode_step(plan):
+                return
         scheduled, changed = self._schedule(plan)
         if self.decisions is not None:
             self._record_decision(trace.index if trace is not None else self.step_index, scheduled)
@@ -357,17 +370,19 @@ class ReplayEngine:
         if trace is None and not scheduled and not changed and not delivered:
             self._idle(view)
 
-    def _plain_decode_step(self, plan: Plan) -> bool:
-        """Whether this step is plain decodes only: every running request sampled a token at the
-        end of the previous step (so each is a decode owing one token), and the plan drops,
-        preempts, defers and admits nothing. Such a step opens a decode run itself (more than
-        half of the engine's steps on a busy trace)."""
+    def _decodes_only(self, plan: Plan) -> bool:
+        """Whether this step's running requests are plain decodes: every one sampled a token at
+        the end of the last step (so each is a decode owing one token), and the plan drops,
+        preempts and defers nothing. If no time passed since (no intake, no idling) and it admits
+        nothing either, the step opens a decode run (more than half of the engine's steps on a
+        busy trace); otherwise the decodes are still taken in bulk (`_bulk_decode_step`: most
+        other steps)."""
         if (
             not self.config.skip_decode_runs
             or self.config.async_scheduling
             or self.decisions is not None
             or not self.running
-            or self._all_sampled_at != self.now
+            or self._decodes_sampled_at == -math.inf
             or plan.drop
             or plan.preempt
         ):
@@ -376,9 +391,7 @@ class ReplayEngine:
         if plan.defer and not plan.defer.isdisjoint(running):
             return False
         order = plan.running_order
-        if order is not None and order != running and not set(order).issuperset(running):
-            return False  # it defers some
-        return not self.waiting or plan.admit is None or self._admits_nothing(plan)
+        return order is None or order == running or set(order).issuperset(running)  # else it defers some
 
     def _admits_nothing(self, plan: Plan) -> bool:
         """Whether `_admit` would admit nothing after this step's decodes (one token each) took
@@ -549,12 +562,23 @@ class ReplayEngine:
         for state, _ in admitted:
             del self.waiting[state.id]
             state.phase = "prefill"
-            self.running.append(state)
+            self._join_running(state)
             self.policy.on_admit(state, self.now)
         return admitted
 
-    def _preempt(self, state: RequestState) -> None:
+    def _join_running(self, state: RequestState) -> None:
+        self.running.append(state)
+        self._running_labels[state.label] += 1
+        if state.slo.kind == "latency":
+            self._running_latency[state.id] = state
+
+    def _leave_running(self, state: RequestState) -> None:
         self.running.remove(state)
+        self._running_labels[state.label] -= 1
+        self._running_latency.pop(state.id, None)
+
+    def _preempt(self, state: RequestState) -> None:
+        self._leave_running(state)
         self.kv.release(state.id)
         state.tokens_computed = 0
         state.phase = "preempted"
@@ -605,11 +629,16 @@ class ReplayEngine:
         everyone_sampled = len(sampled_states) == len(self.running) and not asynchronous
         self._all_sampled_at = output_at if everyone_sampled else -math.inf
         if asynchronous:
+            self._decodes_sampled_at = -math.inf
             for state in sampled_states:
                 placeholders[state.id] += 1
             self._in_flight = (output_at, sampled_states)
         else:
             self._emit_tokens(sampled_states, output_at)
+            decodes_sampled = everyone_sampled or all(
+                state.last_token_s == output_at for state in self.running if state.phase == "decode"
+            )
+            self._decodes_sampled_at = output_at if decodes_sampled else -math.inf
 
     def _deliver(self, previous: tuple[float, list[RequestState]] | None) -> bool:
         """Async scheduling: the previous step's tokens reach the scheduler once this step is
@@ -648,7 +677,7 @@ class ReplayEngine:
         if state.phase == "preempted":  # its last token was in flight when it was preempted
             del self.waiting[state.id]
         else:
-            self.running.remove(state)
+            self._leave_running(state)
         self.kv.release(state.id)
         self._placeholders.pop(state.id, None)
         del self._true_len[state.id]
@@ -660,8 +689,108 @@ class ReplayEngine:
         self._parent_done(state.id, finished=True)
 
     # ------------------------------------------------------------ fast path
+    def _bulk_decode_step(self, plan: Plan) -> bool:
+        """Take a step whose running decodes are plain (`_decodes_only`) but which is no pure
+        decode run -- it admits, continues a chunked prefill, or comes after an intake or a wait:
+        the step after almost every arrival -- as `_schedule` and `_execute` would, with the
+        decodes counted, advanced and recorded in bulk as a one-step decode run is (`_advance`)
+        and only the prefills one by one. False (nothing done) when that could differ from
+        scheduling request by request: a prefill ordered before a decode, a budget the decodes
+        exhaust, or a KV shortfall (a preemption)."""
+        running = self.running
+        order = plan.running_order
+        if order is None or order == running:
+            sequence = running
+        else:
+            members = set(running)
+            sequence = [r for r in dict.fromkeys(order) if r in members]
+        budget = self.token_budget
+        if len(sequence) >= budget or self.policy.prefill_first:
+            return False
+        kv = self.kv
+        prefills: list[RequestState] = []
+        context_sum, context_max, growing = self._gather_bulk(sequence, prefills)
+        if growing is None:
+            return False
+        decodes = sequence[: len(sequence) - len(prefills)]  # the prefills follow every decode
+        budget -= len(decodes)
+        chunks: list[tuple[RequestState, int]] = []
+        blocks = len(growing)
+        for state in prefills:
+            if budget <= 0:
+                break
+            need = state.tokens_to_compute
+            tokens = need if need < budget else budget
+            blocks += kv.extra_blocks(state.id, state.tokens_computed + tokens)
+            chunks.append((state, tokens))
+            budget -= tokens
+        if blocks > kv.free_blocks:
+            return False
+        # The decodes by class (a copy: admissions are about to join the running).
+        counts = self._running_labels.copy()
+        for state in prefills:
+            counts[state.label] -= 1
+        latency = [s for s in self._running_latency.values() if s.phase == "decode"]
+        for state in growing:
+            kv.grow(state.id, state.tokens_computed + 1)
+        for state, tokens in chunks:
+            kv.grow(state.id, state.tokens_computed + tokens)
+        admitted = self._admit(plan, budget, chunked=True) if plan.admit is not None and budget > 0 else []
+        chunks.extend(admitted)
+        work, sampled = [], []
+        for state, n in chunks:
+            computed = state.tokens_computed
+            samples = n == state.prompt_tokens + state.tokens_generated - computed
+            work.append((n, computed, False, samples))
+            state.tokens_computed = computed + n
+            if samples:
+                sampled.append(state)
+        count = len(decodes)
+        batch = _with_decodes(step_batch(work) if work else _NO_WORK, count, count, context_sum, context_max)
+        duration = float(self.cost.time(batch))
+        start = self.now
+        self.now = now = start + duration
+        self._note_batch_time(duration)
+        self.step_index += 1
+        self.recorder.step(start, duration, batch, kv.usage)
+        # Each decode's gap runs from its last token, when every decode sampled (before any wait).
+        self.recorder.run_tokens(counts, latency, [now - self._decodes_sampled_at], [now])
+        self._advance(decodes, 1, now, order)
+        if sampled:
+            self._emit_tokens(sampled, now)
+        self._decodes_sampled_at = now
+        everyone_sampled = len(sampled) == len(prefills) + len(admitted)
+        self._all_sampled_at = now if everyone_sampled else -math.inf
+        return True
+
+    def _gather_bulk(
+        self, sequence: list[RequestState], prefills: list[RequestState]
+    ) -> tuple[int, int, list[RequestState] | None]:
+        """`_bulk_decode_step`'s pass over the running requests in `sequence` order: the decodes'
+        summed and largest contexts, the decodes whose token starts a block (None: the step
+        cannot be taken in bulk), and -- into `prefills` -- the requests still prefilling."""
+        held, block_size = self.kv.held_by_request.get, self.kv.block_size
+        context_sum = context_max = 0
+        growing: list[RequestState] = []
+        for state in sequence:
+            computed = state.tokens_computed
+            if state.phase != "decode":
+                prefills.append(state)
+                continue
+            if prefills:
+                return 0, 0, None  # a prefill before this decode might take the budget it needs
+            context_sum += computed
+            if computed > context_max:
+                context_max = computed
+            room = held(state.id, 0) * block_size - computed
+            if room <= 0:
+                if room < 0:
+                    return 0, 0, None  # fewer blocks than cached tokens (a KV-capacity override)
+                growing.append(state)
+        return context_sum, context_max, growing
+
     def _decode_run(self, view: EngineView, order: list[RequestState] | None = None) -> int:
-        """Take the step planned from `view` -- plain decodes only (`_plain_decode_step`) -- and
+        """Take the step planned from `view` -- plain decodes only (`_decodes_only`, admitting nothing) -- and
         the longest run of identical steps after it (see module doc) at once; return how many
         steps that was. The planned step runs whatever the walls (the next arrival, the policy's
         horizon), as it would alone; 0 (nothing done) if the KV blocks it needs are not free: it
@@ -671,38 +800,17 @@ class ReplayEngine:
         running = self.running
         wall = min(self.next_arrival_s, self.arrival_fence_s, horizon.until_s)
         # One pass over the running requests gathers what both paths need (this is the hot loop).
-        true_len, held, block_size = self._true_len, self.kv.held_by_request.get, self.kv.block_size
-        remaining, together = MAX_RUN_STEPS, 0  # fewest tokens left, and how many have that few
-        context_sum = context_max = 0
-        # new_blocks[j]: requests whose step j of the run takes another block (j <= SHORT_RUN_STEPS);
-        # near: those requests, with their room (the tokens they can still cache in their blocks).
-        new_blocks = [0] * (SHORT_RUN_STEPS + 1)
-        near: list[tuple[RequestState, int]] = []
-        overdrawn = False  # a request with fewer blocks than cached tokens (a KV-capacity override)
-        for state in running:
-            rid, computed = state.id, state.tokens_computed
-            left = true_len[rid] - state.tokens_generated
-            if left < remaining:
-                remaining, together = left, 1
-            elif left == remaining:
-                together += 1
-            context_sum += computed
-            if computed > context_max:
-                context_max = computed
-            room = held(rid, 0) * block_size - computed
-            if room < SHORT_RUN_STEPS:
-                if room < 0:
-                    overdrawn = True
-                else:
-                    new_blocks[room + 1] += 1
-                    near.append((state, room))
+        gathered = _gather(running, self._true_len, self.kv)
+        remaining, together = gathered.remaining, gathered.together
+        context_sum, context_max = gathered.context_sum, gathered.context_max
+        new_blocks, near = gathered.new_blocks, gathered.near
         limit = min(remaining, 1 + max(0, horizon.steps))
         if together > 1 and order is not None and remaining > 1:
             # Requests finishing in one step leave in that step's running order, which the policy
             # may have changed by then: that step is planned afresh.
             limit = min(limit, remaining - 1)
         threshold = horizon.kv_usage_below if view.kv_usage < horizon.kv_usage_below else math.inf
-        if self._step_time is not None and not overdrawn:
+        if self._step_time is not None and not gathered.overdrawn:
             taken = self._short_run(limit, wall, threshold, context_sum, context_max, new_blocks, near, order)
             if taken is not None:
                 return taken
@@ -729,7 +837,15 @@ class ReplayEngine:
         self.now = now = float(ends[-1])
         self.kv.grow_many(ids, held, computed + k)
         # KV usage after the run's blocks are taken, as `_execute` records a step's.
-        self.recorder.decode_run(running, times, ends, self.kv.usage, context_sum, context_max)
+        self.recorder.decode_run(
+            self._running_labels,
+            self._running_latency.values(),
+            times,
+            ends,
+            self.kv.usage,
+            context_sum,
+            context_max,
+        )
         self._advance(running, k, now, order)
         return k
 
@@ -773,14 +889,24 @@ class ReplayEngine:
         k = len(times)
         if not k:
             return 0
-        for duration in times:
-            self._note_batch_time(duration)
+        alpha, mean = self.config.batch_time_ema, self.mean_batch_time
+        for duration in times:  # `_note_batch_time`, step by step
+            mean = duration if mean == 0 else ((1 - alpha) * mean + alpha * duration)
+        self.mean_batch_time = mean
         self.step_index += k
         self.now = now
         for state, room in near:
             if room < k:
                 kv.grow(state.id, state.tokens_computed + k)
-        self.recorder.decode_run(running, np.array(times), np.array(ends), kv.usage, context_sum, context_max)
+        self.recorder.decode_run(
+            self._running_labels,
+            self._running_latency.values(),
+            times,
+            ends,
+            kv.usage,
+            context_sum,
+            context_max,
+        )
         self._advance(running, k, now, order)
         return k
 
@@ -794,7 +920,7 @@ class ReplayEngine:
         gave it: `_decode_run` stops a run before such a step.)"""
         true_len = self._true_len
         finished = []
-        self._all_sampled_at = now
+        self._all_sampled_at = self._decodes_sampled_at = now
         for state in running:
             state.tokens_computed += k
             state.tokens_generated += k
@@ -844,6 +970,45 @@ class ReplayEngine:
         result = self.recorder.result(sim_wall_s)
         result.engine_settings = {"token_budget": self.token_budget, "max_running": self.config.max_running}
         return result
+
+
+class _Gathered(NamedTuple):
+    """What a decode run (`ReplayEngine._decode_run`) needs to know of its decoding requests."""
+
+    remaining: int  # the fewest tokens any has left (at most MAX_RUN_STEPS)
+    together: int  # how many have that few left
+    context_sum: int
+    context_max: int
+    # new_blocks[j]: requests whose step j of a run takes another block (j <= SHORT_RUN_STEPS);
+    # near: those requests, with their room (the tokens they can still cache in their blocks).
+    new_blocks: list[int]
+    near: list[tuple[RequestState, int]]
+    overdrawn: bool  # a request with fewer blocks than cached tokens (a KV-capacity override)
+
+
+def _gather(states: Sequence[RequestState], true_len: dict[str, int], kv: BlockPool) -> _Gathered:
+    """What a decode run needs to know of its decoding `states`, in one pass (the hot loop)."""
+    held, block_size = kv.held_by_request.get, kv.block_size
+    remaining, together, context_sum, context_max = MAX_RUN_STEPS, 0, 0, 0
+    new_blocks, near, overdrawn = [0] * (SHORT_RUN_STEPS + 1), [], False
+    for state in states:
+        rid, computed = state.id, state.tokens_computed
+        left = true_len[rid] - state.tokens_generated
+        if left < remaining:
+            remaining, together = left, 1
+        elif left == remaining:
+            together += 1
+        context_sum += computed
+        if computed > context_max:
+            context_max = computed
+        room = held(rid, 0) * block_size - computed
+        if room < SHORT_RUN_STEPS:
+            if room < 0:
+                overdrawn = True
+            else:
+                new_blocks[room + 1] += 1
+                near.append((state, room))
+    return _Gathered(remaining, together, context_sum, context_max, new_blocks, near, overdrawn)
 
 
 _NO_WORK = step_batch(())  # a step of plain decodes only: nothing but the decodes counted in bulk

@@ -26,7 +26,7 @@ import json
 import math
 from array import array
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -493,35 +493,55 @@ class Recorder:
         if self._samples is not None:
             self._single[label].extend(pending)
 
+    def run_tokens(
+        self,
+        counts: Mapping[str | None, int],
+        latency: Iterable[RequestState],
+        times: Sequence[float],
+        ends: Sequence[float],
+    ) -> None:
+        """The tokens of k decode steps in a row, `times` long, ending at `ends` (lists for a few
+        steps, arrays for many: numpy's fixed cost per call outweighs a short run), in each of which
+        the same requests got a token: `counts` of them per class (their gaps are counted in
+        bulk, by weight), `latency` those with a latency SLO (their on-time tokens, read before
+        the engine bumps their tokens_generated). The steps themselves are recorded apart
+        (`decode_run`, or `step` for a step that also ran prefills)."""
+        for state in latency:
+            limits = _on_time_limits(state, state.tokens_generated, len(times))
+            self._open[state.id].ontime_tokens += int(np.count_nonzero(np.asarray(ends) <= limits))
+        for label, count in counts.items():
+            if not count:
+                continue
+            pending = self._run_times[label, float(count)]
+            if isinstance(times, np.ndarray):
+                pending.frombytes(times.tobytes())
+            else:
+                pending.extend(times)
+            if len(pending) >= _GAP_BATCH:
+                self._flush_run_times(label, float(count))
+            if self._samples is not None:
+                self._samples[label].append((np.array(times, dtype=np.float64), float(count)))
+
     def decode_run(
         self,
-        running: Sequence[RequestState],
-        times: np.ndarray,
-        ends: np.ndarray,
+        counts: Mapping[str | None, int],
+        latency: Iterable[RequestState],
+        times: Sequence[float],
+        ends: Sequence[float],
         kv_usage: float,
         context_sum: int,
         context_max: int,
     ) -> None:
-        """A run of k identical decode steps: every running request got one token per step.
-        `context_sum`/`context_max` are the decodes' cached contexts at the run's first step."""
-        counts: dict[str | None, int] = defaultdict(int)
-        for state in running:
-            counts[state.label] += 1
-            if state.slo.kind == "latency":
-                limits = _on_time_limits(state, state.tokens_generated, len(times))
-                self._open[state.id].ontime_tokens += int(np.count_nonzero(ends <= limits))
-        for label, count in counts.items():
-            pending = self._run_times[label, float(count)]
-            pending.frombytes(times.tobytes())
-            if len(pending) >= _GAP_BATCH:
-                self._flush_run_times(label, float(count))
-            if self._samples is not None:
-                self._samples[label].append((times, float(count)))
+        """A run of k identical decode steps: every running request -- `counts` of them per class,
+        `latency` those with a latency SLO -- got one token per step. `context_sum`/`context_max`
+        are the decodes' cached contexts at the run's first step."""
+        self.run_tokens(counts, latency, times, ends)
         k = len(times)
         self._steps += k
         self._note_kv(float(ends[-1]), kv_usage)
         if self._step_log is not None:
-            n, i = len(running), np.arange(k, dtype=np.float64)
+            times, ends = np.asarray(times, dtype=np.float64), np.asarray(ends, dtype=np.float64)
+            n, i = sum(counts.values()), np.arange(k, dtype=np.float64)
             row = {
                 "start_s": ends - times,
                 "tokens": np.full(k, float(n)),
