@@ -170,21 +170,35 @@ class RooflineCostModel:
         return replace(self, **changes)
 
     @cached_property
-    def _coefficients(self) -> tuple[float, float, int, float, float, float]:
+    def _coefficients(self) -> tuple[float, float, int, float, float, float, int]:
         """(peak FLOP/s, bandwidth B/s, weight bytes, FLOPs per token, per sampled token, per
-        attention unit): the products `time` multiplies by, grouped as it groups them, computed
-        once (the engine times every step with them)."""
+        attention unit, KV bytes per token): the products `time` multiplies by, grouped as it
+        groups them, computed once (the engine times every step with them)."""
         m = self.model
         peak = self.tp * self.gpu.peak_tflops * 1e12 * self.flops_efficiency
         bandwidth = self.tp * self.gpu.hbm_gbps * 1e9 * self.bw_efficiency
         per_token, per_sample = 2.0 * m.linear_params, 2.0 * m.hidden * m.vocab
-        return peak, bandwidth, m.weight_bytes, per_token, per_sample, 4.0 * m.layers * m.q_dim
+        return (
+            peak,
+            bandwidth,
+            m.weight_bytes,
+            per_token,
+            per_sample,
+            4.0 * m.layers * m.q_dim,
+            m.kv_bytes_per_token,
+        )
 
     def time(self, batch: StepBatch) -> np.ndarray | float:
         """Seconds for one step (or each of many steps when the fields are arrays)."""
         attn_units, kv_read = attention_work(batch, self.decode_attention)
         # One step's figures are scalars: Python's max (same value) costs a fraction of numpy's.
-        arrays = any(isinstance(x, np.ndarray) for x in (batch.tokens, batch.sampled, attn_units, kv_read))
+        ndarray = np.ndarray
+        arrays = (
+            isinstance(batch.tokens, ndarray)
+            or isinstance(batch.sampled, ndarray)
+            or isinstance(attn_units, ndarray)
+            or isinstance(kv_read, ndarray)
+        )
         return self._seconds(batch.tokens, batch.sampled, attn_units, kv_read, np.maximum if arrays else max)
 
     def _seconds(
@@ -198,10 +212,12 @@ class RooflineCostModel:
         """`time` from the step's token counts and attention work (scalars with `max`, or arrays
         with `np.maximum`)."""
         m = self.model
-        peak, bandwidth, weight_bytes, per_token, per_sample, per_attention_unit = self._coefficients
+        peak, bandwidth, weight_bytes, per_token, per_sample, per_attention_unit, kv_per_token = (
+            self._coefficients
+        )
         linear_flops = per_token * tokens + per_sample * sampled
         attention_flops = per_attention_unit * attn_units
-        kv_bytes = m.kv_bytes_per_token * kv_read
+        kv_bytes = kv_per_token * kv_read
         if self.overlap == "operator":
             linear = maximum(linear_flops / peak, weight_bytes / bandwidth)
             attention = maximum(attention_flops / peak, kv_bytes / bandwidth)

@@ -799,12 +799,13 @@ class ReplayEngine:
         horizon = self.policy.horizon(view)
         running = self.running
         wall = min(self.next_arrival_s, self.arrival_fence_s, horizon.until_s)
+        steps = 1 + max(0, horizon.steps)  # the most the policy's plan allows
         # One pass over the running requests gathers what both paths need (this is the hot loop).
-        gathered = _gather(running, self._true_len, self.kv)
+        gathered = _gather(running, self._true_len, self.kv, int(min(steps, SHORT_RUN_STEPS)))
         remaining, together = gathered.remaining, gathered.together
         context_sum, context_max = gathered.context_sum, gathered.context_max
         new_blocks, near = gathered.new_blocks, gathered.near
-        limit = min(remaining, 1 + max(0, horizon.steps))
+        limit = min(remaining, steps)
         if together > 1 and order is not None and remaining > 1:
             # Requests finishing in one step leave in that step's running order, which the policy
             # may have changed by then: that step is planned afresh.
@@ -979,15 +980,17 @@ class _Gathered(NamedTuple):
     together: int  # how many have that few left
     context_sum: int
     context_max: int
-    # new_blocks[j]: requests whose step j of a run takes another block (j <= SHORT_RUN_STEPS);
+    # new_blocks[j]: requests whose step j of a run takes another block (j <= the gather's reach);
     # near: those requests, with their room (the tokens they can still cache in their blocks).
     new_blocks: list[int]
     near: list[tuple[RequestState, int]]
     overdrawn: bool  # a request with fewer blocks than cached tokens (a KV-capacity override)
 
 
-def _gather(states: Sequence[RequestState], true_len: dict[str, int], kv: BlockPool) -> _Gathered:
-    """What a decode run needs to know of its decoding `states`, in one pass (the hot loop)."""
+def _gather(states: Sequence[RequestState], true_len: dict[str, int], kv: BlockPool, reach: int) -> _Gathered:
+    """What a decode run of at most `reach` (<= SHORT_RUN_STEPS) steps in Python needs to know of
+    its decoding `states`, in one pass (the hot loop): only requests that take a block within
+    `reach` steps are `near` (a policy that re-plans every step keeps the list short)."""
     held, block_size = kv.held_by_request.get, kv.block_size
     remaining, together, context_sum, context_max = MAX_RUN_STEPS, 0, 0, 0
     new_blocks, near, overdrawn = [0] * (SHORT_RUN_STEPS + 1), [], False
@@ -1002,7 +1005,7 @@ def _gather(states: Sequence[RequestState], true_len: dict[str, int], kv: BlockP
         if computed > context_max:
             context_max = computed
         room = held(rid, 0) * block_size - computed
-        if room < SHORT_RUN_STEPS:
+        if room < reach:
             if room < 0:
                 overdrawn = True
             else:

@@ -110,18 +110,20 @@ def estimates(
     t_pre = np.maximum(c["prefill"], 0.0) / prefill_tokens_per_s
     t_gen = t_pre + rem * step_s
     tokens = c["prompt"] + c["generated"] + rem
-    in_time = bandwidth(t_gen, c["deadline"] - now) <= 1
-    in_stage_time = bandwidth(t_gen, c["stage_deadline"] - now) <= 1
     kind = c["kind"]
-    goodput = np.select(
-        [kind == KINDS["latency"], kind == KINDS["deadline"], kind == KINDS["compound"]],
-        [
-            on_time_tokens(c, now + t_pre, rem, step_s),
-            np.where(in_time, tokens, 0.0),
-            np.where(in_stage_time, tokens, np.where(in_time, tokens / 2, 0.0)),
-        ],
-        default=tokens,
-    )
+    # Each kind's rule, computed only where a row has that kind (a trace without SLOs, the common
+    # case, is all best effort): per row, the same numbers as evaluating every rule for every row.
+    goodput = np.array(tokens, dtype=np.float64)
+    latency = kind == KINDS["latency"]
+    if latency.any():
+        goodput[latency] = on_time_tokens(c, now + t_pre, rem, step_s)[latency]
+    deadline, compound = kind == KINDS["deadline"], kind == KINDS["compound"]
+    if deadline.any() or compound.any():
+        in_time = bandwidth(t_gen, c["deadline"] - now) <= 1
+        goodput[deadline] = np.where(in_time, tokens, 0.0)[deadline]
+        if compound.any():
+            in_stage_time = bandwidth(t_gen, c["stage_deadline"] - now) <= 1
+            goodput[compound] = np.where(in_stage_time, tokens, np.where(in_time, tokens / 2, 0.0))[compound]
     return goodput, t_gen
 
 

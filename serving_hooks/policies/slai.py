@@ -158,15 +158,22 @@ class SLAI(PriorityPolicy):
         critical decode of this plan stops being critical after its token."""
         if self._plan_flips:
             return Horizon(steps=0)
-        offset = self.current_offset(view.kv_usage)
+        slack = self.current_offset(view.kv_usage) * view.mean_batch_time_s
+        best_effort = (
+            math.inf
+            if self.best_effort_batches is None
+            else self.best_effort_batches * view.mean_batch_time_s
+        )
         pending = math.inf
-        for request in view.running:
-            if request.phase != "decode" or request.last_token_s is None:
+        for request in view.running:  # `last_schedulable_time`, inlined as in `on_step`
+            last = request.last_token_s
+            if request.phase != "decode" or last is None:
                 continue
-            lst = last_schedulable_time(request, offset, view.mean_batch_time_s, self.best_effort_batches)
+            tbt = request.slo.tbt_s
+            lst = last + best_effort if tbt is None else last + tbt - slack
             # A decode without slack (best effort at 0 batches, a TBT inside the offset's margin)
             # is critical from its last token on: the passing time changes nothing for it.
-            if request.last_token_s < lst < pending:
+            if last < lst < pending:
                 pending = lst
         return Horizon(steps=1, until_s=pending)
 

@@ -92,6 +92,49 @@ def test_compound_goodput_halves_past_the_sub_deadline():
         assert goodput(policy, compound, now) == expected
 
 
+_SLOS = (
+    LATENCY,
+    SLO(kind="latency", tbt_s=0.1),
+    SLO(kind="latency", ttft_s=2.0),
+    SLO(kind="deadline", deadline_s=20.0),
+    SLO(kind="compound", deadline_s=40.0),
+    SLO(),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(0, len(_SLOS) - 1), st.integers(0, 50), st.integers(1, 200)),
+        min_size=1,
+        max_size=8,
+    ),
+    now=st.floats(0.0, 30.0),
+)
+def test_estimates_of_a_mixed_batch_are_each_request_estimated_alone(rows, now):
+    """`estimates` applies each SLO kind's rule only to the rows of that kind: a batch mixing
+    kinds gets, row by row, exactly what each request gets alone."""
+    policy = JITServe()
+    program = ProgramRef("p", 0, start_s=0.0)
+    requests = []
+    for i, (slo, generated, remaining) in enumerate(rows):
+        kind = _SLOS[slo].kind
+        request = decoding(
+            f"r{i}",
+            slo=_SLOS[slo],
+            generated=generated,
+            remaining=remaining,
+            program=program if kind == "compound" else None,
+        )
+        if generated:
+            request.first_token_s = 1.0
+        requests.append(request)
+    goodputs, times = policy.estimates(requests, now, 0.05)
+    for request, value, t_gen in zip(requests, goodputs, times, strict=True):
+        alone_goodput, alone_time = policy.estimates([request], now, 0.05)
+        assert (value, t_gen) == (alone_goodput[0], alone_time[0])
+
+
 def test_priority_is_goodput_over_generation_time_plus_aging():
     policy = JITServe(delta=10.0, frame_steps=50)
     fresh = state(slo=SLO(kind="deadline", deadline_s=100.0))
