@@ -164,11 +164,17 @@ class Horizon:
     so. It is asked right after `on_step`, before the planned step runs: the requests' counters
     are those the plan was made from (a request `d` tokens short of a boundary it re-plans at
     leaves `d - 1` steps after the planned one). `steps` is at least 0; an engine left idle asks
-    it only for `until_s`, its wake-up time."""
+    it only for `until_s`, its wake-up time.
+
+    `past_arrivals`: the plan holds across arrivals too -- an arrival changes neither what it
+    admits nor its order nor this horizon (FCFS behind a non-empty queue: a newcomer waits behind
+    the head that blocks admission). A run then goes on past arrivals, each entering at the start
+    of the step it arrived before, as one step at a time would have it."""
 
     steps: float = math.inf
     until_s: float = math.inf
     kv_usage_below: float = math.inf
+    past_arrivals: bool = False
 
 
 FOREVER = Horizon()

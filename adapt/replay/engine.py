@@ -25,10 +25,13 @@ dropped, its dependants are dropped too, with that reason, so no request disappe
 
 Fast path: when every running request got a token at the end of the last step and the plan for
 this one drops, preempts, defers and admits nothing, the step is plain decodes, and so are the
-steps after it until an arrival, a completion, a KV block shortfall or the policy's horizon (or
-just before requests finish together, whose leaving order the policy's next plan gives); the
-engine takes that whole run at once (step times summed in Python for a few steps, vectorised for
-more). With `skip_decode_runs=False` it steps one by one (the property tests check both agree).
+steps after it until an arrival (unless the plan holds across arrivals, `Horizon.past_arrivals`),
+a completion, a KV block shortfall or the policy's horizon (or just before requests finish
+together, whose leaving order the policy's next plan gives); the engine takes that whole run at
+once (step times summed in Python for a few steps, vectorised for more). A step whose running
+decodes are plain but which admits or continues a prefill takes the decodes in bulk likewise,
+and only the prefills one by one (`_bulk_decode_step`). With `skip_decode_runs=False` it steps one
+by one (the property tests check both agree).
 """
 
 from __future__ import annotations
@@ -798,7 +801,9 @@ class ReplayEngine:
         requests finishing together leave in (`_advance`)."""
         horizon = self.policy.horizon(view)
         running = self.running
-        wall = min(self.next_arrival_s, self.arrival_fence_s, horizon.until_s)
+        # A plan that holds across arrivals runs past them when their intake takes no time.
+        past_arrivals = horizon.past_arrivals and self._arrival_overhead_s == 0.0
+        wall = min(math.inf if past_arrivals else self.next_arrival_s, self.arrival_fence_s, horizon.until_s)
         steps = 1 + max(0, horizon.steps)  # the most the policy's plan allows
         # One pass over the running requests gathers what both paths need (this is the hot loop).
         gathered = _gather(running, self._true_len, self.kv, int(min(steps, SHORT_RUN_STEPS)))
@@ -847,6 +852,7 @@ class ReplayEngine:
             context_sum,
             context_max,
         )
+        self._arrive_during(ends[: k - 1])
         self._advance(running, k, now, order)
         return k
 
@@ -908,8 +914,25 @@ class ReplayEngine:
             context_sum,
             context_max,
         )
+        self._arrive_during(ends[: k - 1])
         self._advance(running, k, now, order)
         return k
+
+    def _arrive_during(self, starts: Sequence[float]) -> None:
+        """The arrivals a decode run went past (`Horizon.past_arrivals`), `starts` being the starts
+        of its steps after the first (ascending): each enters at the start of the first step at
+        or after its arrival, as `_admit_arrivals` has it when stepping one at a time."""
+        pending, end = self._pending, self.now
+        while (
+            self._pending_pos < len(pending)
+            and len(starts)
+            and pending[self._pending_pos].arrival_s <= starts[-1]
+        ):
+            request = pending[self._pending_pos]
+            self.now = float(starts[bisect.bisect_left(starts, request.arrival_s)])
+            self._pending_pos += 1
+            self._arrive(request)
+        self.now = end
 
     def _advance(
         self, running: list[RequestState], k: int, now: float, order: list[RequestState] | None

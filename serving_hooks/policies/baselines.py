@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from adapt.policy import EngineView, Horizon, Plan, RequestState
+from adapt.policy import FOREVER, EngineView, Horizon, Plan, RequestState
 from serving_hooks.policies.base import PriorityPolicy
 
 LengthPredictor = Callable[[RequestState], float]
 FULL_KV_USAGE = 0.95  # trail/fastserve treat the engine as full (and preempt) above this usage
+_BEHIND_THE_QUEUE = Horizon(past_arrivals=True)
 
 
 class FCFS(PriorityPolicy):
@@ -30,6 +31,13 @@ class FCFS(PriorityPolicy):
         return (request.arrival_s,)
 
     orders_running = False  # vLLM's running order (the last admitted is evicted first)
+
+    def horizon(self, view: EngineView) -> Horizon:
+        """Arrivals come in time order, so a newcomer sorts behind every waiting request: behind
+        a non-empty queue it changes nothing this plan does (`Horizon.past_arrivals`)."""
+        return _BEHIND_THE_QUEUE if self.arrivals_sort_last and self._waiting else FOREVER
+
+    arrivals_sort_last = True  # the admission key grows with arrival time
 
 
 class VllmV0(FCFS):
@@ -57,6 +65,10 @@ class Sarathi(FCFS):
 
     def key(self, request: RequestState, now: float) -> tuple[Any, ...]:
         return (request.prompt_tokens, request.arrival_s) if self.order == "spf" else (request.arrival_s,)
+
+    @property
+    def arrivals_sort_last(self) -> bool:  # type: ignore[override]
+        return self.order == "fcfs"
 
     def describe(self) -> dict[str, Any]:
         return {"policy": self.name, "token_budget": self.token_budget, "order": self.order}

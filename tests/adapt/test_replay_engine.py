@@ -366,3 +366,45 @@ def test_prefill_first_admits_when_the_decodes_alone_fill_the_budget():
         ReplayEngine(policy, ConstantCost(0.01), config).run(requests)
     assert lifecycles[0] == lifecycles[1]
     assert ("on_admit", "c", pytest.approx(0.5, abs=0.011)) in lifecycles[0]
+
+
+class _StepCounting(CheckedEngine):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def step(self, trace=None):
+        self.calls += 1
+        super().step(trace)
+
+
+def test_fcfs_runs_go_past_arrivals_behind_a_blocked_head():
+    """A long request holds the KV cache; the next one (the head) cannot be admitted until it
+    finishes, so the arrivals behind the head change nothing FCFS does: its decode runs go past
+    them (`Horizon.past_arrivals`), in fewer engine calls, with the same replay to the bit as
+    stepping one at a time and as runs that stop at every arrival."""
+    from adapt.policy import FOREVER
+    from adapt.replay.cost import roofline
+    from serving_hooks.policies.baselines import FCFS
+
+    class StopAtArrivals(FCFS):
+        def horizon(self, view):
+            return FOREVER
+
+    requests = [Request("long", 0.0, 100, 200), Request("head", 0.01, 250, 10)]
+    requests += [Request(f"r{i}", 0.02 + 0.013 * i, 20 + i, 5) for i in range(40)]
+    runs = []
+    for policy, skip in ((FCFS(), True), (StopAtArrivals(), True), (FCFS(), False)):
+        lifecycle = _log_lifecycle(policy)
+        config = EngineConfig(kv_capacity_tokens=20 * 16, skip_decode_runs=skip)
+        engine = _StepCounting(policy, roofline("llama-2-7b", "a100-80g"), config)
+        metrics = engine.run(requests).metrics()
+        assert engine.violations == [] and metrics["completed"] == len(requests)
+        metrics.pop("sim_wall_s", None)
+        runs.append((engine.calls, lifecycle, metrics))
+    (passing, *same), (stopping, *stopped), (one_by_one, *stepped) = runs
+    assert passing < stopping < one_by_one
+    assert same[0] == stopped[0] == stepped[0]  # arrivals, admissions, finishes: same order, same times
+    for key in ("completed", "preemptions", "steps", "ttft_mean", "ttlt_mean", "makespan_s"):
+        assert same[1][key] == pytest.approx(stepped[1][key], rel=1e-12), key
+        assert same[1][key] == stopped[1][key], key
