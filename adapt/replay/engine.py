@@ -157,6 +157,7 @@ class ReplayEngine:
         self.mean_batch_time = 0.0
         self.waiting: dict[str, RequestState] = {}
         self.running: list[RequestState] = []
+        self._waiting_view = _WaitingView(self.waiting)  # every step's view of it (a live view)
         # The running requests per class, and those with a latency SLO: what a decode run records
         # of them (`Recorder.run_tokens`), kept up to date rather than counted every step.
         self._running_labels: dict[str | None, int] = defaultdict(int)
@@ -342,7 +343,7 @@ class ReplayEngine:
             return
         view = EngineView(
             self.now,
-            _WaitingView(self.waiting),
+            self._waiting_view,
             self.running,
             self.kv.usage,
             self.token_budget,

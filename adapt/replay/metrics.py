@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from array import array
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -97,6 +98,10 @@ class RecordTable:
         self._ints = {name: array("q") for name in self._INTS}
         self._codes = {name: array("q") for name in self._CODED}
         self._vocab: dict[str, dict[Any, int]] = {name: {} for name in self._CODED}
+        # `append` reads each group of fields in one call and writes them column by column.
+        self._read_floats = operator.attrgetter(*self._FLOATS)
+        self._read_ints = operator.attrgetter(*self._INTS)
+        self._read_coded = operator.attrgetter(*self._CODED)
 
     @classmethod
     def from_records(cls, records: Iterable[RequestRecord]) -> RecordTable:
@@ -107,15 +112,14 @@ class RecordTable:
 
     def append(self, record: RequestRecord) -> None:
         self.request_ids.append(record.request_id)
-        for name in self._FLOATS:
-            value = getattr(record, name)
-            self._floats[name].append(math.nan if value is None else value)
-        for name in self._INTS:
-            self._ints[name].append(getattr(record, name))
-        for name in self._CODED:
-            value = getattr(record, name)
-            vocab = self._vocab[name]
-            self._codes[name].append(-1 if value is None else vocab.setdefault(value, len(vocab)))
+        for column, value in zip(self._floats.values(), self._read_floats(record), strict=True):
+            column.append(math.nan if value is None else value)
+        for column, value in zip(self._ints.values(), self._read_ints(record), strict=True):
+            column.append(value)
+        for column, vocab, value in zip(
+            self._codes.values(), self._vocab.values(), self._read_coded(record), strict=True
+        ):
+            column.append(-1 if value is None else vocab.setdefault(value, len(vocab)))
 
     def __len__(self) -> int:
         return len(self.request_ids)
