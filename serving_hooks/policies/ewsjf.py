@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+from sortedcontainers import SortedList
 
 from adapt.policy import FOREVER, EngineView, Horizon, Plan, Policy, RequestState
 from predictors.ewsjf_meta import EwsjfMetaPolicy, QueueSpec, layout_group_terms
@@ -59,6 +60,9 @@ class EWSJF(Policy):
         self.queues: list[LengthQueue] = [LengthQueue(q.low, q.high, q.mean) for q in meta.queues_]
         self.bubbles_created = 0
         self._where: dict[str, LengthQueue] = {}
+        # What each waiting request needs computed to be admitted, smallest first (`horizon`).
+        self._needs = SortedList()
+        self._need: dict[str, int] = {}
 
     def use_component(self, attribute: str, component: Any) -> None:
         """A new meta-policy brings a new queue layout (`relayout`)."""
@@ -111,17 +115,27 @@ class EWSJF(Policy):
         queue.items[request.id] = request
         queue.assigned.append(request.prompt_tokens)
         self._where[request.id] = queue
+        self._note_need(request)
 
     def on_preempt(self, request: RequestState, now: float) -> None:
         queue = self._queue_for(request.prompt_tokens)
         queue.items[request.id] = request
         queue.items.move_to_end(request.id, last=False)  # it has waited longest
         self._where[request.id] = queue
+        self._note_need(request)
 
     def on_admit(self, request: RequestState, now: float) -> None:
         queue = self._where.pop(request.id, None)
         if queue is not None:
             queue.items.pop(request.id, None)
+        need = self._need.pop(request.id, None)
+        if need is not None:
+            self._needs.remove(need)
+
+    def _note_need(self, request: RequestState) -> None:
+        """A waiting request's tokens to compute stay as they are until it is admitted."""
+        self._need[request.id] = request.tokens_to_compute
+        self._needs.add(request.tokens_to_compute)
 
     on_finish = on_admit
 
@@ -165,8 +179,16 @@ class EWSJF(Policy):
 
     def horizon(self, view: EngineView) -> Horizon:
         """Scores grow with waiting time, so the admission order can change at any step while
-        anything waits (a smaller head may start to fit); with empty queues nothing changes."""
-        return Horizon(steps=0) if any(queue.items for queue in self.queues) else FOREVER
+        anything waits (a smaller head may start to fit); with empty queues nothing changes, nor
+        does it while no waiting request can be admitted whatever the order -- the running cap
+        is reached, or even the smallest first chunk needs more KV blocks than are free (decodes
+        only take blocks until a completion, which ends the run)."""
+        if not self._needs:
+            return FOREVER
+        chunk = min(self._needs[0], max(1, view.token_budget - len(view.running)))
+        if len(view.running) >= view.max_running or -(-chunk // view.kv_block_size) > view.kv_free_blocks:
+            return FOREVER
+        return Horizon(steps=0)
 
     def _fill_order(self, primary: int) -> Iterator[RequestState]:
         """The primary queue first, then its neighbours outward, nearest first."""

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from adapt.policy import RequestState
 from adapt.replay.engine import EngineConfig
-from adapt.requests import Request
+from adapt.requests import SLO, Request
 from predictors.ewsjf_meta import (
     EwsjfMetaPolicy,
     QueueSpec,
@@ -183,3 +183,26 @@ def test_a_new_meta_policy_re_routes_every_waiting_request():
     assert [list(q.items) for q in policy.queues] == [["r0", "r1", "r3", "r4"], ["r2", "r5"]]
     plan = policy.on_step(EngineView(10.0, [], [], 0.0, 512, 256, 0.02))
     assert sorted(r.id for r in plan.admit) == [f"r{i}" for i in range(len(lengths))]
+
+
+def test_horizon_holds_while_nothing_waiting_can_be_admitted():
+    """The order may change every step while something waits -- unless no waiting request can be
+    admitted whatever the order: the running cap is reached, or even the smallest first chunk
+    needs more KV blocks than are free."""
+    from adapt.policy import FOREVER, EngineView, Horizon
+
+    policy = EWSJF()
+    running = [RequestState("run", 0.0, 10, 100, SLO())]
+
+    def view(free_blocks, max_running=8, budget=2048):
+        return EngineView(1.0, [], running, 0.9, budget, max_running, 0.02, 5, free_blocks, 16)
+
+    assert policy.horizon(view(0)) == FOREVER  # nothing waits
+    for rid, prompt in (("a", 300), ("b", 40)):  # the smallest needs 3 blocks of 16
+        policy.on_arrival(RequestState(rid, 0.5, prompt, 100, SLO()), 0.5)
+    assert policy.horizon(view(3)) == Horizon(steps=0)  # "b" fits
+    assert policy.horizon(view(2)) == FOREVER  # nothing fits in 2 blocks
+    assert policy.horizon(view(3, max_running=1)) == FOREVER  # no slot
+    assert policy.horizon(view(2, budget=17)) == Horizon(steps=0)  # a 16-token first chunk fits
+    policy.on_admit(policy._where["b"].items["b"], 1.0)
+    assert policy.horizon(view(3)) == FOREVER  # "a" needs 19 blocks
