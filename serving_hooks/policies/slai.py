@@ -155,7 +155,11 @@ class SLAI(PriorityPolicy):
 
     def horizon(self, view: EngineView) -> Horizon:
         """Wake up when the earliest deferred decode becomes critical; re-plan at once when a
-        critical decode of this plan stops being critical after its token."""
+        critical decode of this plan stops being critical after its token; otherwise after the
+        next step, since the slack moves with the batch time and KV usage -- unless every running
+        request is a decode without a TBT target at zero best-effort batches: each is critical
+        from its last token on, they all get theirs together, and nothing moves until a request
+        arrives or finishes."""
         if self._plan_flips:
             return Horizon(steps=0)
         slack = self.current_offset(view.kv_usage) * view.mean_batch_time_s
@@ -165,17 +169,20 @@ class SLAI(PriorityPolicy):
             else self.best_effort_batches * view.mean_batch_time_s
         )
         pending = math.inf
+        steady = self.best_effort_batches == 0
         for request in view.running:  # `last_schedulable_time`, inlined as in `on_step`
             last = request.last_token_s
             if request.phase != "decode" or last is None:
+                steady = False
                 continue
             tbt = request.slo.tbt_s
+            steady = steady and tbt is None
             lst = last + best_effort if tbt is None else last + tbt - slack
             # A decode without slack (best effort at 0 batches, a TBT inside the offset's margin)
             # is critical from its last token on: the passing time changes nothing for it.
             if last < lst < pending:
                 pending = lst
-        return Horizon(steps=1, until_s=pending)
+        return Horizon(steps=math.inf if steady else 1, until_s=pending)
 
     def describe(self) -> dict[str, Any]:
         offset = self.offset.rule() if hasattr(self.offset, "rule") else self.offset

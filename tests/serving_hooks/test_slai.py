@@ -179,3 +179,21 @@ def test_study_headline_compares_at_sarathis_largest_sustained_rate():
     assert paper["tbt_within_slo"] and not paper["keeps_up"] and paper["capacity"] == 1.0
     table["sarathi-fcfs"] = {r: cell(1.0, False) for r in (1.0, 2.0, 3.0)}
     assert headline(0, table) == {"seed": 0, "sarathi_capacity": 0.0}
+
+
+def test_horizon_holds_for_zero_slack_decodes_without_targets():
+    """Decodes without a TBT target at zero best-effort batches are critical from their last
+    token on and advance together: the plan holds until an arrival or a completion. One TBT
+    target (its slack moves with the batch time) or a prefill brings back re-planning every step."""
+    policy = SLAI()
+
+    def horizon(*running):
+        view = EngineView(1.0, [], list(running), 0.5, 2048, 256, 0.02, 3, 1000, 16)
+        policy.on_step(view)
+        return policy.horizon(view)
+
+    plain = [state("a", last=1.0), state("b", last=1.0)]
+    assert horizon(*plain).steps == float("inf")
+    assert horizon(*plain, state("c", tbt=0.5, last=1.0)).steps == 1
+    assert horizon(*plain, state("d", phase="prefill")).steps == 1
+    assert SLAI(best_effort_batches=2.0).horizon(EngineView(1.0, [], plain, 0.5, 2048, 256, 0.02)).steps == 1
