@@ -44,7 +44,7 @@ import json
 import math
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -657,10 +657,14 @@ class ReplayEngine:
         return bool(states)
 
     def _note_batch_time(self, duration: float) -> None:
-        alpha = self.config.batch_time_ema
-        self.mean_batch_time = (
-            duration if self.mean_batch_time == 0 else ((1 - alpha) * self.mean_batch_time + alpha * duration)
-        )
+        self._note_batch_times((duration,))
+
+    def _note_batch_times(self, durations: Iterable[float]) -> None:
+        """The moving average of step durations, fed the steps of a step or a run in turn."""
+        alpha, mean = self.config.batch_time_ema, self.mean_batch_time
+        for duration in durations:
+            mean = duration if mean == 0 else ((1 - alpha) * mean + alpha * duration)
+        self.mean_batch_time = mean
 
     def _emit_tokens(self, states: list[RequestState], now: float) -> None:
         """Each of `states` gets its next output token at `now`; finished ones leave, in order."""
@@ -794,11 +798,12 @@ class ReplayEngine:
         return context_sum, context_max, growing
 
     def _decode_run(self, view: EngineView, order: list[RequestState] | None = None) -> int:
-        """Take the step planned from `view` -- plain decodes only (`_decodes_only`, admitting nothing) -- and
-        the longest run of identical steps after it (see module doc) at once; return how many
-        steps that was. The planned step runs whatever the walls (the next arrival, the policy's
-        horizon), as it would alone; 0 (nothing done) if the KV blocks it needs are not free: it
-        is then scheduled one by one, preempting. `order`: the plan's running order, which
+        """Take the step planned from `view` -- plain decodes only (`_decodes_only`), admitting
+        nothing -- and the longest run of identical steps after it (see module doc) at once;
+        return how many steps that was. The planned step runs whatever the walls (the next
+        arrival, the policy's horizon), as it would alone; 0 (nothing done) if the KV blocks it
+        needs are not free: it is then scheduled one by one, preempting. `order`: the plan's
+        running order, which
         requests finishing together leave in (`_advance`)."""
         horizon = self.policy.horizon(view)
         running = self.running
@@ -836,26 +841,8 @@ class ReplayEngine:
         if k < 1:
             return 0
         times, ends = times[:k], ends[:k]
-        alpha, mean = self.config.batch_time_ema, self.mean_batch_time
-        for duration in times.tolist():  # `_note_batch_time`, step by step
-            mean = duration if mean == 0 else ((1 - alpha) * mean + alpha * duration)
-        self.mean_batch_time = mean
-        self.step_index += k
-        self.now = now = float(ends[-1])
         self.kv.grow_many(ids, held, computed + k)
-        # KV usage after the run's blocks are taken, as `_execute` records a step's.
-        self.recorder.decode_run(
-            self._running_labels,
-            self._running_latency.values(),
-            times,
-            ends,
-            self.kv.usage,
-            context_sum,
-            context_max,
-        )
-        self._arrive_during(ends[: k - 1])
-        self._advance(running, k, now, order)
-        return k
+        return self._end_run(times.tolist(), ends, order, context_sum, context_max)
 
     def _short_run(
         self,
@@ -897,26 +884,38 @@ class ReplayEngine:
         k = len(times)
         if not k:
             return 0
-        alpha, mean = self.config.batch_time_ema, self.mean_batch_time
-        for duration in times:  # `_note_batch_time`, step by step
-            mean = duration if mean == 0 else ((1 - alpha) * mean + alpha * duration)
-        self.mean_batch_time = mean
-        self.step_index += k
-        self.now = now
         for state, room in near:
             if room < k:
                 kv.grow(state.id, state.tokens_computed + k)
+        return self._end_run(times, ends, order, context_sum, context_max)
+
+    def _end_run(
+        self,
+        times: Sequence[float],
+        ends: Sequence[float],
+        order: list[RequestState] | None,
+        context_sum: int,
+        context_max: int,
+    ) -> int:
+        """What both forms of a decode run do once its `len(times)` steps are timed (ending at
+        `ends`) and their KV blocks taken: count the steps, record them and their tokens, let in
+        the arrivals it went past, and advance the running requests. Returns the steps."""
+        k = len(times)
+        self._note_batch_times(times)
+        self.step_index += k
+        self.now = now = float(ends[-1])
+        # KV usage after the run's blocks are taken, as `_execute` records a step's.
         self.recorder.decode_run(
             self._running_labels,
             self._running_latency.values(),
             times,
             ends,
-            kv.usage,
+            self.kv.usage,
             context_sum,
             context_max,
         )
         self._arrive_during(ends[: k - 1])
-        self._advance(running, k, now, order)
+        self._advance(self.running, k, now, order)
         return k
 
     def _arrive_during(self, starts: Sequence[float]) -> None:
