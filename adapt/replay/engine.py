@@ -803,8 +803,7 @@ class ReplayEngine:
         return how many steps that was. The planned step runs whatever the walls (the next
         arrival, the policy's horizon), as it would alone; 0 (nothing done) if the KV blocks it
         needs are not free: it is then scheduled one by one, preempting. `order`: the plan's
-        running order, which
-        requests finishing together leave in (`_advance`)."""
+        running order, which requests finishing together leave in (`_advance`)."""
         horizon = self.policy.horizon(view)
         running = self.running
         # A plan that holds across arrivals runs past them when their intake takes no time.
