@@ -167,9 +167,10 @@ class Horizon:
     it only for `until_s`, its wake-up time.
 
     `past_arrivals`: the plan holds across arrivals too -- an arrival changes neither what it
-    admits nor its order nor this horizon (FCFS behind a non-empty queue: a newcomer waits behind
-    the head that blocks admission). A run then goes on past arrivals, each entering at the start
-    of the step it arrived before, as one step at a time would have it."""
+    admits nor its order nor this horizon. The engine asks for a horizon only of a plan that
+    admits nothing, so this says a newcomer would not be admitted either (FCFS behind a non-empty
+    queue: it waits behind the head that blocks admission). A run then goes on past arrivals, each
+    entering at the start of the step it arrived before, as one step at a time would have it."""
 
     steps: float = math.inf
     until_s: float = math.inf

@@ -191,7 +191,7 @@ class ReplayEngine:
         self._queues: dict[str, list[str]] = {}
         # When every running decode got its last token, if all got it together at the end of the
         # last step (each then owes one token; the other running requests are prefilling):
-        # `_decodes_only`'s test. `_all_sampled_at`: the same, and no request is prefilling.
+        # `_running_decodes_plain`'s test. `_all_sampled_at`: the same, and no request is prefilling.
         self._decodes_sampled_at = -math.inf
         self._all_sampled_at = -math.inf
         # One decode-only step's time alone, where the cost model offers it (the roofline does):
@@ -356,7 +356,7 @@ class ReplayEngine:
         if self.decisions is not None:
             self._queues = {"running": [r.id for r in self.running], "waiting": list(self.waiting)}
         plan = self.policy.on_step(view)
-        if trace is None and self._decodes_only(plan):
+        if trace is None and self._running_decodes_plain(plan):
             if self._all_sampled_at == self.now and (
                 not self.waiting or plan.admit is None or self._admits_nothing(plan)
             ):
@@ -374,7 +374,7 @@ class ReplayEngine:
         if trace is None and not scheduled and not changed and not delivered:
             self._idle(view)
 
-    def _decodes_only(self, plan: Plan) -> bool:
+    def _running_decodes_plain(self, plan: Plan) -> bool:
         """Whether this step's running requests are plain decodes: every one sampled a token at
         the end of the last step (so each is a decode owing one token), and the plan drops,
         preempts and defers nothing. If no time passed since (no intake, no idling) and it admits
@@ -698,7 +698,7 @@ class ReplayEngine:
 
     # ------------------------------------------------------------ fast path
     def _bulk_decode_step(self, plan: Plan) -> bool:
-        """Take a step whose running decodes are plain (`_decodes_only`) but which is no pure
+        """Take a step whose running decodes are plain (`_running_decodes_plain`) but which is no pure
         decode run -- it admits, continues a chunked prefill, or comes after an intake or a wait:
         the step after almost every arrival -- as `_schedule` and `_execute` would, with the
         decodes counted, advanced and recorded in bulk as a one-step decode run is (`_advance`)
@@ -712,8 +712,7 @@ class ReplayEngine:
         else:
             members = set(running)
             sequence = [r for r in dict.fromkeys(order) if r in members]
-        budget = self.token_budget
-        if len(sequence) >= budget or self.policy.prefill_first:
+        if self.policy.prefill_first:
             return False
         kv = self.kv
         prefills: list[RequestState] = []
@@ -721,7 +720,9 @@ class ReplayEngine:
         if growing is None:
             return False
         decodes = sequence[: len(sequence) - len(prefills)]  # the prefills follow every decode
-        budget -= len(decodes)
+        budget = self.token_budget - len(decodes)
+        if budget < 0:
+            return False  # some decodes would wait for a later step
         chunks: list[tuple[RequestState, int]] = []
         blocks = len(growing)
         for state in prefills:
@@ -798,7 +799,7 @@ class ReplayEngine:
         return context_sum, context_max, growing
 
     def _decode_run(self, view: EngineView, order: list[RequestState] | None = None) -> int:
-        """Take the step planned from `view` -- plain decodes only (`_decodes_only`), admitting
+        """Take the step planned from `view` -- plain decodes only (`_running_decodes_plain`), admitting
         nothing -- and the longest run of identical steps after it (see module doc) at once;
         return how many steps that was. The planned step runs whatever the walls (the next
         arrival, the policy's horizon), as it would alone; 0 (nothing done) if the KV blocks it

@@ -504,23 +504,26 @@ class Recorder:
         times: Sequence[float],
         ends: Sequence[float],
     ) -> None:
-        """The tokens of k decode steps in a row, `times` long, ending at `ends` (lists for a few
-        steps, arrays for many: numpy's fixed cost per call outweighs a short run), in each of which
+        """The tokens of k decode steps in a row, `times` long, ending at `ends`, in each of which
         the same requests got a token: `counts` of them per class (their gaps are counted in
         bulk, by weight), `latency` those with a latency SLO (their on-time tokens, read before
         the engine bumps their tokens_generated). The steps themselves are recorded apart
         (`decode_run`, or `step` for a step that also ran prefills)."""
-        for state in latency:
-            limits = _on_time_limits(state, state.tokens_generated, len(times))
-            self._open[state.id].ontime_tokens += int(np.count_nonzero(np.asarray(ends) <= limits))
+        if len(times) == 1:  # one step (a bulk step): scalar arithmetic, as `tokens` does
+            end = ends[0]
+            for state in latency:
+                if end <= _on_time_limit(state, state.tokens_generated):
+                    self._open[state.id].ontime_tokens += 1
+        else:
+            ends_array = np.asarray(ends)
+            for state in latency:
+                limits = _on_time_limits(state, state.tokens_generated, len(times))
+                self._open[state.id].ontime_tokens += int(np.count_nonzero(ends_array <= limits))
         for label, count in counts.items():
             if not count:
                 continue
             pending = self._run_times[label, float(count)]
-            if isinstance(times, np.ndarray):
-                pending.frombytes(times.tobytes())
-            else:
-                pending.extend(times)
+            pending.extend(times)
             if len(pending) >= _GAP_BATCH:
                 self._flush_run_times(label, float(count))
             if self._samples is not None:

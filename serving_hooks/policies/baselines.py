@@ -35,9 +35,7 @@ class FCFS(PriorityPolicy):
     def horizon(self, view: EngineView) -> Horizon:
         """Arrivals come in time order, so a newcomer sorts behind every waiting request: behind
         a non-empty queue it changes nothing this plan does (`Horizon.past_arrivals`)."""
-        return _BEHIND_THE_QUEUE if self.arrivals_sort_last and self._waiting else FOREVER
-
-    arrivals_sort_last = True  # the admission key grows with arrival time
+        return _BEHIND_THE_QUEUE if self._waiting else FOREVER
 
 
 class VllmV0(FCFS):
@@ -66,9 +64,9 @@ class Sarathi(FCFS):
     def key(self, request: RequestState, now: float) -> tuple[Any, ...]:
         return (request.prompt_tokens, request.arrival_s) if self.order == "spf" else (request.arrival_s,)
 
-    @property
-    def arrivals_sort_last(self) -> bool:  # type: ignore[override]
-        return self.order == "fcfs"
+    def horizon(self, view: EngineView) -> Horizon:
+        """FCFS's, in FCFS order; in SPF order a shorter newcomer goes ahead of the queue."""
+        return super().horizon(view) if self.order == "fcfs" else FOREVER
 
     def describe(self) -> dict[str, Any]:
         return {"policy": self.name, "token_budget": self.token_budget, "order": self.order}

@@ -182,13 +182,23 @@ class EWSJF(Policy):
         anything waits (a smaller head may start to fit); with empty queues nothing changes, nor
         does it while no waiting request can be admitted whatever the order -- the running cap
         is reached, or even the smallest first chunk needs more KV blocks than are free (decodes
-        only take blocks until a completion, which ends the run)."""
-        if not self._needs:
-            return FOREVER
-        chunk = min(self._needs[0], max(1, view.token_budget - len(view.running)))
-        if len(view.running) >= view.max_running or -(-chunk // view.kv_block_size) > view.kv_free_blocks:
-            return FOREVER
-        return Horizon(steps=0)
+        only take blocks until a completion, which ends the run) -- until an empty queue is due
+        to be pruned."""
+        if self._needs:
+            chunk = min(self._needs[0], max(1, view.token_budget - len(view.running)))
+            blocked = (
+                len(view.running) >= view.max_running or -(-chunk // view.kv_block_size) > view.kv_free_blocks
+            )
+            if not blocked:
+                return Horizon(steps=0)
+        # An empty queue is pruned at the step `empty_threshold` after it went empty; the next
+        # arrival is routed by the queues as they are then, so that step is planned afresh.
+        prune = [
+            q.empty_since + self.meta.empty_threshold
+            for q in self.queues
+            if not q.items and q.empty_since is not None
+        ]
+        return Horizon(steps=max(0, min(prune) - view.step_index - 1)) if prune else FOREVER
 
     def _fill_order(self, primary: int) -> Iterator[RequestState]:
         """The primary queue first, then its neighbours outward, nearest first."""

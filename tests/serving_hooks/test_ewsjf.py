@@ -206,3 +206,30 @@ def test_horizon_holds_while_nothing_waiting_can_be_admitted():
     assert policy.horizon(view(2, budget=17)) == Horizon(steps=0)  # a 16-token first chunk fits
     policy.on_admit(policy._where["b"].items["b"], 1.0)
     assert policy.horizon(view(3)) == FOREVER  # "a" needs 19 blocks
+
+
+@pytest.mark.parametrize("blocked_waiting", [False, True])
+def test_decode_runs_stop_where_an_empty_queue_is_pruned(blocked_waiting):
+    """A queue empty for `empty_threshold` steps is pruned at that step, and the next arrival is
+    routed by the queues as they are then: a decode run must not carry the pruned queue past it
+    (regression: with nothing waiting, or nothing admissible, runs went on and the late arrivals
+    were routed into the stale queue, changing who was admitted first)."""
+    from adapt.replay.cost import roofline
+
+    requests = [Request("r0", 0.0, 100, 3000)]
+    if blocked_waiting:
+        requests.append(Request("w", 0.01, 100, 5))  # waits behind the running cap all along
+    requests += [Request("big", 30.0, 1500, 5), Request("mid", 30.0, 300, 5)]
+    admissions = []
+    for skip in (True, False):
+        policy = EWSJF()
+        admitted = []
+        original = policy.on_admit
+        policy.on_admit = lambda request, now, original=original, admitted=admitted: (
+            admitted.append(request.id),
+            original(request, now),
+        )
+        config = EngineConfig(max_running=1, skip_decode_runs=skip)
+        CheckedEngine(policy, roofline("llama-2-7b", "a100-80g"), config).run(requests)
+        admissions.append(admitted)
+    assert admissions[0] == admissions[1]
