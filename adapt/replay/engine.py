@@ -705,6 +705,8 @@ class ReplayEngine:
         and only the prefills one by one. False (nothing done) when that could differ from
         scheduling request by request: a prefill ordered before a decode, a budget the decodes
         exhaust, or a KV shortfall (a preemption)."""
+        if self.policy.prefill_first:
+            return False
         running = self.running
         order = plan.running_order
         if order is None or order == running:
@@ -712,8 +714,6 @@ class ReplayEngine:
         else:
             members = set(running)
             sequence = [r for r in dict.fromkeys(order) if r in members]
-        if self.policy.prefill_first:
-            return False
         kv = self.kv
         prefills: list[RequestState] = []
         context_sum, context_max, growing = self._gather_bulk(sequence, prefills)

@@ -103,17 +103,19 @@ class SLAI(PriorityPolicy):
             room -= 1
             yield entry[-1]
 
+    def _margins(self, view: EngineView) -> tuple[float, float]:
+        """(slack, best effort): what `last_schedulable_time` subtracts from a TBT deadline and
+        adds to a last token without one, at this step's KV usage and batch time."""
+        slack = self.current_offset(view.kv_usage) * view.mean_batch_time_s
+        if self.best_effort_batches is None:
+            return slack, math.inf
+        return slack, self.best_effort_batches * view.mean_batch_time_s
+
     def on_step(self, view: EngineView) -> Plan:
-        offset = self.current_offset(view.kv_usage)
         critical: list[tuple[float, RequestState]] = []
         optional: list[tuple[float, RequestState]] = []
         started: list[RequestState] = []
-        slack = offset * view.mean_batch_time_s
-        best_effort = (
-            math.inf
-            if self.best_effort_batches is None
-            else self.best_effort_batches * view.mean_batch_time_s
-        )
+        slack, best_effort = self._margins(view)
         for request in view.running:  # `last_schedulable_time`, inlined: this runs every step
             if request.phase == "prefill":
                 started.append(request)
@@ -162,12 +164,7 @@ class SLAI(PriorityPolicy):
         arrives or finishes."""
         if self._plan_flips:
             return Horizon(steps=0)
-        slack = self.current_offset(view.kv_usage) * view.mean_batch_time_s
-        best_effort = (
-            math.inf
-            if self.best_effort_batches is None
-            else self.best_effort_batches * view.mean_batch_time_s
-        )
+        slack, best_effort = self._margins(view)
         pending = math.inf
         steady = self.best_effort_batches == 0
         for request in view.running:  # `last_schedulable_time`, inlined as in `on_step`
