@@ -814,8 +814,6 @@ class ReplayEngine:
         # One pass over the running requests gathers what both paths need (this is the hot loop).
         gathered = _gather(running, self._true_len, self.kv, int(min(steps, SHORT_RUN_STEPS)))
         remaining, together = gathered.remaining, gathered.together
-        context_sum, context_max = gathered.context_sum, gathered.context_max
-        new_blocks, near = gathered.new_blocks, gathered.near
         limit = min(remaining, steps)
         if together > 1 and order is not None and remaining > 1:
             # Requests finishing in one step leave in that step's running order, which the policy
@@ -823,10 +821,11 @@ class ReplayEngine:
             limit = min(limit, remaining - 1)
         threshold = horizon.kv_usage_below if view.kv_usage < horizon.kv_usage_below else math.inf
         if self._step_time is not None and not gathered.overdrawn:
-            taken = self._short_run(limit, wall, threshold, context_sum, context_max, new_blocks, near, order)
+            taken = self._short_run(limit, wall, threshold, gathered, order)
             if taken is not None:
                 return taken
         computed = np.fromiter((s.tokens_computed for s in running), dtype=np.int64, count=len(running))
+        context_sum, context_max = gathered.context_sum, gathered.context_max
         times = self.cost.decode_run_times(len(running), context_sum, context_max, int(limit))
         # Step by step, as `_execute` adds each duration to `now` (now + cumsum(times) would round
         # differently and move a run's end across an arrival).
@@ -842,17 +841,14 @@ class ReplayEngine:
             return 0
         times, ends = times[:k], ends[:k]
         self.kv.grow_many(ids, held, computed + k)
-        return self._end_run(times.tolist(), ends, order, context_sum, context_max)
+        return self._end_run(times.tolist(), ends, order, gathered)
 
     def _short_run(
         self,
         limit: float,
         wall: float,
         threshold: float,
-        context_sum: int,
-        context_max: int,
-        new_blocks: list[int],
-        near: list[tuple[RequestState, int]],
+        gathered: _Gathered,
         order: list[RequestState] | None,
     ) -> int | None:
         """`_decode_run` in plain Python for a run of at most `SHORT_RUN_STEPS` steps (most runs:
@@ -860,12 +856,13 @@ class ReplayEngine:
         cost per call outweighs the work. The same arithmetic, step by step: each step's time
         from the cost model's `decode_step_time`, `now` advanced by each in turn, and the KV test
         of `_kv_step_limit` -- within `block_size` steps a request needs at most one more block,
-        from the step at which its tokens pass its blocks (`new_blocks` and `near`, from
+        from the step at which its tokens pass its blocks (`new_blocks` and `near`, gathered by
         `_decode_run`). The first step runs whatever the walls. Returns the steps taken, or None
         (nothing done) when the run may be longer than this path looks."""
         running, kv = self.running, self.kv
         reach = int(min(limit, SHORT_RUN_STEPS, kv.block_size))
         count, free, num_blocks = len(running), kv.free_blocks, kv.num_blocks
+        context_sum, context_max, new_blocks = gathered.context_sum, gathered.context_max, gathered.new_blocks
         times: list[float] = []
         ends: list[float] = []
         now, extra = self.now, 0
@@ -884,18 +881,17 @@ class ReplayEngine:
         k = len(times)
         if not k:
             return 0
-        for state, room in near:
+        for state, room in gathered.near:
             if room < k:
                 kv.grow(state.id, state.tokens_computed + k)
-        return self._end_run(times, ends, order, context_sum, context_max)
+        return self._end_run(times, ends, order, gathered)
 
     def _end_run(
         self,
         times: Sequence[float],
         ends: Sequence[float],
         order: list[RequestState] | None,
-        context_sum: int,
-        context_max: int,
+        gathered: _Gathered,
     ) -> int:
         """What both forms of a decode run do once its `len(times)` steps are timed (ending at
         `ends`) and their KV blocks taken: count the steps, record them and their tokens, let in
@@ -911,11 +907,11 @@ class ReplayEngine:
             times,
             ends,
             self.kv.usage,
-            context_sum,
-            context_max,
+            gathered.context_sum,
+            gathered.context_max,
         )
         self._arrive_during(ends[: k - 1])
-        self._advance(self.running, k, now, order)
+        self._advance(self.running, k, now, order, gathered.remaining)
         return k
 
     def _arrive_during(self, starts: Sequence[float]) -> None:
@@ -935,22 +931,29 @@ class ReplayEngine:
         self.now = end
 
     def _advance(
-        self, running: list[RequestState], k: int, now: float, order: list[RequestState] | None
+        self,
+        running: list[RequestState],
+        k: int,
+        now: float,
+        order: list[RequestState] | None,
+        remaining: int = 0,
     ) -> None:
         """Every running request decoded `k` tokens, the last at `now`; finished ones leave, in
         the order the step scheduled them (`order`, else admission order), as `_emit_tokens`
         has them leave: a policy that learns from finished requests sees them in the same order.
         (Given a running order, requests finish together only in a run's first step, whose plan
-        gave it: `_decode_run` stops a run before such a step.)"""
-        true_len = self._true_len
-        finished = []
+        gave it: `_decode_run` stops a run before such a step.) `remaining`, when known: the
+        fewest tokens any of them had left -- in fewer steps none finishes, and none is looked at
+        for it."""
         self._all_sampled_at = self._decodes_sampled_at = now
         for state in running:
             state.tokens_computed += k
             state.tokens_generated += k
             state.last_token_s = now
-            if state.tokens_generated >= true_len[state.id]:
-                finished.append(state)
+        if k < remaining:
+            return
+        true_len = self._true_len
+        finished = [state for state in running if state.tokens_generated >= true_len[state.id]]
         if len(finished) > 1 and order is not None:
             position: dict[RequestState, int] = {}
             for index, state in enumerate(order):
