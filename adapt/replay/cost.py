@@ -239,13 +239,38 @@ class RooflineCostModel:
         batch = _decode_steps(num_decodes, context_sum, context_max, np.arange(steps, dtype=np.float64))
         return np.broadcast_to(self.time(batch), (steps,)).astype(np.float64)
 
-    def decode_step_time(self, num_decodes: int, context_sum: int, context_max: int, step: int) -> float:
-        """`decode_run_times(...)[step]` alone, in Python floats: the same operations on the same
-        values (IEEE doubles either way) as `time` of `_decode_steps` and `attention_work`, for
-        the replay engine's short decode runs, where numpy's fixed cost per call would dominate."""
-        n, at = float(num_decodes), float(step)
-        read = n * (context_max + at) if self.decode_attention == "max" else context_sum + num_decodes * at
-        return float(self._seconds(n, n, 0.0 + read + n, 0.0 + read, max))
+    def decode_step_timer(
+        self, num_decodes: int, context_sum: int, context_max: int
+    ) -> Callable[[int], float]:
+        """`decode_run_times(...)[step]` as a function of `step`, in Python floats: the same
+        operations on the same values (IEEE doubles either way) as `time` of `_decode_steps` and
+        `attention_work`, for the replay engine's short decode runs, where numpy's fixed cost per
+        call would dominate. What a run's steps share -- under `overlap="operator"` the linear
+        layers' time, the same at every step of it -- is computed once per run."""
+        n = float(num_decodes)
+        by_max = self.decode_attention == "max"
+        if self.overlap != "operator" or self.tp > 1:
+
+            def step_time(step: int) -> float:
+                at = float(step)
+                read = n * (context_max + at) if by_max else context_sum + num_decodes * at
+                return float(self._seconds(n, n, 0.0 + read + n, 0.0 + read, max))
+
+            return step_time
+        peak, bandwidth, weight_bytes, per_token, per_sample, per_unit, kv_per_token = self._coefficients
+        # `_seconds`' overhead + linear + attention, added left to right as it adds them.
+        overhead_and_linear = self.step_overhead_s + max(
+            (per_token * n + per_sample * n) / peak, weight_bytes / bandwidth
+        )
+
+        def operator_step_time(step: int) -> float:
+            at = float(step)
+            read = n * (context_max + at) if by_max else context_sum + num_decodes * at
+            return overhead_and_linear + max(
+                per_unit * (0.0 + read + n) / peak, kv_per_token * (0.0 + read) / bandwidth
+            )
+
+        return operator_step_time
 
     def kv_capacity_tokens(
         self, gpu_memory_utilization: float = 0.9, activation_reserve_gb: float = 2.0

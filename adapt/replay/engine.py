@@ -196,7 +196,7 @@ class ReplayEngine:
         self._all_sampled_at = -math.inf
         # One decode-only step's time alone, where the cost model offers it (the roofline does):
         # short decode runs are then timed step by step in Python (`_short_run`).
-        self._step_time = getattr(cost, "decode_step_time", None)
+        self._step_timer = getattr(cost, "decode_step_timer", None)
         self._arrival_overhead_s = float(cost.arrival_overhead_s)
 
     # ----------------------------------------------------------------- arrivals
@@ -820,7 +820,7 @@ class ReplayEngine:
             # may have changed by then: that step is planned afresh.
             limit = min(limit, remaining - 1)
         threshold = horizon.kv_usage_below if view.kv_usage < horizon.kv_usage_below else math.inf
-        if self._step_time is not None and not gathered.overdrawn:
+        if self._step_timer is not None and not gathered.overdrawn:
             taken = self._short_run(limit, wall, threshold, gathered, order)
             if taken is not None:
                 return taken
@@ -854,7 +854,7 @@ class ReplayEngine:
         """`_decode_run` in plain Python for a run of at most `SHORT_RUN_STEPS` steps (most runs:
         the next arrival is a few steps away, and SLAI's horizon is one step), where numpy's fixed
         cost per call outweighs the work. The same arithmetic, step by step: each step's time
-        from the cost model's `decode_step_time`, `now` advanced by each in turn, and the KV test
+        from the cost model's `decode_step_timer`, `now` advanced by each in turn, and the KV test
         of `_kv_step_limit` -- within `block_size` steps a request needs at most one more block,
         from the step at which its tokens pass its blocks (`new_blocks` and `near`, gathered by
         `_decode_run`). The first step runs whatever the walls. Returns the steps taken, or None
@@ -862,7 +862,8 @@ class ReplayEngine:
         running, kv = self.running, self.kv
         reach = int(min(limit, SHORT_RUN_STEPS, kv.block_size))
         count, free, num_blocks = len(running), kv.free_blocks, kv.num_blocks
-        context_sum, context_max, new_blocks = gathered.context_sum, gathered.context_max, gathered.new_blocks
+        new_blocks = gathered.new_blocks
+        step_time = self._step_timer(count, gathered.context_sum, gathered.context_max)  # type: ignore[misc]
         times: list[float] = []
         ends: list[float] = []
         now, extra = self.now, 0
@@ -871,7 +872,7 @@ class ReplayEngine:
             extra += new_blocks[step]
             if extra > free or (step > 1 and (now >= wall or 1.0 - free_at_start / num_blocks >= threshold)):
                 break
-            duration = self._step_time(count, context_sum, context_max, step - 1)  # type: ignore[misc]
+            duration = step_time(step - 1)
             now = now + duration
             times.append(duration)
             ends.append(now)

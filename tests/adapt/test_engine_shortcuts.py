@@ -92,12 +92,16 @@ def test_roofline_scalars_match_arrays(tokens, sampled, attn, kv_read, decodes, 
     steps=st.integers(1, 40),
     overlap=st.sampled_from(["operator", "step"]),
     tp=st.sampled_from([1, 2]),
+    attention=st.sampled_from(["sum", "max"]),
 )
-def test_roofline_decode_step_time_is_the_run_times_element(decodes, context, steps, overlap, tp):
-    model = roofline("llama-2-13b", "a100-80g", tp=tp, overlap=overlap)
+def test_roofline_decode_step_timer_gives_the_run_times_elements(
+    decodes, context, steps, overlap, tp, attention
+):
+    model = roofline("llama-2-13b", "a100-80g", tp=tp, overlap=overlap, decode_attention=attention)
     context_sum, context_max = context * decodes, context + decodes
     run = model.decode_run_times(decodes, context_sum, context_max, steps).tolist()
-    assert [model.decode_step_time(decodes, context_sum, context_max, i) for i in range(steps)] == run
+    step_time = model.decode_step_timer(decodes, context_sum, context_max)
+    assert [step_time(i) for i in range(steps)] == run
 
 
 @given(

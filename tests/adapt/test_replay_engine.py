@@ -281,7 +281,7 @@ def _log_lifecycle(policy) -> list[tuple[str, str, float]]:
 
 
 class _VectorisedOnly:
-    """The roofline without `decode_step_time`: every decode run takes the vectorised path."""
+    """The roofline without `decode_step_timer`: every decode run takes the vectorised path."""
 
     def __init__(self, cost) -> None:
         self.time, self.decode_run_times = cost.time, cost.decode_run_times
