@@ -947,14 +947,20 @@ class ReplayEngine:
         fewest tokens any of them had left -- in fewer steps none finishes, and none is looked at
         for it."""
         self._all_sampled_at = self._decodes_sampled_at = now
+        if k < remaining:
+            for state in running:
+                state.tokens_computed += k
+                state.tokens_generated += k
+                state.last_token_s = now
+            return
+        true_len = self._true_len
+        finished = []
         for state in running:
             state.tokens_computed += k
             state.tokens_generated += k
             state.last_token_s = now
-        if k < remaining:
-            return
-        true_len = self._true_len
-        finished = [state for state in running if state.tokens_generated >= true_len[state.id]]
+            if state.tokens_generated >= true_len[state.id]:
+                finished.append(state)
         if len(finished) > 1 and order is not None:
             position: dict[RequestState, int] = {}
             for index, state in enumerate(order):
