@@ -137,7 +137,14 @@ class SemanticHistory(LearnedComponent):
             self._reset()
         has_text = np.asarray(has_text, dtype=bool)
         ids = np.arange(self.next_id_, self.next_id_ + count)
-        slots = ids % len(self.prompt_tokens_)
+        first = self.next_id_ % len(self.prompt_tokens_)
+        # The entries' slots: a slice unless they wrap round the ring (a policy observes one
+        # request per finish, and a slice costs a fraction of an index array).
+        slots = (
+            slice(first, first + count)
+            if first + count <= len(self.prompt_tokens_)
+            else ids % len(self.prompt_tokens_)
+        )
         self.prompt_tokens_[slots] = prompt_tokens
         self.log_prompt_[slots] = np.log(self.prompt_tokens_[slots])
         self.output_tokens_[slots] = output_tokens

@@ -37,6 +37,7 @@ refresh; with the default victim the running order needs no index, so it matters
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -98,13 +99,18 @@ def gittins_index(costs: np.ndarray, probs: np.ndarray, attained: np.ndarray) ->
 def gittins_index_one(costs: Sequence[float], probs: Sequence[float], attained: float) -> float:
     """`gittins_index` of one distribution, in Python floats: the same operations in the same order
     (numpy's cumsum adds left to right; entries that are not alive add zeros, so they are skipped),
-    hence the same value, without numpy's fixed cost per call -- most refreshes are one request."""
-    alive = [(c, p) for c, p in zip(costs, probs, strict=True) if c > attained and p > 0]
+    hence the same value, without numpy's fixed cost per call -- most refreshes are one request.
+    `costs` ascend (as `gittins_index` has them), so the support above `attained` is the suffix
+    from the bisection point."""
+    start = bisect.bisect_right(costs, attained)
     total = 0.0  # the last cumulative mass, summed as the cumsum sums it
-    for _, p in alive:
-        total += p
+    for p in probs[start:]:
+        if p > 0:
+            total += p
     best, mass, work = math.inf, 0.0, 0.0
-    for c, p in alive:
+    for c, p in zip(costs[start:], probs[start:], strict=True):
+        if not p > 0:
+            continue
         mass += p
         work += p * c
         ratio = (work - attained * mass + (c - attained) * (total - mass)) / mass
@@ -304,6 +310,7 @@ class SageSched(PriorityPolicy):
                 high = min(request.max_tokens or UNIFORM_MAX_TOKENS, UNIFORM_MAX_TOKENS)
                 distribution = distribution.mix(LengthDistribution.uniform(1, max(2, high)), self.uniform_mix)
             request.cache.pop("sage_costs", None)
+            request.cache.pop("sage_support", None)
             request.cache.update(
                 sage_distribution=distribution,
                 sage_embedding=embedding,
@@ -362,8 +369,11 @@ class SageSched(PriorityPolicy):
         fixed cost per call."""
         prompt, generated = float(request.prompt_tokens), float(request.tokens_generated)
         attained = self._cost_one(prompt, generated)
-        costs = request.cache["sage_costs"].tolist()
-        index = gittins_index_one(costs, request.cache["sage_distribution"].probs.tolist(), attained)
+        support = request.cache.get("sage_support")
+        if support is None:  # the costs and probabilities as lists, once per prediction
+            costs, probs = request.cache["sage_costs"], request.cache["sage_distribution"].probs
+            support = request.cache["sage_support"] = (costs.tolist(), probs.tolist())
+        index = gittins_index_one(*support, attained)
         if not math.isfinite(index):  # longer than anything predicted: one more bucket of tokens
             index = self._cost_one(prompt, generated + self.bucket) - attained
         request.cache["sage_index"] = index
