@@ -9,7 +9,8 @@ as the empirical distribution of its neighbours' output lengths (paper section 3
   With fewer than `min_neighbors` of them -- a warming-up window, or a prompt unlike anything seen --
   the `fallback_neighbors` most similar entries serve as the prior (the paper augments the search
   set with public-dataset requests; `fit` seeds the window with exactly that).
-- `mode="length"`: the ablation baseline -- the `fallback_neighbors` entries nearest in prompt length.
+- `mode="length"`: the ablation baseline -- the `fallback_neighbors` entries nearest in prompt length
+  (by ratio; among equally near entries the most recent: `predictors.length_neighbours`).
 - `mode="point"`: the ablation baseline -- the semantic prediction collapsed to its mean.
 
 A request without prompt text (length-only traces) is predicted by prompt length in every mode.
@@ -34,6 +35,7 @@ import numpy as np
 from adapt.component import ComponentError, LearnedComponent, data_fingerprint
 from adapt.traces import prompt_hash
 from predictors.length_distribution import LengthDistribution, bucket_overlap, crps, wasserstein
+from predictors.length_neighbours import LengthNeighbours, nearest_by_ratio
 
 MODES = ("semantic", "length", "point")
 COLD_PRIOR_MAX_TOKENS = 2048  # an empty window predicts a uniform length up to this
@@ -96,13 +98,13 @@ class SemanticHistory(LearnedComponent):
         self._validate_params()
         capacity = self.window + self._slack
         self.prompt_tokens_ = np.zeros(capacity, dtype=np.int64)
-        self.log_prompt_ = np.zeros(capacity, dtype=np.float64)  # log(prompt_tokens_), for `_by_length`
         self.output_tokens_ = np.zeros(capacity, dtype=np.int64)
         self.prompt_hash_ = np.zeros(capacity, dtype=np.int64)
         self.has_text_ = np.zeros(capacity, dtype=bool)
         self.next_id_ = 0  # sequence number of the next entry; entry i lives in slot i % capacity
         self.index_ = faiss.IndexIDMap2(faiss.IndexFlatIP(DIMENSION))
         self.index_floor_ = 0  # ids below this have been removed from the FAISS index
+        self.by_length_ = LengthNeighbours()  # the window's entries by prompt length (`_by_length`)
 
     @property
     def _slack(self) -> int:
@@ -137,6 +139,13 @@ class SemanticHistory(LearnedComponent):
             self._reset()
         has_text = np.asarray(has_text, dtype=bool)
         ids = np.arange(self.next_id_, self.next_id_ + count)
+        # Entries this leaves out of the window, and their lengths, read before the ring is written.
+        first_id, oldest = self.next_id_, self._oldest
+        ring = self.prompt_tokens_
+        leaving = [
+            int(ring[entry % len(ring)])
+            for entry in range(oldest, min(max(0, first_id + count - self.window), first_id))
+        ]
         first = self.next_id_ % len(self.prompt_tokens_)
         # The entries' slots: a slice unless they wrap round the ring (a policy observes one
         # request per finish, and a slice costs a fraction of an index array).
@@ -146,7 +155,6 @@ class SemanticHistory(LearnedComponent):
             else ids % len(self.prompt_tokens_)
         )
         self.prompt_tokens_[slots] = prompt_tokens
-        self.log_prompt_[slots] = np.log(self.prompt_tokens_[slots])
         self.output_tokens_[slots] = output_tokens
         self.prompt_hash_[slots] = 0 if prompt_hashes is None else prompt_hashes
         self.has_text_[slots] = has_text
@@ -155,11 +163,23 @@ class SemanticHistory(LearnedComponent):
                 np.ascontiguousarray(embeddings[has_text], dtype=np.float32), ids[has_text]
             )
         self.next_id_ += count
+        self._index_lengths(first_id, np.asarray(prompt_tokens).tolist(), oldest, leaving)
         if self._oldest - self.index_floor_ >= self._slack:
             import faiss
 
             self.index_.remove_ids(faiss.IDSelectorRange(self.index_floor_, self._oldest))
             self.index_floor_ = self._oldest
+
+    def _index_lengths(self, first_id: int, lengths: list[int], oldest: int, leaving: list[int]) -> None:
+        """`by_length_` after `observe`: the new entries (ids from `first_id`) in, and out every
+        entry now below the window (from `oldest`, the old window's first): `leaving` the lengths of
+        those observed before, the rest -- a batch longer than the window -- from this batch."""
+        for offset, length in enumerate(lengths):
+            self.by_length_.add(length, first_id + offset)
+        for entry in range(oldest, self._oldest):
+            old = entry - oldest
+            length = leaving[old] if old < len(leaving) else lengths[entry - first_id]
+            self.by_length_.remove_oldest(length, entry)
 
     def copy(self) -> SemanticHistory:
         """An independent copy of the window and its index, so that each policy instance learns
@@ -168,10 +188,11 @@ class SemanticHistory(LearnedComponent):
         if hasattr(self, "index_"):
             import faiss
 
-            for name in ("prompt_tokens_", "log_prompt_", "output_tokens_", "prompt_hash_", "has_text_"):
+            for name in ("prompt_tokens_", "output_tokens_", "prompt_hash_", "has_text_"):
                 setattr(twin, name, getattr(self, name).copy())
             twin.next_id_, twin.index_floor_ = self.next_id_, self.index_floor_
             twin.index_ = faiss.clone_index(self.index_)
+            twin.by_length_ = self.by_length_.copy()
         twin.metadata = dict(self.metadata)
         return twin
 
@@ -189,18 +210,13 @@ class SemanticHistory(LearnedComponent):
         return np.concatenate((column[start:], column[:stop]))
 
     def _by_length(self, prompt_tokens: int, exclude_hash: int = 0) -> np.ndarray:
-        # The window's logs are taken once per entry (`observe`), not over the window per call;
-        # without exclusions a live entry's id is the oldest id plus its position.
-        logs = self._live(self.log_prompt_)
-        ids = None
-        if exclude_hash:
+        """Ids of the `fallback_neighbors` live entries nearest in prompt length
+        (`predictors.length_neighbours`), leaving out those of prompt `exclude_hash`."""
+        if exclude_hash:  # evaluation on data the window has seen (not a serving path): a scan
             keep = self._live(self.prompt_hash_) != exclude_hash
-            ids, logs = self._live_ids()[keep], logs[keep]
-        if len(logs) <= self.fallback_neighbors:
-            return self._live_ids() if ids is None else ids
-        gap = np.abs(logs - np.log(prompt_tokens))
-        nearest = np.argpartition(gap, self.fallback_neighbors - 1)[: self.fallback_neighbors]
-        return self._oldest + nearest if ids is None else ids[nearest]
+            lengths, ids = self._live(self.prompt_tokens_)[keep], self._live_ids()[keep]
+            return nearest_by_ratio(lengths, ids, prompt_tokens, self.fallback_neighbors)
+        return np.array(self.by_length_.nearest(prompt_tokens, self.fallback_neighbors), dtype=np.int64)
 
     def predict_embedded(
         self,

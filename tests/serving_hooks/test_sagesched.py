@@ -4,6 +4,8 @@ index (against brute force), the cost models, and the policy in the replay engin
 from __future__ import annotations
 
 import functools
+import os
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from adapt.replay.engine import EngineConfig, ReplayEngine
 from adapt.requests import SLO, Request
 from adapt.traces import instruction_split, prompt_hash
 from predictors.length_distribution import LengthDistribution, bucket_overlap, crps, wasserstein
+from predictors.length_neighbours import nearest_by_ratio
 from predictors.semantic_history import SemanticHistory
 from serving_hooks.policies import make_policy
 from serving_hooks.policies.sagesched import (
@@ -199,26 +202,94 @@ def test_fifo_window_evicts_oldest_and_index_stays_bounded():
     assert sorted(prediction.support.tolist()) == list(range(33, 41))  # only the newest 8
 
 
-def test_length_fallback_matches_the_direct_formula_as_the_ring_wraps():
-    """`_by_length` reads the window's cached logs by ring slices; the neighbours must be those of
-    the direct formula (logs of the live ids' prompt lengths) at every fill level and wrap."""
-    rng = np.random.default_rng(3)
-    history = SemanticHistory(window=40, fallback_neighbors=6)
-    for _ in range(130):
-        hashes = rng.integers(1, 4, size=3)
+def _nearest_by_ratio_reference(ids: np.ndarray, prompts: np.ndarray, target: int, count: int) -> set[int]:
+    """The `count` ids nearest `target` by exact ratio (fractions), equally near ones newest first
+    (largest id)."""
+    ranked = sorted(
+        zip(ids.tolist(), prompts.tolist(), strict=True),
+        key=lambda pair: (Fraction(max(pair[1], target), min(pair[1], target)), -pair[0]),
+    )
+    return {entry for entry, _ in ranked[:count]}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    window=st.integers(1, 60),
+    neighbours=st.integers(1, 12),
+    batches=st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=70), min_size=1, max_size=25),
+    targets=st.lists(st.integers(1, 50), min_size=1, max_size=4),
+)
+def test_length_fallback_is_the_nearest_by_ratio_newest_first(window, neighbours, batches, targets):
+    """`_by_length` keeps the window's entries by length as they come and go (batches longer than
+    the window included); its neighbours must be the exact reference's -- nearest by prompt-length
+    ratio, equally near ones newest first -- and so must the scan's, with and without an
+    excluded prompt, and a copy's."""
+    history = SemanticHistory(window=window, fallback_neighbors=neighbours)
+    for number, batch in enumerate(batches):
+        hashes = [1 + length % 3 for length in batch]
         history.observe(
-            rng.integers(1, 50, size=3), rng.integers(1, 90, size=3), np.zeros((3, 384)), [False] * 3, hashes
+            batch, [number + 1] * len(batch), np.zeros((len(batch), 384)), [False] * len(batch), hashes
         )
-        for prompt, exclude in ((int(rng.integers(1, 50)), 0), (int(rng.integers(1, 50)), int(hashes[0]))):
-            ids = history._live_ids()
-            if exclude:
-                ids = ids[history.prompt_hash_[ids % len(history.prompt_hash_)] != exclude]
-            if len(ids) > 6:
-                gap = np.abs(
-                    np.log(history.prompt_tokens_[ids % len(history.prompt_tokens_)]) - np.log(prompt)
-                )
-                ids = ids[np.argpartition(gap, 5)[:6]]
-            assert history._by_length(prompt, exclude).tolist() == ids.tolist()
+        if number % 3 == 2:
+            history = history.copy()
+        ids = history._live_ids()
+        prompts = history.prompt_tokens_[ids % len(history.prompt_tokens_)]
+        for target in targets:
+            expected = _nearest_by_ratio_reference(ids, prompts, target, neighbours)
+            assert sorted(history._by_length(target).tolist()) == sorted(expected)
+            assert set(nearest_by_ratio(prompts, ids, target, neighbours).tolist()) == expected
+            kept = history.prompt_hash_[ids % len(history.prompt_hash_)] != 2
+            excluded = _nearest_by_ratio_reference(ids[kept], prompts[kept], target, neighbours)
+            assert set(history._by_length(target, exclude_hash=2).tolist()) == excluded
+
+
+@pytest.mark.parametrize(
+    ("lengths", "target", "count", "expected"),
+    [
+        ([4, 9], 6, 1, {1}),  # 6/4 == 9/6: equally near, the newer (id 1) wins
+        ([9, 4], 6, 1, {1}),
+        ([4, 9, 5], 6, 1, {2}),  # 6/5 is nearer than either
+        ([7, 5, 7, 5], 6, 2, {0, 2}),  # 7/6 < 6/5: both 7s before any 5
+        ([7, 5, 7, 5], 6, 3, {0, 2, 3}),  # then the newer 5
+        ([20, 30], 24, 1, {0}),  # 24/20 = 1.2 is nearer than 30/24 = 1.25, though 30 is newer
+    ],
+)
+def test_length_neighbours_by_hand(lengths, target, count, expected):
+    history = SemanticHistory(window=10, fallback_neighbors=count)
+    history.observe(lengths, [1] * len(lengths), np.zeros((len(lengths), 384)), [False] * len(lengths))
+    assert set(history._by_length(target).tolist()) == expected
+    ids = np.arange(len(lengths))
+    assert set(nearest_by_ratio(np.array(lengths), ids, target, count).tolist()) == expected
+
+
+_BY_LENGTH_SCRIPT = """
+import numpy as np
+from predictors.length_neighbours import nearest_by_ratio
+from predictors.semantic_history import SemanticHistory
+rng = np.random.default_rng(5)
+history = SemanticHistory(window=10_000, fallback_neighbors=100)
+prompts, outputs = rng.integers(1, 3_000, 10_000), rng.integers(1, 900, 10_000)
+history.observe(prompts, outputs, np.zeros((10_000, 384)), [False] * 10_000)
+print([sorted(history._by_length(q).tolist()) for q in range(1, 3_000, 7)])
+"""
+_AVX512 = "AVX512F AVX512CD AVX512VL AVX512BW AVX512DQ AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR"
+
+
+def test_length_neighbours_are_the_same_on_every_instruction_set():
+    """numpy picks its selection and logarithm kernels by CPU; a replay's predictions must not
+    depend on them. Run with AVX-512 and AVX2 switched off in turn (as on machines without them):
+    numpy's argpartition, used before, chose differently among ties in each of the three."""
+    import subprocess
+    import sys
+
+    outputs = set()
+    for disabled in ("", _AVX512, f"{_AVX512} AVX2 FMA3"):
+        env = {**os.environ, "NPY_DISABLE_CPU_FEATURES": disabled}
+        run = subprocess.run(
+            [sys.executable, "-c", _BY_LENGTH_SCRIPT], env=env, capture_output=True, text=True, check=True
+        )
+        outputs.add(run.stdout)
+    assert len(outputs) == 1
 
 
 def test_exclude_same_prompt_and_modes():
