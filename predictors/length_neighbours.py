@@ -82,16 +82,16 @@ class LengthNeighbours:
         recent. Ratios are compared exactly: a shorter length a and a longer b are equally near
         `target` t when t / a == b / t, i.e. t * t == a * b."""
         target = max(int(target), 1)
-        lengths, by_length, square = self._lengths, self._ids, target * target
+        lengths, by_length, square, end = self._lengths, self._ids, target * target, len(self._lengths)
         below = bisect.bisect_left(lengths, target) - 1  # the next shorter length to take
         above = below + 1  # the next length at least as long as the target
         taken: list[int] = []
         need = count
-        while need > 0 and (below >= 0 or above < len(lengths)):
+        while need > 0 and (below >= 0 or above < end):
             # which side is nearer: t / shorter against longer / t, in integers (0: both)
             if below < 0:
                 side = 1
-            elif above >= len(lengths):
+            elif above >= end:
                 side = -1
             else:
                 side = square - lengths[below] * lengths[above]

@@ -163,7 +163,7 @@ class SemanticHistory(LearnedComponent):
                 np.ascontiguousarray(embeddings[has_text], dtype=np.float32), ids[has_text]
             )
         self.next_id_ += count
-        self._index_lengths(first_id, np.asarray(prompt_tokens).tolist(), oldest, leaving)
+        self._index_lengths(first_id, [int(length) for length in prompt_tokens], oldest, leaving)
         if self._oldest - self.index_floor_ >= self._slack:
             import faiss
 
