@@ -105,6 +105,7 @@ class SemanticHistory(LearnedComponent):
         self.index_ = faiss.IndexIDMap2(faiss.IndexFlatIP(DIMENSION))
         self.index_floor_ = 0  # ids below this have been removed from the FAISS index
         self.by_length_ = LengthNeighbours()  # the window's entries by prompt length (`_by_length`)
+        self.length_floor_ = 0  # ids below this have left `by_length_`
 
     @property
     def _slack(self) -> int:
@@ -137,15 +138,13 @@ class SemanticHistory(LearnedComponent):
             return
         if not hasattr(self, "index_"):
             self._reset()
+        lengths = [int(length) for length in prompt_tokens]  # before anything changes: may raise
         has_text = np.asarray(has_text, dtype=bool)
         ids = np.arange(self.next_id_, self.next_id_ + count)
-        # Entries this leaves out of the window, and their lengths, read before the ring is written.
-        first_id, oldest = self.next_id_, self._oldest
-        ring = self.prompt_tokens_
-        leaving = [
-            int(ring[entry % len(ring)])
-            for entry in range(oldest, min(max(0, first_id + count - self.window), first_id))
-        ]
+        first_id = self.next_id_
+        # Entries this batch pushes out of the window leave the length index while the ring still
+        # holds their lengths.
+        self._drop_lengths_below(min(max(0, first_id + count - self.window), first_id))
         first = self.next_id_ % len(self.prompt_tokens_)
         # The entries' slots: a slice unless they wrap round the ring (a policy observes one
         # request per finish, and a slice costs a fraction of an index array).
@@ -163,23 +162,25 @@ class SemanticHistory(LearnedComponent):
                 np.ascontiguousarray(embeddings[has_text], dtype=np.float32), ids[has_text]
             )
         self.next_id_ += count
-        self._index_lengths(first_id, [int(length) for length in prompt_tokens], oldest, leaving)
+        for offset, length in enumerate(lengths):
+            self.by_length_.add(length, first_id + offset)
+        for entry in range(first_id, self._oldest):  # a batch longer than the window: its first
+            self.by_length_.remove_oldest(lengths[entry - first_id], entry)
+        self.length_floor_ = max(self.length_floor_, self._oldest)
         if self._oldest - self.index_floor_ >= self._slack:
             import faiss
 
             self.index_.remove_ids(faiss.IDSelectorRange(self.index_floor_, self._oldest))
             self.index_floor_ = self._oldest
 
-    def _index_lengths(self, first_id: int, lengths: list[int], oldest: int, leaving: list[int]) -> None:
-        """`by_length_` after `observe`: the new entries (ids from `first_id`) in, and out every
-        entry now below the window (from `oldest`, the old window's first): `leaving` the lengths of
-        those observed before, the rest -- a batch longer than the window -- from this batch."""
-        for offset, length in enumerate(lengths):
-            self.by_length_.add(length, first_id + offset)
-        for entry in range(oldest, self._oldest):
-            old = entry - oldest
-            length = leaving[old] if old < len(leaving) else lengths[entry - first_id]
-            self.by_length_.remove_oldest(length, entry)
+    def _drop_lengths_below(self, oldest: int) -> None:
+        """Entries below id `oldest` leave `by_length_` (from `length_floor_`, the first still in
+        it), their lengths read from the ring: before `observe` writes over them, and before a
+        query if `window` was lowered since (`set_params`)."""
+        ring = self.prompt_tokens_
+        for entry in range(self.length_floor_, oldest):
+            self.by_length_.remove_oldest(int(ring[entry % len(ring)]), entry)
+        self.length_floor_ = max(self.length_floor_, oldest)
 
     def copy(self) -> SemanticHistory:
         """An independent copy of the window and its index, so that each policy instance learns
@@ -192,7 +193,7 @@ class SemanticHistory(LearnedComponent):
                 setattr(twin, name, getattr(self, name).copy())
             twin.next_id_, twin.index_floor_ = self.next_id_, self.index_floor_
             twin.index_ = faiss.clone_index(self.index_)
-            twin.by_length_ = self.by_length_.copy()
+            twin.by_length_, twin.length_floor_ = self.by_length_.copy(), self.length_floor_
         twin.metadata = dict(self.metadata)
         return twin
 
@@ -216,6 +217,7 @@ class SemanticHistory(LearnedComponent):
             keep = self._live(self.prompt_hash_) != exclude_hash
             lengths, ids = self._live(self.prompt_tokens_)[keep], self._live_ids()[keep]
             return nearest_by_ratio(lengths, ids, prompt_tokens, self.fallback_neighbors)
+        self._drop_lengths_below(self._oldest)  # (a no-op unless `window` was lowered)
         return np.array(self.by_length_.nearest(prompt_tokens, self.fallback_neighbors), dtype=np.int64)
 
     def predict_embedded(

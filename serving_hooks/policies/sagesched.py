@@ -166,6 +166,8 @@ class SageSched(PriorityPolicy):
             raise ValueError(f"bucket: expected >= 1 tokens, got {bucket!r}")
         if not 0.0 <= uniform_mix <= 1.0:
             raise ValueError(f"uniform_mix: expected a weight in [0, 1], got {uniform_mix!r}")
+        if not memory_weight >= 0.0:  # a cost that falls as a request grows orders nothing sensibly
+            raise ValueError(f"memory_weight: expected >= 0, got {memory_weight!r}")
         self.history = resolve_history(history)
         if history_mode is not None:
             from predictors.semantic_history import MODES

@@ -243,6 +243,27 @@ def test_length_fallback_is_the_nearest_by_ratio_newest_first(window, neighbours
             assert set(history._by_length(target, exclude_hash=2).tolist()) == excluded
 
 
+def test_a_window_lowered_after_fitting_takes_effect_on_the_length_neighbours():
+    """`set_params(window=...)` on a fitted history: the entries it leaves out are out of the
+    length index too (queried, then observed past)."""
+    history = SemanticHistory(window=8, fallback_neighbors=3)
+    history.observe(list(range(1, 9)), [1] * 8, np.zeros((8, 384)), [False] * 8)
+    history.set_params(window=4)
+    assert set(history._by_length(1).tolist()) <= set(range(4, 8))
+    history.observe([5], [1], np.zeros((1, 384)), [False])
+    ids = history._live_ids()
+    prompts = history.prompt_tokens_[ids % len(history.prompt_tokens_)]
+    assert set(history._by_length(5).tolist()) == _nearest_by_ratio_reference(ids, prompts, 5, 3)
+
+
+def test_a_length_that_is_not_a_number_changes_nothing():
+    history = SemanticHistory(window=8, fallback_neighbors=3)
+    history.observe([4, 6], [1, 2], np.zeros((2, 384)), [False] * 2)
+    with pytest.raises(ValueError):
+        history.observe([float("nan")], [1], np.zeros((1, 384)), [False])
+    assert history.size == 2 and sorted(history._by_length(5).tolist()) == [0, 1]
+
+
 @pytest.mark.parametrize(
     ("lengths", "target", "count", "expected"),
     [
@@ -429,6 +450,7 @@ def test_bad_parameters_are_rejected():
         {"order": "random"},
         {"bucket": 0},
         {"uniform_mix": 2.0},
+        {"memory_weight": -0.5},
         {"history_mode": "x"},
         {"victim": "largest"},
     ):
