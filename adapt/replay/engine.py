@@ -58,7 +58,7 @@ from adapt.requests import Request
 from adapt.steplog import CostModel, StepBatch, step_batch
 
 MAX_RUN_STEPS = 4096
-SHORT_RUN_STEPS = 8  # decode runs up to this long are advanced in plain Python (`_short_run`)
+SHORT_RUN_STEPS = 16  # decode runs up to this long are advanced in plain Python (`_short_run`)
 
 
 class PolicyError(RuntimeError):

@@ -297,7 +297,7 @@ class _VectorisedOnly:
     kv_blocks=st.integers(30, 200),
 )
 def test_short_decode_runs_in_python_are_the_vectorised_runs(rows, policy, block_size, kv_blocks):
-    """`_short_run` (plain Python, runs of up to 8 steps) gives the very same replay as the
+    """`_short_run` (plain Python, runs of up to SHORT_RUN_STEPS) gives the very same replay as the
     vectorised decode run: the same floats, steps, KV timeline and TBT samples."""
     from adapt.replay.cost import roofline
 
