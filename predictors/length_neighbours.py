@@ -67,9 +67,6 @@ class LengthNeighbours:
             del self._ids[length]
             del self._lengths[bisect.bisect_left(self._lengths, length)]
 
-    def __len__(self) -> int:
-        return sum(len(ids) for ids in self._ids.values())
-
     def copy(self) -> LengthNeighbours:
         twin = LengthNeighbours()
         twin._lengths = self._lengths.copy()
