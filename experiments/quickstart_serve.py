@@ -109,6 +109,11 @@ def serve_demo(out: Path, fast: bool) -> dict[str, Any]:
         print(f"[serve] GET /v1/adapt/status -> {json.dumps(before)}", file=sys.stderr)
         requests = get_workload("jitserve-mix").build(2.0, 20 if fast else 40, 1)
         result: dict[str, Any] = {}
+        # Trained and logged before the load starts, so the promotion lands while requests flow:
+        # the engine applies it between scheduling steps, and an idle engine takes none.
+        seed = int(time.time()) % 100_000
+        retrained = PatternGraph().fit(generate_graphs(500 if fast else 2000, seed=seed))
+        version = registry.log(retrained, metrics=retrained.evaluate(generate_graphs(100, seed=2000)))
         load = threading.Thread(
             target=lambda: result.update(
                 records=asyncio.run(run_load(f"http://127.0.0.1:{port}", str(model), requests, 64, 32))
@@ -118,13 +123,17 @@ def serve_demo(out: Path, fast: bool) -> dict[str, Any]:
             f"[serve] driving {len(requests)} jitserve-mix requests through the OpenAI API", file=sys.stderr
         )
         load.start()
-        retrained = PatternGraph().fit(
-            generate_graphs(500 if fast else 2000, seed=int(time.time()) % 100_000)
-        )
-        version = registry.log(retrained, metrics=retrained.evaluate(generate_graphs(100, seed=2000)))
         registry.promote("pattern-graph", version)
         print(f"[serve] promoted a retrained pattern-graph v{version} while the load runs", file=sys.stderr)
-        wait_for_status(port, server, log, lambda s: s["components"].get("pattern-graph") == version)
+
+        def swapped(status: dict[str, Any]) -> bool:
+            if status["components"].get("pattern-graph") == version:
+                return True
+            if not load.is_alive():  # the load ended first: one short request, a step to apply it at
+                post_completion(port, {"model": str(model), "prompt": "nudge", "max_tokens": 1})
+            return False
+
+        wait_for_status(port, server, log, swapped)
         load.join()
         after = adapt_status(port)
         print(f"[serve] GET /v1/adapt/status -> {json.dumps(after)}", file=sys.stderr)

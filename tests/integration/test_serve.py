@@ -85,10 +85,14 @@ def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_pat
         wait_for_status(port, server, log_path, lambda s: s["components"].get("pattern-graph") == first, 240)
         assert adapt_status(port)["policy"] == "jitserve"
 
+        # The swap is applied between scheduling steps, so requests keep flowing until it is seen
+        # (an idle engine takes no step and would apply it only with the next request).
         codes: list[int] = []
+        swapped = threading.Event()
 
         def stream():
-            for i in range(12):
+            i = 0
+            while not swapped.is_set() and i < 200:
                 xargs = {"slo_kind": "compound", "deadline_s": 60, "program_id": f"p{i // 3}", "stage": i % 3}
                 code, _ = post_completion(
                     port,
@@ -96,17 +100,21 @@ def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_pat
                     timeout_s=60,
                 )
                 codes.append(code)
+                i += 1
 
         client = threading.Thread(target=stream)
         client.start()
-        second = registry.log(PatternGraph().fit(generate_graphs(80, seed=2)))
-        registry.promote("pattern-graph", second)
-        wait_for_status(port, server, log_path, lambda s: s["components"]["pattern-graph"] == second, 60)
-        client.join(timeout=120)
-        assert codes == [200] * 12  # zero failed requests across the swap
+        try:
+            second = registry.log(PatternGraph().fit(generate_graphs(80, seed=2)))
+            registry.promote("pattern-graph", second)
+            wait_for_status(port, server, log_path, lambda s: s["components"]["pattern-graph"] == second, 60)
+        finally:
+            swapped.set()
+            client.join(timeout=120)
+        assert codes and codes == [200] * len(codes)  # zero failed requests across the swap
         status = adapt_status(port)
         assert status["swaps"] >= 2 and status["failed_swaps"] == 0
-        _check_logs(tmp_path / "logs", expected=12)
+        _check_logs(tmp_path / "logs", expected=len(codes))
 
         code, body = post_completion(
             port,
