@@ -154,6 +154,12 @@ class EWSJF(Policy):
             + self.meta.w_fair(queue_mean) * math.log(b + 1)
         )
 
+    def score_slope(self, request: RequestState, queue_index: int, queue_mean: float) -> float:
+        """How fast `score` grows with `now` while the request waits: equation 4 is linear in
+        the wait, so two heads' order can change only where their lines cross (`horizon`)."""
+        b = request.prompt_tokens
+        return queue_index / (b + 1) * self.meta.w_urg(queue_mean) / self.prefill_cost(b)
+
     def on_step(self, view: EngineView) -> Plan:
         best, best_score = -1, -math.inf
         survivors = []
@@ -178,19 +184,24 @@ class EWSJF(Policy):
         return Plan(admit=self._fill_order(best) if best >= 0 else None)
 
     def horizon(self, view: EngineView) -> Horizon:
-        """Scores grow with waiting time, so the admission order can change at any step while
-        anything waits (a smaller head may start to fit); with empty queues nothing changes, nor
-        does it while no waiting request can be admitted whatever the order -- the running cap
-        is reached, or even the smallest first chunk needs more KV blocks than are free (decodes
-        only take blocks until a completion, which ends the run) -- until an empty queue is due
-        to be pruned."""
+        """The engine asks only of a plan that admits nothing: the best queue's head does not fit
+        (vLLM's head-of-line rule), or nothing waits. Scores grow with waiting time, so the plan
+        changes when the head of a queue that might fit overtakes the best one (`_overtaken_s`);
+        nothing changes while no waiting request can be admitted whatever the order -- the
+        running cap is reached, or even the smallest first chunk needs more KV blocks than are
+        free (decodes only take blocks until a completion, which ends the run) -- nor with empty
+        queues, until an empty queue is due to be pruned."""
+        until_s = math.inf
         if self._needs:
-            chunk = min(self._needs[0], max(1, view.token_budget - len(view.running)))
+            budget = max(1, view.token_budget - len(view.running))
+            chunk = min(self._needs[0], budget)
             blocked = (
                 len(view.running) >= view.max_running or -(-chunk // view.kv_block_size) > view.kv_free_blocks
             )
             if not blocked:
-                return Horizon(steps=0)
+                until_s = self._overtaken_s(view, budget)
+                if until_s <= view.now:
+                    return Horizon(steps=0)
         # An empty queue is pruned at the step `empty_threshold` after it went empty; the next
         # arrival is routed by the queues as they are then, so that step is planned afresh.
         prune = [
@@ -198,7 +209,35 @@ class EWSJF(Policy):
             for q in self.queues
             if not q.items and q.empty_since is not None
         ]
-        return Horizon(steps=max(0, min(prune) - view.step_index - 1)) if prune else FOREVER
+        steps = max(0, min(prune) - view.step_index - 1) if prune else math.inf
+        return Horizon(steps=steps, until_s=until_s) if prune or until_s < math.inf else FOREVER
+
+    def _overtaken_s(self, view: EngineView, budget: int) -> float:
+        """When the plan may next change: the earliest time at which the head of a queue whose
+        first chunk fits in the free KV blocks now scores above the best queue's head; now if
+        the best head's fits (nothing says the engine could not admit it). Free blocks only
+        shrink until a completion ends the run, so a head that does not fit now cannot later in
+        it. A little early, never late: the scores' rounding must not let `on_step` see the
+        crossing before this time."""
+        now, free, block = view.now, view.kv_free_blocks, view.kv_block_size
+        heads = []
+        for index, queue in enumerate(self.queues, 1):
+            if queue.items:
+                head = next(iter(queue.items.values()))
+                score = self.score(head, index, queue.mean, now)
+                fits = -(-min(head.tokens_to_compute, budget) // block) <= free
+                heads.append((score, self.score_slope(head, index, queue.mean), fits))
+        best_score, best_slope, best_fits = max(heads, key=lambda h: h[0])  # the first of equals
+        if best_fits:
+            return now
+        earliest = math.inf
+        for score, slope, fits in heads:
+            if fits and slope > best_slope:  # (the best's own line does not fit)
+                gap = slope - best_slope
+                crossing = now + (best_score - score) / gap
+                scale = abs(best_score) + abs(score) + abs(best_slope) * (crossing - now)
+                earliest = min(earliest, crossing - 1e-9 * scale / gap - 1e-9 * abs(crossing))
+        return earliest
 
     def _fill_order(self, primary: int) -> Iterator[RequestState]:
         """The primary queue first, then its neighbours outward, nearest first."""

@@ -208,6 +208,69 @@ def test_horizon_holds_while_nothing_waiting_can_be_admitted():
     assert policy.horizon(view(3)) == FOREVER  # "a" needs 19 blocks
 
 
+def test_horizon_runs_until_a_head_that_fits_overtakes_the_blocked_best():
+    """Equation 4 is linear in the wait. When the best queue's head does not fit, nothing is
+    admitted until the head of a queue that fits scores above it: hand-computed crossing of
+    small (b=40, queue 1, arrived 10.0) and big (b=500, queue 2, arrived 0.0), default weights
+    (w_base 1, w_urg 1, w_fair 0.1, C_prefill(b) = 0.01 + 5e-5 b)."""
+    from adapt.policy import FOREVER, EngineView
+
+    policy = _policy([(1, 100), (101, 1000)])
+    policy.on_arrival(req("big", 500, 0.0), 0.0)
+    policy.on_arrival(req("small", 40, 10.0), 10.0)
+
+    def view(now, free_blocks):
+        return EngineView(now, [], [], 0.9, 2048, 8, 0.02, 5, free_blocks, 16)
+
+    def line(b, q, arrival):  # (score at t = 0 extrapolated, slope)
+        qf, cost = q / (b + 1), 0.01 + 5e-5 * b
+        return qf * (1 - arrival / cost + 0.1 * math.log(b + 1)), qf / cost
+
+    (a_big, s_big), (a_small, s_small) = line(500, 2, 0.0), line(40, 1, 10.0)
+    crossing = (a_big - a_small) / (s_small - s_big)
+    assert crossing == pytest.approx(10.5805, abs=1e-4)
+    assert next(iter(policy.on_step(view(10.1, 10)).admit)).id == "big"  # 32 blocks: it does not fit
+    horizon = policy.horizon(view(10.1, 10))  # small needs 3 blocks: it will be admitted
+    assert crossing - 1e-6 < horizon.until_s < crossing and horizon.steps == math.inf
+    assert next(iter(policy.on_step(view(horizon.until_s, 10)).admit)).id == "big"
+    assert next(iter(policy.on_step(view(crossing + 1e-6, 10)).admit)).id == "small"
+    assert policy.horizon(view(10.1, 2)) == FOREVER  # neither fits in 2 blocks: no order admits
+    assert policy.horizon(view(crossing + 1e-6, 10)).steps == 0  # the best head fits: re-plan
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.floats(0, 5), st.integers(1, 700), st.integers(1, 200)), min_size=2, max_size=30
+    ),
+    kv_blocks=st.integers(50, 120),
+    max_running=st.integers(2, 8),
+)
+def test_decode_runs_past_a_blocked_head_admit_as_step_by_step(rows, kv_blocks, max_running):
+    """Runs that go on while the best head does not fit (until a fitting head overtakes it)
+    admit the same requests at the same times as planning every step."""
+    from adapt.replay.cost import roofline
+
+    requests = [Request(f"r{i}", t, p, o) for i, (t, p, o) in enumerate(sorted(rows))]
+    runs = []
+    for skip in (True, False):
+        policy = _policy([(1, 50), (51, 150), (151, 400), (401, 700)])
+        admitted = []
+        original = policy.on_admit
+        policy.on_admit = lambda request, now, original=original, admitted=admitted: (
+            admitted.append((request.id, now)),
+            original(request, now),
+        )
+        config = EngineConfig(
+            max_running=max_running, kv_capacity_tokens=kv_blocks * 16, skip_decode_runs=skip
+        )
+        engine = CheckedEngine(policy, roofline("llama-2-7b", "a100-80g"), config)
+        result = engine.run(requests)
+        assert engine.violations == [] and len(result.records) == len(requests)
+        runs.append((admitted, result.metrics()["ttlt_mean"]))
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.parametrize("blocked_waiting", [False, True])
 def test_decode_runs_stop_where_an_empty_queue_is_pruned(blocked_waiting):
     """A queue empty for `empty_threshold` steps is pruned at that step, and the next arrival is
