@@ -215,7 +215,7 @@ class EWSJF(Policy):
     def _overtaken_s(self, view: EngineView, budget: int) -> float:
         """When the plan may next change: the earliest time at which the head of a queue whose
         first chunk fits in the free KV blocks now scores above the best queue's head; now if
-        the best head's fits (nothing says the engine could not admit it). Free blocks only
+        the best head fits (nothing then says the engine could not admit it). Free blocks only
         shrink until a completion ends the run, so a head that does not fit now cannot later in
         it. A little early, never late: the scores' rounding must not let `on_step` see the
         crossing before this time."""
