@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,10 @@ class _Serving:
 
 
 class Slot:
-    """`Slot(reg, name, alias="champion", interval_s=5.0)`; `start()`, `get()`, `version`, `stop()`."""
+    """`Slot(reg, name, alias="champion", interval_s=5.0)`; `start()`, `get()`, `version`, `stop()`.
+    `on_swap`, if given, is called (in the swapping thread, after the swap) each time a new
+    version goes live in the slot: an engine that applies versions only between its steps uses it
+    to say a version is loaded while it idles."""
 
     def __init__(
         self,
@@ -54,6 +58,7 @@ class Slot:
         alias: str = CHAMPION,
         interval_s: float = 5.0,
         max_backoff_s: float = 60.0,
+        on_swap: Callable[[], None] | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s: must be > 0, got {interval_s}")
@@ -62,6 +67,7 @@ class Slot:
         self.alias = alias
         self.interval_s = interval_s
         self.max_backoff_s = max_backoff_s
+        self.on_swap = on_swap
         self._serving = _Serving()
         self._previous: _Serving | None = None
         self._refused: set[int] = set()
@@ -145,6 +151,15 @@ class Slot:
     def swap_now(self) -> bool:
         """Check the alias once and swap if it moved. Returns True when a new version went live.
         Raises only when the registry itself cannot be reached."""
+        swapped = self._swap_once()
+        if swapped and self.on_swap is not None:
+            try:
+                self.on_swap()
+            except Exception:  # the listener's trouble is not the registry's: the swap stands
+                log.exception("slot %s@%s: on_swap failed", self.name, self.alias)
+        return swapped
+
+    def _swap_once(self) -> bool:
         with self._lock:
             if self.registry.reconnect_if_replaced():
                 self.reconnects += 1

@@ -6,7 +6,10 @@ the two share the status through a small JSON file (`ADAPT_STATUS_FILE`), replac
 (write + rename) whenever a version, a swap count, a refusal or (with metrics on) the online
 prediction quality and its drift alarms change. Slots poll the registry in
 their own threads (`adapt.hotswap.Slot`); the scheduler thread only compares versions and hands a
-new component to the policy (`Policy.use_component`), so a swap never blocks a step.
+new component to the policy (`Policy.use_component`), so a swap never blocks a step. A version is
+applied at the engine's next step, and an idle engine takes none: the status says which versions
+the slots have loaded (`loaded`) beside those the policy uses (`components`), and a slot rewrites
+it when it loads one, so a promotion shows at once, idle or not.
 
 With `ADAPT_FOLLOW_POLICY_CONFIG=1` (`adapt serve --follow-policy-config`) one more slot follows
 the `policy-config` champion: the whole policy is what that version names (the `--policy` given to
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +61,8 @@ class LiveComponents:
         self.quality: dict[str, dict[str, Any]] = {}
         self.predictions: dict[str, Any] | None = None
         self._last_status: dict[str, Any] | None = None
+        # The scheduler thread and the slots' threads (on a load) both publish; one at a time.
+        self._publishing = threading.Lock()
         self._follow(policy)
         self.apply()
 
@@ -64,12 +70,14 @@ class LiveComponents:
         """Make one slot per component of `policy` (stopping the previous policy's slots)."""
         for slot in getattr(self, "slots", {}).values():
             slot.stop()
-        self.policy = policy
-        self.slots = {
-            attribute: Slot(self.registry, name, interval_s=self.interval_s).start()
+        slots = {
+            attribute: Slot(self.registry, name, interval_s=self.interval_s, on_swap=self._publish)
             for attribute, name in policy.components.items()
         }
-        self.applied: dict[str, int | None] = dict.fromkeys(self.slots)
+        with self._publishing:
+            self.policy, self.slots, self.applied = policy, slots, dict.fromkeys(slots)
+        for slot in slots.values():
+            slot.start()
 
     @classmethod
     def from_environment(cls, policy: Policy) -> LiveComponents | None:
@@ -104,7 +112,8 @@ class LiveComponents:
             component, version = slot.snapshot()
             if component is not None and version != self.applied[attribute]:
                 self.policy.use_component(attribute, component)
-                self.applied[attribute] = version
+                with self._publishing:
+                    self.applied[attribute] = version
                 log.info("policy %s now uses %s v%s", self.policy.name, slot.name, version)
         self._publish()
 
@@ -115,6 +124,7 @@ class LiveComponents:
             "policy_config": self.config_version,
             "policy_swaps": self.policy_swaps,
             "components": {slot.name: self.applied[a] for a, slot in self.slots.items()},
+            "loaded": {slot.name: slot.version for slot in self.slots.values()},
             "swaps": sum(slot.swaps for slot in slots),
             "failed_swaps": sum(slot.failed_swaps for slot in slots),
             "reconnects": sum(slot.reconnects for slot in slots),
@@ -135,11 +145,12 @@ class LiveComponents:
         self._publish()
 
     def _publish(self) -> None:
-        status = self.status()
-        if status == self._last_status or self.status_file is None:
-            return
-        write_text_atomic(self.status_file, json.dumps(status))
-        self._last_status = status
+        with self._publishing:
+            status = self.status()
+            if status == self._last_status or self.status_file is None:
+                return
+            write_text_atomic(self.status_file, json.dumps(status))
+            self._last_status = status
 
     def stop(self) -> None:
         for slot in [*self.slots.values(), *([self.config_slot] if self.config_slot else [])]:

@@ -101,10 +101,14 @@ def render(status: dict[str, Any] | None, samples: Samples, now: float | None = 
     swaps = _by(samples, "adapt_component_swaps_total", "component")
     failed = _by(samples, "adapt_component_failed_swaps_total", "component")
     last = _by(samples, "adapt_component_last_swap_timestamp_seconds", "component")
+    loaded = (status or {}).get("loaded") or {}
     for name, version in sorted(versions.items()):
         since = f", last swap {now - last[name]:.0f} s ago" if name in last else ""
         counts = f"  swaps {swaps[name]:.0f}, failed {failed.get(name, 0):.0f}" if name in swaps else ""
-        lines.append(f"  {name:<20} v{version if version is not None else '-'}{counts}{since}")
+        # A slot loads a promoted version at once; the engine applies it at its next step.
+        pending = loaded.get(name, version)
+        staged = f"  (v{pending} loaded: live at the next step)" if pending != version else ""
+        lines.append(f"  {name:<20} v{version if version is not None else '-'}{counts}{since}{staged}")
     if not any(name.startswith("adapt_") for name in samples):
         lines.append("(no adapt_* metrics: the server runs with --no-metrics or is not adapt serve)")
         return "\n".join(lines)

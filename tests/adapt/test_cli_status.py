@@ -123,6 +123,21 @@ def test_a_new_versions_empty_window_shows_no_coverage_rather_than_nan():
     assert "nan" not in line and line.split()[:3] == ["pattern-graph", "0", "-"]
 
 
+def test_a_version_loaded_but_not_yet_applied_is_shown_beside_the_serving_one():
+    """A promotion reaches an idle server's slot at once, but the engine applies it at its next
+    step: the operator sees both."""
+    from adapt.cli.status import render
+
+    status = {"policy": "jitserve", "components": {"pattern-graph": 1, "qrf-length": 3}}
+    status["loaded"] = {"pattern-graph": 2, "qrf-length": 3}
+    lines = {line.split()[0]: line for line in render(status, {}, now=0.0).splitlines()[1:]}
+    assert (
+        lines["pattern-graph"].split()[1] == "v1"
+        and "(v2 loaded: live at the next step)" in lines["pattern-graph"]
+    )
+    assert "loaded" not in lines["qrf-length"]
+
+
 @pytest.mark.parametrize("code", [503, 404])
 def test_a_server_without_a_status_yet_still_shows_its_metrics(code, capsys):
     """503: the engine has not written its first status; 404: the server does not serve the route."""

@@ -92,6 +92,30 @@ def test_slot_follows_alias_within_two_poll_intervals(reg):
         assert slot.swaps == 2 and slot.failed_swaps == 0
 
 
+def test_on_swap_is_called_once_per_version_that_goes_live_and_cannot_stop_a_swap(reg):
+    """An engine that applies versions between its steps learns from `on_swap` that one is loaded
+    (its status says so while it idles); a listener that raises leaves the swap in place."""
+    v1, v2, v3 = (reg.log(PolicyConfig(name)) for name in ("fcfs", "spf", "edf"))
+    reg.promote("policy-config", v1)
+    calls: list[int | None] = []
+    slot = Slot(reg, "policy-config", interval_s=60, on_swap=lambda: calls.append(slot.version))
+    slot.start()
+    try:
+        assert calls == [v1]  # the first load
+        assert slot.swap_now() is False and calls == [v1]  # nothing moved
+        reg.promote("policy-config", v2)
+        assert slot.swap_now() is True and calls == [v1, v2]
+
+        def broken() -> None:
+            raise OSError("status file not writable")
+
+        slot.on_swap = broken
+        reg.promote("policy-config", v3)
+        assert slot.swap_now() is True and slot.version == v3 and slot.registry_errors == 0
+    finally:
+        slot.stop()
+
+
 def _serving_then_promote_bad(reg, bad_version) -> Slot:
     slot = Slot(reg, "policy-config", interval_s=60).start()
     reg.promote("policy-config", bad_version)

@@ -127,6 +127,16 @@ def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_pat
             timeout_s=60,
         )
         assert code == 400 and "vllm_xargs.deadline_s" in body["error"]["message"]
+
+        # Promoted while the engine idles: its slot loads the version at once and the status says
+        # so, but the engine takes no step to apply it at until a request comes.
+        third = registry.log(PatternGraph().fit(generate_graphs(60, seed=3)))
+        registry.promote("pattern-graph", third)
+        idle = wait_for_status(port, server, log_path, lambda s: s["loaded"]["pattern-graph"] == third, 60)
+        assert idle["components"]["pattern-graph"] == second
+        code, _ = post_completion(port, {"model": str(model), "prompt": "x", "max_tokens": 2}, timeout_s=60)
+        assert code == 200
+        wait_for_status(port, server, log_path, lambda s: s["components"]["pattern-graph"] == third, 30)
     finally:
         server.terminate()
         server.wait(timeout=60)
