@@ -9,6 +9,7 @@ without failing a request. Needs the registry the quickstart just filled (patter
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
@@ -130,7 +131,9 @@ def serve_demo(out: Path, fast: bool) -> dict[str, Any]:
             if status["components"].get("pattern-graph") == version:
                 return True
             if not load.is_alive():  # the load ended first: one short request, a step to apply it at
-                post_completion(port, {"model": str(model), "prompt": "nudge", "max_tokens": 1})
+                # (a timeout or a refused connection: the next poll tries again)
+                with contextlib.suppress(OSError):
+                    post_completion(port, {"model": str(model), "prompt": "nudge", "max_tokens": 1})
             return False
 
         wait_for_status(port, server, log, swapped)

@@ -6,10 +6,11 @@ the two share the status through a small JSON file (`ADAPT_STATUS_FILE`), replac
 (write + rename) whenever a version, a swap count, a refusal or (with metrics on) the online
 prediction quality and its drift alarms change. Slots poll the registry in
 their own threads (`adapt.hotswap.Slot`); the scheduler thread only compares versions and hands a
-new component to the policy (`Policy.use_component`), so a swap never blocks a step. A version is
-applied at the engine's next step, and an idle engine takes none: the status says which versions
-the slots have loaded (`loaded`) beside those the policy uses (`components`), and a slot rewrites
-it when it loads one, so a promotion shows at once, idle or not.
+new component to the policy (`Policy.use_component`), so a step never waits for the registry (at
+most for a slot's status write). A version is applied at the engine's next step, and an idle engine
+takes none: the status says which versions the slots have loaded (`loaded`, the `policy-config`
+slot's too) beside those in use (`components`, `policy_config`), and a slot rewrites it when it
+loads one, so a promotion shows at once, idle or not.
 
 With `ADAPT_FOLLOW_POLICY_CONFIG=1` (`adapt serve --follow-policy-config`) one more slot follows
 the `policy-config` champion: the whole policy is what that version names (the `--policy` given to
@@ -53,17 +54,21 @@ class LiveComponents:
         self.registry = Registry()
         self.interval_s = interval_s
         self.status_file = Path(status_file) if status_file else None
-        self.config_slot = (
-            Slot(self.registry, "policy-config", interval_s=interval_s).start() if follow_config else None
-        )
+        # The scheduler thread and the slots' threads (on a load) both publish; one at a time.
+        self._publishing = threading.Lock()
+        self._last_status: dict[str, Any] | None = None
         self.config_version: int | None = None
         self.policy_swaps = 0
         self.quality: dict[str, dict[str, Any]] = {}
         self.predictions: dict[str, Any] | None = None
-        self._last_status: dict[str, Any] | None = None
-        # The scheduler thread and the slots' threads (on a load) both publish; one at a time.
-        self._publishing = threading.Lock()
+        self.config_slot = (
+            Slot(self.registry, "policy-config", interval_s=interval_s, on_swap=self._publish)
+            if follow_config
+            else None
+        )
         self._follow(policy)
+        if self.config_slot is not None:
+            self.config_slot.start()
         self.apply()
 
     def _follow(self, policy: Policy) -> None:
@@ -124,7 +129,7 @@ class LiveComponents:
             "policy_config": self.config_version,
             "policy_swaps": self.policy_swaps,
             "components": {slot.name: self.applied[a] for a, slot in self.slots.items()},
-            "loaded": {slot.name: slot.version for slot in self.slots.values()},
+            "loaded": {slot.name: slot.version for slot in slots},
             "swaps": sum(slot.swaps for slot in slots),
             "failed_swaps": sum(slot.failed_swaps for slot in slots),
             "reconnects": sum(slot.reconnects for slot in slots),

@@ -185,8 +185,9 @@ class EWSJF(Policy):
 
     def horizon(self, view: EngineView) -> Horizon:
         """The engine asks only of a plan that admits nothing: the best queue's head does not fit
-        (vLLM's head-of-line rule), or nothing waits. Scores grow with waiting time, so the plan
-        changes when the head of a queue that might fit overtakes the best one (`_overtaken_s`);
+        (vLLM's head-of-line rule), or nothing waits. Scores grow with waiting time, so what the
+        plan admits changes when the head of a queue that might fit overtakes the best one
+        (`_overtaken_s`; a head that does not fit may overtake too, and still nothing is admitted);
         nothing changes while no waiting request can be admitted whatever the order -- the
         running cap is reached, or even the smallest first chunk needs more KV blocks than are
         free (decodes only take blocks until a completion, which ends the run) -- nor with empty

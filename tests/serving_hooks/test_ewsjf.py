@@ -186,9 +186,9 @@ def test_a_new_meta_policy_re_routes_every_waiting_request():
 
 
 def test_horizon_holds_while_nothing_waiting_can_be_admitted():
-    """The order may change every step while something waits -- unless no waiting request can be
-    admitted whatever the order: the running cap is reached, or even the smallest first chunk
-    needs more KV blocks than are free."""
+    """While something waits that might be admitted, the plan is made afresh at once (here the best
+    head fits) -- unless no waiting request can be admitted whatever the order: the running cap
+    is reached, or even the smallest first chunk needs more KV blocks than are free."""
     from adapt.policy import FOREVER, EngineView, Horizon
 
     policy = EWSJF()
