@@ -122,8 +122,11 @@ class LiveComponents:
                 log.info("policy %s now uses %s v%s", self.policy.name, slot.name, version)
         self._publish()
 
+    def _every_slot(self) -> list[Slot]:
+        return [*self.slots.values(), *([self.config_slot] if self.config_slot else [])]
+
     def status(self) -> dict[str, Any]:
-        slots = [*self.slots.values(), *([self.config_slot] if self.config_slot else [])]
+        slots = self._every_slot()
         return {
             "policy": self.policy.name,
             "policy_config": self.config_version,
@@ -158,5 +161,5 @@ class LiveComponents:
             self._last_status = status
 
     def stop(self) -> None:
-        for slot in [*self.slots.values(), *([self.config_slot] if self.config_slot else [])]:
+        for slot in self._every_slot():
             slot.stop()

@@ -175,13 +175,24 @@ class EWSJF(Policy):
                 if view.step_index - queue.empty_since < self.meta.empty_threshold:
                     survivors.append(queue)
         self.queues = survivors
+        for index, _, _, value in self._scored_heads(view.now):
+            if value > best_score:
+                best, best_score = index, value
+        return Plan(admit=self._fill_order(best) if best >= 0 else None)
+
+    def _scored_heads(self, now: float) -> Iterator[tuple[int, LengthQueue, RequestState, float]]:
+        """Each non-empty queue's position (from 0), the queue, its head and the head's score: what
+        `on_step` picks the best of, and `horizon` foresees the next pick from."""
         for index, queue in enumerate(self.queues):
             if queue.items:
                 head = next(iter(queue.items.values()))
-                value = self.score(head, index + 1, queue.mean, view.now)
-                if value > best_score:
-                    best, best_score = index, value
-        return Plan(admit=self._fill_order(best) if best >= 0 else None)
+                yield index, queue, head, self.score(head, index + 1, queue.mean, now)
+
+    @staticmethod
+    def _first_chunk_fits(tokens: int, budget: int, view: EngineView) -> bool:
+        """Whether the first chunk of a request needing `tokens` (at most `budget`) fits in the
+        free KV blocks."""
+        return -(-min(tokens, budget) // view.kv_block_size) <= view.kv_free_blocks
 
     def horizon(self, view: EngineView) -> Horizon:
         """The engine asks only of a plan that admits nothing: the best queue's head does not fit
@@ -195,9 +206,8 @@ class EWSJF(Policy):
         until_s = math.inf
         if self._needs:
             budget = max(1, view.token_budget - len(view.running))
-            chunk = min(self._needs[0], budget)
-            blocked = (
-                len(view.running) >= view.max_running or -(-chunk // view.kv_block_size) > view.kv_free_blocks
+            blocked = len(view.running) >= view.max_running or not self._first_chunk_fits(
+                self._needs[0], budget, view
             )
             if not blocked:
                 until_s = self._overtaken_s(view, budget)
@@ -220,14 +230,15 @@ class EWSJF(Policy):
         shrink until a completion ends the run, so a head that does not fit now cannot later in
         it. A little early, never late: the scores' rounding must not let `on_step` see the
         crossing before this time."""
-        now, free, block = view.now, view.kv_free_blocks, view.kv_block_size
-        heads = []
-        for index, queue in enumerate(self.queues, 1):
-            if queue.items:
-                head = next(iter(queue.items.values()))
-                score = self.score(head, index, queue.mean, now)
-                fits = -(-min(head.tokens_to_compute, budget) // block) <= free
-                heads.append((score, self.score_slope(head, index, queue.mean), fits))
+        now = view.now
+        heads = [
+            (
+                score,
+                self.score_slope(head, index + 1, queue.mean),
+                self._first_chunk_fits(head.tokens_to_compute, budget, view),
+            )
+            for index, queue, head, score in self._scored_heads(now)
+        ]
         best_score, best_slope, best_fits = max(heads, key=lambda h: h[0])  # the first of equals
         if best_fits:
             return now
