@@ -4,12 +4,11 @@
 One screen from two reads of the server: `GET /v1/adapt/status` (policy, component versions --
 and a promoted version loaded but not yet applied, which an idle engine applies with its next
 request -- swaps, drift alarms; written by the engine core, `serving_hooks.live`) and
-`GET /metrics` (the
-`adapt_*` series, parsed with prometheus_client's own parser): SLO attainment by class, the online
-prediction quality next to the held-out figure, step times, queue and errors. Counters are totals
-since the server started, as Prometheus holds them; rates are Grafana's job
-(`deploy/grafana/adapt-dashboard.json`). A server started with `--no-metrics` still answers the
-status part.
+`GET /metrics` (the `adapt_*` series, parsed with prometheus_client's own parser): SLO
+attainment by class, the online prediction quality next to the held-out figure, step times, queue
+and errors. Counters are totals since the server started, as Prometheus holds them; rates are
+Grafana's job (`deploy/grafana/adapt-dashboard.json`). A server started with `--no-metrics` still
+answers the status part.
 """
 
 from __future__ import annotations
