@@ -24,9 +24,9 @@ Saved as a FAISS index of the window's embeddings plus an npz of its lengths (no
 
 from __future__ import annotations
 
-import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Self
 
@@ -39,9 +39,8 @@ from predictors.length_neighbours import LengthNeighbours, nearest_by_ratio
 
 MODES = ("semantic", "length", "point")
 COLD_PRIOR_MAX_TOKENS = 2048  # an empty window predicts a uniform length up to this
-_SEARCH_MARGIN = 64
+_SEARCH_MARGIN = 64  # extra FAISS hits fetched so that excluded same-prompt entries do not starve
 _PARALLEL_QUERIES = 20  # FAISS switches to BLAS at 20 queries; below that one thread is faster
-_CORES = os.cpu_count() or 1  # extra FAISS hits fetched so that excluded same-prompt entries do not starve
 
 
 class SemanticHistory(LearnedComponent):
@@ -251,8 +250,6 @@ class SemanticHistory(LearnedComponent):
         results: list[LengthDistribution | None] = [None] * count
         semantic = has_text & (self.mode != "length") & (self.index_.ntotal > 0)
         if semantic.any():
-            import faiss
-
             rows = np.flatnonzero(semantic)
             queries = np.ascontiguousarray(embeddings[rows], dtype=np.float32)
             # Enough hits for the prior; rows whose last hit still clears the threshold may have
@@ -261,8 +258,8 @@ class SemanticHistory(LearnedComponent):
                 self.index_.ntotal,
                 self.fallback_neighbors + self._oldest - self.index_floor_ + _SEARCH_MARGIN,
             )
-            faiss.omp_set_num_threads(1 if len(rows) < _PARALLEL_QUERIES else _CORES)
-            sims, hits = self.index_.search(queries, k)
+            with _one_thread_if(len(rows) < _PARALLEL_QUERIES):
+                sims, hits = self.index_.search(queries, k)
             for row, query, sim, hit in zip(rows, queries, sims, hits, strict=True):
                 if k < self.index_.ntotal and sim[-1] >= self.threshold:
                     _, range_sims, range_hits = self.index_.range_search(query[None], self.threshold)
@@ -395,6 +392,26 @@ class SemanticHistory(LearnedComponent):
         probe = self.predict_embedded([16], np.zeros((1, DIMENSION), dtype=np.float32), [False])[0]
         if not (np.all(probe.support > 0) and abs(probe.probs.sum() - 1.0) < 1e-6):
             raise ComponentError("semantic-history: canary prediction is not a length distribution")
+
+
+@contextmanager
+def _one_thread_if(few_queries: bool) -> Iterator[None]:
+    """FAISS on one OpenMP thread for a search of few queries (thread start-up costs more than it
+    saves there), the caller's thread count restored afterwards. OpenMP keeps that count per calling
+    thread and shares it with every library in the process: torch in this thread read 1 after a
+    search (and ran its next matrix products at half speed on 2 cores) before the count was
+    restored, and a large search no longer raises it past what the process was given."""
+    if not few_queries:
+        yield
+        return
+    import faiss
+
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(before)
 
 
 def embed_prompts(texts: Sequence[str | None]) -> tuple[np.ndarray, np.ndarray]:

@@ -192,6 +192,22 @@ def test_threshold_neighbours_then_fallback_then_length():
     assert 7 in by_length.support.tolist()
 
 
+def test_a_search_leaves_the_callers_openmp_thread_count_as_it_was():
+    """OpenMP's count is per thread and shared with torch: a lookup must not leave it at 1."""
+    import faiss
+
+    history = SemanticHistory(threshold=0.8, min_neighbors=1, fallback_neighbors=1)
+    history.observe([10, 10], [100, 900], np.vstack([basis(0), basis(1)]), [True, True])
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(3)  # neither 1 (a small search) nor the core count (the old large one)
+    try:
+        for queries in (1, 25):  # a search of few queries and one past FAISS's parallel threshold
+            history.predict_embedded([10] * queries, np.tile(basis(0), (queries, 1)), [True] * queries)
+            assert faiss.omp_get_max_threads() == 3
+    finally:
+        faiss.omp_set_num_threads(before)
+
+
 def test_fifo_window_evicts_oldest_and_index_stays_bounded():
     history = SemanticHistory(window=8, min_neighbors=1, fallback_neighbors=8)
     for i in range(40):
