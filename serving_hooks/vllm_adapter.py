@@ -407,7 +407,12 @@ class PolicyScheduler(AsyncScheduler):
 
     def _prediction_queue(self, function: BatchFunction) -> PredictionQueue:
         """A background worker for one of the policy's model calls (`Policy.use_predictions`),
-        bounded by `ADAPT_PREDICTION_QUEUE` waiting submissions (default 256)."""
+        bounded by `ADAPT_PREDICTION_QUEUE` waiting submissions (default 256). Prompt embeddings,
+        the costly part of those calls, run in a child process at the lowest CPU priority: in this
+        process's worker thread they held the GIL this engine loop needs."""
+        from predictors.embedding import compute_in_child_process
+
+        compute_in_child_process()
         bound = int(os.environ.get("ADAPT_PREDICTION_QUEUE", "256"))
         queue = BackgroundWorker(function, max_pending=bound, warm_up_now=self._starting)
         if os.environ.get("ADAPT_RECORD_DECISIONS") == "1":

@@ -1,0 +1,151 @@
+"""MiniLM in a child process at the lowest CPU priority, for a live engine.
+
+Why not a thread of the engine's process: the encoder's Python work (tokenising, dispatching
+hundreds of small torch ops per batch) holds the GIL that vLLM's engine loop needs between its own
+ops, and a thread cannot give the engine priority over itself -- on 2 CPU cores an embedding thread
+held sagesched at 0.38-0.47 of vLLM's default throughput at saturation. A child process shares no
+GIL, and at nice 19 the kernel runs it on what the engine leaves: at saturation predictions wait
+(requests stay on their prior, which is what the policies are built for) instead of the engine
+waiting -- 0.73-0.97 (median 0.93) in the same benchmark (`experiments.bench_throughput`).
+
+Protocol: pickled objects over the child's stdin and a duplicate of its stdout (anything a library
+prints goes to stderr, so it cannot corrupt a reply). The child first sends "ready" once the model
+is loaded, then answers each `(texts, batch_size)` with an array or `("error", message)`. It exits
+when its stdin closes, so it never outlives the engine that started it. Pickle is safe here: both
+ends are this package, talking over a pipe no one else holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+LOWEST_PRIORITY = 19
+NICE_VARIABLE = "ADAPT_EMBEDDING_NICE"  # an operator's trade: 0 shares the CPU with the engine evenly
+
+
+class EmbeddingProcessError(RuntimeError):
+    """The child could not embed a batch (it raised, or it exited); the next call starts a new one."""
+
+
+class EmbeddingProcess:
+    """One child running `predictors.embedding`'s encoder; `embed` blocks the calling thread (not
+    the GIL) until the vectors come back. Started on first use or by `start`; thread-safe."""
+
+    def __init__(self, nice: int = LOWEST_PRIORITY) -> None:
+        if not 0 <= nice <= LOWEST_PRIORITY:
+            raise ValueError(f"embedding process: nice must be 0..{LOWEST_PRIORITY}, got {nice}")
+        self.nice = nice
+        self._lock = threading.Lock()
+        self._child: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start the child if none runs and wait until its model is loaded (~10 s on 2 cores)."""
+        with self._lock:
+            self._start()
+
+    def embed(self, texts: Sequence[str], batch_size: int) -> np.ndarray:
+        with self._lock:
+            child = self._start()
+            try:
+                pickle.dump((list(texts), batch_size), child.stdin)
+                child.stdin.flush()
+                reply = pickle.load(child.stdout)
+            except (OSError, EOFError, pickle.UnpicklingError) as error:
+                raise self._lost(error) from error
+        if isinstance(reply, tuple):
+            raise EmbeddingProcessError(f"embedding process: {reply[1]}")
+        return reply
+
+    def close(self) -> None:
+        with self._lock:
+            child, self._child = self._child, None
+        if child is not None:
+            child.stdin.close()  # the child's cue to exit
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        if self._child is not None and self._child.poll() is None:
+            return self._child
+        command = [sys.executable, "-m", "predictors.embedding_process", str(self.nice)]
+        # One thread: a parallel region waits for its slowest thread, and at the lowest priority
+        # a second thread on a core the engine is using would hold every region up.
+        environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+        child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=environment)
+        self._child = child
+        try:
+            ready = pickle.load(child.stdout)
+        except (OSError, EOFError, pickle.UnpicklingError) as error:
+            raise self._lost(error) from error
+        if ready != "ready":
+            raise self._lost(ValueError(f"unexpected first reply {ready!r}"))
+        log.info("embedding process %d: model loaded, running at nice %d", child.pid, self.nice)
+        return child
+
+    def _lost(self, cause: BaseException) -> EmbeddingProcessError:
+        """Reap a child that stopped answering; the next call starts another."""
+        child, self._child = self._child, None
+        code = None
+        if child is not None:
+            child.kill()
+            code = child.wait()
+        return EmbeddingProcessError(
+            f"embedding process exited (code {code}: {cause!r}); its stderr is above; "
+            "the next batch starts a new one"
+        )
+
+
+def configured_nice() -> int:
+    """`ADAPT_EMBEDDING_NICE` (0..19) when set, else the lowest priority. Where the engine keeps
+    every core busy (vLLM's CPU backend spins its OpenMP threads), 19 leaves almost every request
+    on its prior; a smaller value buys predictions with engine throughput."""
+    setting = os.environ.get(NICE_VARIABLE, "").strip()
+    if not setting:
+        return LOWEST_PRIORITY
+    try:
+        return int(setting)
+    except ValueError:
+        raise ValueError(
+            f"{NICE_VARIABLE}: expected an integer 0..{LOWEST_PRIORITY}, got {setting!r}"
+        ) from None
+
+
+def _serve(nice: int) -> None:
+    """The child's loop: load the model, then answer batches until stdin closes."""
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # a library's print lands in stderr, never inside a reply
+    requests = os.fdopen(0, "rb")
+    os.nice(nice)
+    from predictors import embedding
+
+    embedding.load_model()
+    pickle.dump("ready", replies)
+    replies.flush()
+    while True:
+        try:
+            texts, batch_size = pickle.load(requests)
+        except EOFError:
+            return
+        try:
+            reply: object = embedding.embed(texts, batch_size)
+        except Exception as error:  # reported to the engine, which keeps the requests on their prior
+            reply = ("error", f"{type(error).__name__}: {error}")
+        pickle.dump(reply, replies)
+        replies.flush()
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]))

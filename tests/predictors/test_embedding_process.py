@@ -1,0 +1,72 @@
+"""MiniLM in a child process (what a live engine uses): the same vectors as in-process, at the
+lowest CPU priority, and a failed or dead child costs one batch, never the caller."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from predictors import embedding
+from predictors.embedding_process import LOWEST_PRIORITY, EmbeddingProcess, EmbeddingProcessError
+
+TEXTS = ["What is the capital of France?", "Summarise this article in three lines.", "hi"]
+
+
+@pytest.mark.slow
+def test_child_embeds_as_this_process_does_and_survives_failures():
+    child = EmbeddingProcess()
+    try:
+        vectors = child.embed(TEXTS, batch_size=2)
+        assert vectors.shape == (3, embedding.DIMENSION) and vectors.dtype == np.float32
+        np.testing.assert_allclose(vectors, embedding.embed(TEXTS), atol=1e-5)
+        pid = child._child.pid
+        assert os.getpriority(os.PRIO_PROCESS, pid) == LOWEST_PRIORITY
+
+        with pytest.raises(EmbeddingProcessError, match="embedding process: "):
+            child.embed([None], batch_size=2)  # the model raises in the child: reported, child lives
+        assert child._child.pid == pid
+        np.testing.assert_allclose(child.embed(TEXTS[:1], batch_size=2), vectors[:1], atol=1e-5)
+
+        os.kill(pid, 9)  # a child that dies mid-serve
+        with pytest.raises(EmbeddingProcessError, match="exited"):
+            child.embed(TEXTS, batch_size=2)
+        np.testing.assert_allclose(child.embed(TEXTS, batch_size=2), vectors, atol=1e-5)  # a new child
+        assert child._child.pid != pid
+    finally:
+        child.close()
+    assert child._child is None
+
+
+def test_the_module_sends_embeddings_to_the_child_once_switched(monkeypatch):
+    calls = []
+
+    class FakeChild:
+        def start(self):
+            calls.append("start")
+
+        def embed(self, texts, batch_size):
+            calls.append(list(texts))
+            return np.ones((len(texts), embedding.DIMENSION), dtype=np.float32)
+
+    monkeypatch.setattr(embedding, "_child", FakeChild())
+    monkeypatch.setattr(embedding, "_model", lambda: pytest.fail("the model loaded in-process"))
+    embedding.load_model()
+    assert embedding.embed(["a", "b"]).shape == (2, embedding.DIMENSION)
+    assert embedding.embed([]).shape == (0, embedding.DIMENSION)
+    assert calls == ["start", ["a", "b"]]
+
+
+def test_the_priority_is_the_lowest_unless_an_operator_sets_it(monkeypatch):
+    from predictors.embedding_process import NICE_VARIABLE, configured_nice
+
+    monkeypatch.delenv(NICE_VARIABLE, raising=False)
+    assert configured_nice() == LOWEST_PRIORITY
+    monkeypatch.setenv(NICE_VARIABLE, "5")
+    assert configured_nice() == 5
+    monkeypatch.setenv(NICE_VARIABLE, "low")
+    with pytest.raises(ValueError, match=NICE_VARIABLE):
+        configured_nice()
+    with pytest.raises(ValueError, match=r"0\.\.19"):
+        EmbeddingProcess(nice=20)
