@@ -48,6 +48,15 @@ def compute_in_child_process() -> None:
         _child = EmbeddingProcess(configured_nice())
 
 
+def close_child_process() -> None:
+    """Stop the child process, if one runs, and compute in this process again (an engine shutting
+    down inside a longer-lived process, e.g. `LLM` with in-process engine core)."""
+    global _child
+    child, _child = _child, None
+    if child is not None:
+        child.close()
+
+
 def load_model() -> None:
     """Load MiniLM now (~10 s the first time in a process, or in the child process where
     `compute_in_child_process` sent it), e.g. in a live prediction worker before the first prompt

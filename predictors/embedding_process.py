@@ -11,8 +11,12 @@ waiting -- 0.73-0.97 (median 0.93) in the same benchmark (`experiments.bench_thr
 Protocol: pickled objects over the child's stdin and a duplicate of its stdout (anything a library
 prints goes to stderr, so it cannot corrupt a reply). The child first sends "ready" once the model
 is loaded, then answers each `(texts, batch_size)` with an array or `("error", message)`. It exits
-when its stdin closes, so it never outlives the engine that started it. Pickle is safe here: both
-ends are this package, talking over a pipe no one else holds.
+when its stdin closes (at the engine's shutdown, or when the engine dies: after the batch it is
+computing, if any), and it sits in its own session, so a terminal's Ctrl-C stops the engine, which
+stops it. It sees no GPU: on a GPU node it would otherwise put a second CUDA context and its memory
+beside vLLM's, outside vLLM's budget, and nice does not order GPU work. Pickle is safe here: both
+ends are this package, talking over a pipe no one else holds. The priority is relative: nice 19
+adds 19 to the engine's own niceness (capped at 19).
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import select
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,11 +36,14 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 LOWEST_PRIORITY = 19
+START_TIMEOUT_S = 300.0  # loading MiniLM takes ~10 s; a starved or hung child must not hold engine start
+RETRY_AFTER_S = 60.0  # after a child failed to start, batches are refused this long, not each respawned
 NICE_VARIABLE = "ADAPT_EMBEDDING_NICE"  # an operator's trade: 0 shares the CPU with the engine evenly
 
 
 class EmbeddingProcessError(RuntimeError):
-    """The child could not embed a batch (it raised, or it exited); the next call starts a new one."""
+    """The child could not embed a batch: it raised (it keeps serving), or it exited or never started
+    (a later call starts a new one)."""
 
 
 class EmbeddingProcess:
@@ -47,6 +56,7 @@ class EmbeddingProcess:
         self.nice = nice
         self._lock = threading.Lock()
         self._child: subprocess.Popen[bytes] | None = None
+        self._retry_at = 0.0  # monotonic time before which a failed start is not tried again
 
     def start(self) -> None:
         """Start the child if none runs and wait until its model is loaded (~10 s on 2 cores)."""
@@ -80,18 +90,26 @@ class EmbeddingProcess:
     def _start(self) -> subprocess.Popen[bytes]:
         if self._child is not None and self._child.poll() is None:
             return self._child
-        command = [sys.executable, "-m", "predictors.embedding_process", str(self.nice)]
+        if time.monotonic() < self._retry_at:
+            raise EmbeddingProcessError("embedding process: failed to start; not retried yet")
+        command = _child_command(self.nice)
         # One thread: a parallel region waits for its slowest thread, and at the lowest priority
         # a second thread on a core the engine is using would hold every region up.
-        environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-        child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=environment)
+        environment = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        child = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=environment, start_new_session=True
+        )
         self._child = child
         try:
+            readable, _, _ = select.select([child.stdout], [], [], START_TIMEOUT_S)
+            if not readable:
+                raise TimeoutError(f"model not loaded after {START_TIMEOUT_S:.0f} s")
             ready = pickle.load(child.stdout)
-        except (OSError, EOFError, pickle.UnpicklingError) as error:
+            if ready != "ready":
+                raise ValueError(f"unexpected first reply {ready!r}")
+        except (OSError, EOFError, pickle.UnpicklingError, ValueError) as error:
+            self._retry_at = time.monotonic() + RETRY_AFTER_S
             raise self._lost(error) from error
-        if ready != "ready":
-            raise self._lost(ValueError(f"unexpected first reply {ready!r}"))
         log.info("embedding process %d: model loaded, running at nice %d", child.pid, self.nice)
         return child
 
@@ -103,9 +121,13 @@ class EmbeddingProcess:
             child.kill()
             code = child.wait()
         return EmbeddingProcessError(
-            f"embedding process exited (code {code}: {cause!r}); its stderr is above; "
-            "the next batch starts a new one"
+            f"embedding process stopped (exit code {code}: {cause!r}); its stderr is above; "
+            "a later batch starts a new one"
         )
+
+
+def _child_command(nice: int) -> list[str]:
+    return [sys.executable, "-m", "predictors.embedding_process", str(nice)]
 
 
 def configured_nice() -> int:
@@ -116,11 +138,12 @@ def configured_nice() -> int:
     if not setting:
         return LOWEST_PRIORITY
     try:
-        return int(setting)
+        nice = int(setting)
     except ValueError:
-        raise ValueError(
-            f"{NICE_VARIABLE}: expected an integer 0..{LOWEST_PRIORITY}, got {setting!r}"
-        ) from None
+        nice = -1
+    if not 0 <= nice <= LOWEST_PRIORITY:
+        raise ValueError(f"{NICE_VARIABLE}: expected 0..{LOWEST_PRIORITY}, got {setting!r}")
+    return nice
 
 
 def _serve(nice: int) -> None:
@@ -143,8 +166,11 @@ def _serve(nice: int) -> None:
             reply: object = embedding.embed(texts, batch_size)
         except Exception as error:  # reported to the engine, which keeps the requests on their prior
             reply = ("error", f"{type(error).__name__}: {error}")
-        pickle.dump(reply, replies)
-        replies.flush()
+        try:
+            pickle.dump(reply, replies)
+            replies.flush()
+        except BrokenPipeError:  # the engine is gone
+            return
 
 
 if __name__ == "__main__":

@@ -262,7 +262,8 @@ class SemanticHistory(LearnedComponent):
                 sims, hits = self.index_.search(queries, k)
             for row, query, sim, hit in zip(rows, queries, sims, hits, strict=True):
                 if k < self.index_.ntotal and sim[-1] >= self.threshold:
-                    _, range_sims, range_hits = self.index_.range_search(query[None], self.threshold)
+                    with _one_thread_if(True):  # one query
+                        _, range_sims, range_hits = self.index_.range_search(query[None], self.threshold)
                     order = np.argsort(-range_sims, kind="stable")
                     sim, hit = range_sims[order], range_hits[order]
                 keep = hit >= self._oldest  # -1 (no hit) and evicted ids fall out here
@@ -398,8 +399,8 @@ class SemanticHistory(LearnedComponent):
 def _one_thread_if(few_queries: bool) -> Iterator[None]:
     """FAISS on one OpenMP thread for a search of few queries (thread start-up costs more than it
     saves there), the caller's thread count restored afterwards. OpenMP keeps that count per calling
-    thread and shares it with every library in the process: torch in this thread read 1 after a
-    search (and ran its next matrix products at half speed on 2 cores) before the count was
+    thread, and here torch's and FAISS's OpenMP resolve to one library: torch in this thread read 1
+    after a search (and ran its next matrix products at half speed on 2 cores) before the count was
     restored, and a large search no longer raises it past what the process was given."""
     if not few_queries:
         yield

@@ -396,11 +396,16 @@ class PolicyScheduler(AsyncScheduler):
         return output
 
     def shutdown(self) -> None:
-        """vLLM's shutdown, after the prediction workers stop (a thread still inside a model at
-        interpreter exit can abort the process) and the logs' buffers are written out (a server
-        stopped under load would otherwise lose its last second of request and step records)."""
+        """vLLM's shutdown, after the prediction workers and the embedding process stop (a thread
+        still inside a model at interpreter exit can abort the process) and the logs' buffers are
+        written out (a server stopped under load would otherwise lose its last second of request
+        and step records)."""
         for queue in self.prediction_queues:
             queue.close()
+        if self.prediction_queues:
+            from predictors.embedding import close_child_process
+
+            close_child_process()
         if self.monitor is not None:
             self._flush_logs()
         super().shutdown()

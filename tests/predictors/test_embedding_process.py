@@ -70,3 +70,23 @@ def test_the_priority_is_the_lowest_unless_an_operator_sets_it(monkeypatch):
         configured_nice()
     with pytest.raises(ValueError, match=r"0\.\.19"):
         EmbeddingProcess(nice=20)
+
+
+@pytest.mark.parametrize(
+    ("command", "error"),
+    [(["/bin/false"], "stopped"), (["/bin/sleep", "5"], "not loaded after")],
+)
+def test_a_child_that_cannot_start_fails_fast_and_is_not_respawned_at_once(monkeypatch, command, error):
+    """One that exits, or one that never says it is ready: engine start is not held for ever, and
+    the batches after it are refused at once instead of each starting another interpreter."""
+    from predictors import embedding_process
+
+    monkeypatch.setattr(embedding_process, "START_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(embedding_process, "_child_command", lambda nice: command)
+    child = EmbeddingProcess()
+    with pytest.raises(EmbeddingProcessError, match=error):
+        child.start()
+    assert child._child is None
+    monkeypatch.setattr(embedding_process, "_child_command", lambda nice: pytest.fail("respawned"))
+    with pytest.raises(EmbeddingProcessError, match="not retried yet"):
+        child.embed(["a"], batch_size=1)
