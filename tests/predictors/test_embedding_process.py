@@ -30,7 +30,7 @@ def test_child_embeds_as_this_process_does_and_survives_failures():
         np.testing.assert_allclose(child.embed(TEXTS[:1], batch_size=2), vectors[:1], atol=1e-5)
 
         os.kill(pid, 9)  # a child that dies mid-serve
-        with pytest.raises(EmbeddingProcessError, match="exited"):
+        with pytest.raises(EmbeddingProcessError, match="stopped"):
             child.embed(TEXTS, batch_size=2)
         np.testing.assert_allclose(child.embed(TEXTS, batch_size=2), vectors, atol=1e-5)  # a new child
         assert child._child.pid != pid
