@@ -66,6 +66,10 @@ def main(model: str, spec: str, max_num_seqs: int = 1) -> None:
     while engine.has_unfinished_requests() and time.time() < deadline:
         order.extend(out.request_id for out in engine.step() if out.finished)
         most_running = max(most_running, len(scheduler.running))
+        # Every prediction (sagesched's embeddings) lands before the next step: what a policy
+        # learns here must not hinge on how fast this machine embeds beside the engine.
+        for queue in scheduler.prediction_queues:
+            assert queue.drain(timeout_s=120), "a prediction did not come back within 120 s"
     report = {"order": order, "errors": scheduler.policy_errors, "most_running": most_running}
     if hasattr(scheduler.adapt_policy, "frames"):  # jitserve: GMAX frames planned inside the engine
         report["frames"] = scheduler.adapt_policy.frames
