@@ -6,9 +6,10 @@ an inner product is the cosine similarity SageSched thresholds at 0.8. The model
 per process; batching matters -- on 2 CPU cores one prompt costs ~20 ms alone and ~11 ms in
 batches of 64 (measured by `python -m experiments.bench_sagesched`). Loading it costs ~10 s more, so
 `shared_cache()` keeps vectors on disk too (`predictors.embedding_cache`): a replay whose prompts
-were all embedded before never loads the model. A live engine calls `compute_in_child_process()`
-first: the model then runs in a child process at the lowest CPU priority
-(`predictors.embedding_process`), so embedding never holds the engine's GIL or its cores.
+were all embedded before never loads the model. A live engine started with
+`ADAPT_EMBEDDING_PROCESS=1` calls `compute_in_child_process()` first: the model then runs in a
+child process at the lowest CPU priority (`predictors.embedding_process`), so embedding never
+holds the engine's GIL or its cores.
 """
 
 from __future__ import annotations

@@ -412,12 +412,16 @@ class PolicyScheduler(AsyncScheduler):
 
     def _prediction_queue(self, function: BatchFunction) -> PredictionQueue:
         """A background worker for one of the policy's model calls (`Policy.use_predictions`),
-        bounded by `ADAPT_PREDICTION_QUEUE` waiting submissions (default 256). Prompt embeddings,
-        the costly part of those calls, run in a child process at the lowest CPU priority: in this
-        process's worker thread they held the GIL this engine loop needs."""
-        from predictors.embedding import compute_in_child_process
+        bounded by `ADAPT_PREDICTION_QUEUE` waiting submissions (default 256). With
+        `ADAPT_EMBEDDING_PROCESS=1`, prompt embeddings, the costly part of those calls, run in a
+        child process at the lowest CPU priority: in this process's worker thread they hold the GIL
+        this engine loop needs. Off by default: it changes when embeddings arrive, and the replay's
+        model of that delay (the mean wait of delivered results) ignores requests that finish
+        before theirs, which the child's low priority makes common."""
+        if os.environ.get("ADAPT_EMBEDDING_PROCESS") == "1":
+            from predictors.embedding import compute_in_child_process
 
-        compute_in_child_process()
+            compute_in_child_process()
         bound = int(os.environ.get("ADAPT_PREDICTION_QUEUE", "256"))
         queue = BackgroundWorker(function, max_pending=bound, warm_up_now=self._starting)
         if os.environ.get("ADAPT_RECORD_DECISIONS") == "1":
