@@ -45,15 +45,10 @@ def test_every_policy_decides_identically_in_both_engines(tiny_model, tmp_path, 
     assert result.agreement == 1.0, result.describe()
 
 
-def test_sagesched_embeds_off_the_step_and_replay_hands_over_at_the_same_steps(
-    tiny_model, tmp_path, monkeypatch
-):
+def test_sagesched_embeds_off_the_step_and_replay_hands_over_at_the_same_steps(tiny_model, tmp_path):
     """Live, MiniLM runs in a background worker: some requests are first scheduled on their
     length-only prior and re-ranked when their embedding comes, steps later; the trace-driven
-    replay hands each embedding over at the live step that got it and decides identically.
-    The embedding process shares the CPU evenly here: at its default lowest priority, vLLM's CPU
-    backend leaves it too little of these cores to hand anything over."""
-    monkeypatch.setenv("ADAPT_EMBEDDING_NICE", "0")  # the engine's process inherits it
+    replay hands each embedding over at the live step that got it and decides identically."""
     live, result = _lockstep(tiny_model, tmp_path, "sagesched")
     out = tmp_path / "run"
     # The ordinary (not lockstep) replay with the live run's prediction latency schedules about

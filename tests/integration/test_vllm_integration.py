@@ -64,12 +64,9 @@ def test_an_oracle_policy_is_refused_at_engine_start(tiny_model):
     assert "needs true output lengths" in done.stderr
 
 
-def test_sagesched_inside_vllm_reads_prompt_text_and_learns_online(tiny_model, monkeypatch):
+def test_sagesched_inside_vllm_reads_prompt_text_and_learns_online(tiny_model):
     """A cold window predicts the same length for every prompt, so the KV cost model puts the short
-    prompt first; each completion enters the window with its detokenised prompt's embedding. The
-    embedding process shares the CPU evenly here: at its default lowest priority, on a machine busy
-    with other work, it may not hand an embedding over before its request finishes."""
-    monkeypatch.setenv("ADAPT_EMBEDDING_NICE", "0")  # the probe's engine inherits it
+    prompt first; each completion enters the window with its detokenised prompt's embedding."""
     result = probe(tiny_model, "sagesched")
     assert result["errors"] == 0
     assert result["order"] == ["blocker", "short", "long"]
