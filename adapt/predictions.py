@@ -22,7 +22,9 @@ prior (what it knows without the model) until the result is ready, and re-ranks 
 
 A queue hands results over in submission order and never those of a request `discard`ed (it left
 before its result came). Each counts what it did (`PredictionStats`): the share of requests whose
-first decision was made on the prior, and the wait from submission to hand-over.
+first decision was made on the prior, and the wait from submission to hand-over -- where a request
+left first, the time it waited in vain, a lower bound on its wait (a replay that modelled the delay
+from delivered results alone would miss exactly the slowest ones: under overload, most of them).
 """
 
 from __future__ import annotations
@@ -45,13 +47,17 @@ QueueFactory = Callable[[BatchFunction], "PredictionQueue"]
 class PredictionStats:
     """What a queue did: `on_prior` counts requests still without a result at the first poll after
     their submission (their first scheduling decision used the prior); `refused` those never
-    submitted (queue full); `waited_s` sums, over delivered results, submission to hand-over."""
+    submitted (queue full); `waited_s` sums, over delivered results, submission to hand-over;
+    `censored` counts results discarded before they came (the request left) and `censored_s` sums
+    their submission to discard."""
 
     submitted: int = 0
     refused: int = 0
     delivered: int = 0
     on_prior: int = 0
     waited_s: float = 0.0
+    censored: int = 0
+    censored_s: float = 0.0
 
     @classmethod
     def combined(cls, parts: Sequence[PredictionStats]) -> PredictionStats:
@@ -59,11 +65,15 @@ class PredictionStats:
         return cls(*(sum(getattr(p, name) for p in parts) for name in cls.__dataclass_fields__))
 
     def summary(self) -> dict[str, float | int]:
+        """The counts, with `share_on_prior` and `mean_wait_s`: the mean over delivered and
+        censored waits, each censored one counted at its lower bound (so a lower bound itself when
+        any was censored, but not biased to the fast ones as the delivered mean alone is)."""
         first_decisions = self.submitted + self.refused
+        waits = self.delivered + self.censored
         return {
             **asdict(self),
             "share_on_prior": (self.on_prior + self.refused) / first_decisions if first_decisions else 0.0,
-            "mean_wait_s": self.waited_s / self.delivered if self.delivered else 0.0,
+            "mean_wait_s": (self.waited_s + self.censored_s) / waits if waits else 0.0,
         }
 
 
@@ -87,9 +97,13 @@ class PredictionQueue:
         self.stats.submitted += 1
         return True
 
-    def discard(self, key: str) -> None:
-        """The request left: its result, if it comes, is dropped."""
-        self._submitted_at.pop(key, None)
+    def discard(self, key: str, now: float) -> None:
+        """The request left at `now`: its result, if it comes, is dropped (and its wait so far
+        counted as censored)."""
+        submitted_at = self._submitted_at.pop(key, None)
+        if submitted_at is not None:
+            self.stats.censored += 1
+            self.stats.censored_s += now - submitted_at
 
     def ready(self, now: float) -> list[tuple[str, Any]]:
         """The results ready by `now`, in submission order, each handed over once."""

@@ -206,7 +206,7 @@ class JITServe(Policy):
     def on_finish(self, request: RequestState, now: float) -> None:
         for key in self._asked_by.pop(request.id, ()):
             del self._asked[key]
-            self._predictions.discard(key)
+            self._predictions.discard(key, now)
         self._unqueue(request)
         self._table.release(request.id)
         self._requests.pop(request.id, None)

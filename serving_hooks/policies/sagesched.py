@@ -255,7 +255,7 @@ class SageSched(PriorityPolicy):
     def on_finish(self, request: RequestState, now: float) -> None:
         self._new.pop(request.id, None)
         if self._awaiting.pop(request.id, None) is not None:
-            self._predictions.discard(request.id)
+            self._predictions.discard(request.id, now)
         self._keys.pop(request, None)
         self._due.pop(request, None)
         super().on_finish(request, now)

@@ -43,13 +43,19 @@ def test_a_discarded_request_gets_nothing_and_is_not_computed_if_not_yet_polled(
     queue = Delayed(lambda batch: calls.append(list(batch)) or doubled(batch), delay_s=1.0)
     queue.submit("a", 1, now=0.0)
     queue.submit("b", 2, now=0.0)
-    queue.discard("a")
+    queue.discard("a", now=0.25)
     assert queue.ready(1.0) == [("b", 4)]
     assert calls == [[2]]
     queue.submit("c", 3, now=1.0)
     queue.ready(1.5)  # computed, not due
-    queue.discard("c")
+    queue.discard("c", now=1.75)
+    queue.discard("b", now=2.0)  # already handed over: not a censored wait
     assert queue.ready(5.0) == [] and not queue.awaited
+    stats = queue.stats.summary()
+    # a and c left after waiting 0.25 s and 0.75 s in vain: lower bounds beside b's 1.0 s.
+    assert (stats["delivered"], stats["censored"]) == (1, 2)
+    assert stats["censored_s"] == pytest.approx(1.0)
+    assert stats["mean_wait_s"] == pytest.approx((1.0 + 0.25 + 0.75) / 3)
 
 
 def test_scripted_hands_over_at_the_live_steps():

@@ -45,10 +45,17 @@ def test_every_policy_decides_identically_in_both_engines(tiny_model, tmp_path, 
     assert result.agreement == 1.0, result.describe()
 
 
-def test_sagesched_embeds_off_the_step_and_replay_hands_over_at_the_same_steps(tiny_model, tmp_path):
+def test_sagesched_embeds_off_the_step_and_replay_hands_over_at_the_same_steps(
+    tiny_model, tmp_path, monkeypatch
+):
     """Live, MiniLM runs in a background worker: some requests are first scheduled on their
     length-only prior and re-ranked when their embedding comes, steps later; the trace-driven
-    replay hands each embedding over at the live step that got it and decides identically."""
+    replay hands each embedding over at the live step that got it and decides identically.
+
+    The live engine embeds with a cache of its own: the session's cache holds these prompts' vectors
+    once another test served them, and a cache hit (well under a millisecond) against 2 ms steps
+    makes the prior/prediction split hinge on how far apart the client added each step's arrivals."""
+    monkeypatch.setenv("ADAPT_EMBEDDING_CACHE", str(tmp_path / "embedding-cache"))
     live, result = _lockstep(tiny_model, tmp_path, "sagesched")
     out = tmp_path / "run"
     # The ordinary (not lockstep) replay with the live run's prediction latency schedules about
