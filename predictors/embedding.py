@@ -22,7 +22,7 @@ from functools import lru_cache
 import numpy as np
 
 from predictors.embedding_cache import DiskEmbeddingCache, content_key, open_default
-from predictors.embedding_process import EmbeddingProcess, configured_nice
+from predictors.embedding_process import EmbeddingProcess, configured_cpus, configured_nice
 
 DIMENSION = 384
 _child: EmbeddingProcess | None = None  # set by `compute_in_child_process`
@@ -41,12 +41,13 @@ def _model():
 
 def compute_in_child_process() -> None:
     """From now on this process's embeddings are computed by a child process at the lowest CPU
-    priority (`ADAPT_EMBEDDING_NICE` overrides it), started on first use or by `load_model`. For a
+    priority (`ADAPT_EMBEDDING_NICE` overrides it; `ADAPT_EMBEDDING_CPUS` gives it cores of its
+    own), started on first use or by `load_model`. For a
     live engine, whose loop must not wait on MiniLM for the GIL or the CPU; a replay or a training
     job keeps the model in-process."""
     global _child
     if _child is None:
-        _child = EmbeddingProcess(configured_nice())
+        _child = EmbeddingProcess(configured_nice(), configured_cpus())
 
 
 def close_child_process() -> None:

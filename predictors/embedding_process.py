@@ -8,6 +8,13 @@ GIL, and at nice 19 the kernel runs it on what the engine leaves: at saturation 
 (requests stay on their prior, which is what the policies are built for) instead of the engine
 waiting -- 0.73-0.97 (median 0.93) in the same benchmark (`experiments.bench_throughput`).
 
+Where the engine keeps every core busy (vLLM's CPU backend), a niced child gets almost no CPU, so
+nearly every request stays on its prior. `ADAPT_EMBEDDING_CPUS` gives the child cores of its own
+(the engine kept off them by the operator: `VLLM_CPU_OMP_THREADS_BIND`, or `taskset`): with the
+engine on one core and MiniLM on the other, sagesched ran at 0.88 of vLLM's default on the same one
+core (fcfs 0.92 in the same rounds) -- the trade is the core, not the engine's speed. On a GPU node
+the engine's process uses about one core and the spare ones are the natural place for the child.
+
 Protocol: pickled objects over the child's stdin and a duplicate of its stdout (anything a library
 prints goes to stderr, so it cannot corrupt a reply). The child first sends "ready" once the model
 is loaded, then answers each `(texts, batch_size)` with an array or `("error", message)`. It exits
@@ -24,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import re
 import select
 import subprocess
 import sys
@@ -39,6 +47,7 @@ LOWEST_PRIORITY = 19
 START_TIMEOUT_S = 300.0  # loading MiniLM takes ~10 s; a starved or hung child must not hold engine start
 RETRY_AFTER_S = 60.0  # after a child failed to start, batches are refused this long, not each respawned
 NICE_VARIABLE = "ADAPT_EMBEDDING_NICE"  # an operator's trade: 0 shares the CPU with the engine evenly
+CPUS_VARIABLE = "ADAPT_EMBEDDING_CPUS"  # cores of its own, e.g. "1" or "2-3,6" (Linux CPU-list syntax)
 
 
 class EmbeddingProcessError(RuntimeError):
@@ -50,10 +59,15 @@ class EmbeddingProcess:
     """One child running `predictors.embedding`'s encoder; `embed` blocks the calling thread (not
     the GIL) until the vectors come back. Started on first use or by `start`; thread-safe."""
 
-    def __init__(self, nice: int = LOWEST_PRIORITY) -> None:
+    def __init__(self, nice: int = LOWEST_PRIORITY, cpus: frozenset[int] | None = None) -> None:
+        """`cpus`: the cores the child may run on (None: the engine's); the engine's own threads
+        should then be kept off them (vLLM's CPU backend: `VLLM_CPU_OMP_THREADS_BIND`)."""
         if not 0 <= nice <= LOWEST_PRIORITY:
             raise ValueError(f"embedding process: nice must be 0..{LOWEST_PRIORITY}, got {nice}")
+        if cpus is not None and not cpus:
+            raise ValueError("embedding process: cpus must name at least one core")
         self.nice = nice
+        self.cpus = cpus
         self._lock = threading.Lock()
         self._child: subprocess.Popen[bytes] | None = None
         self._retry_at = 0.0  # monotonic time before which a failed start is not tried again
@@ -101,6 +115,8 @@ class EmbeddingProcess:
         )
         self._child = child
         try:
+            if self.cpus is not None:
+                os.sched_setaffinity(child.pid, self.cpus)
             readable, _, _ = select.select([child.stdout], [], [], START_TIMEOUT_S)
             if not readable:
                 raise TimeoutError(f"model not loaded after {START_TIMEOUT_S:.0f} s")
@@ -110,7 +126,8 @@ class EmbeddingProcess:
         except (OSError, EOFError, pickle.UnpicklingError, ValueError) as error:
             self._retry_at = time.monotonic() + RETRY_AFTER_S
             raise self._lost(error) from error
-        log.info("embedding process %d: model loaded, running at nice %d", child.pid, self.nice)
+        where = "the engine's cores" if self.cpus is None else f"cores {sorted(self.cpus)}"
+        log.info("embedding process %d: model loaded, running at nice %d on %s", child.pid, self.nice, where)
         return child
 
     def _lost(self, cause: BaseException) -> EmbeddingProcessError:
@@ -144,6 +161,29 @@ def configured_nice() -> int:
     if not 0 <= nice <= LOWEST_PRIORITY:
         raise ValueError(f"{NICE_VARIABLE}: expected 0..{LOWEST_PRIORITY}, got {setting!r}")
     return nice
+
+
+def configured_cpus() -> frozenset[int] | None:
+    """`ADAPT_EMBEDDING_CPUS` as a set of cores (a Linux CPU list: "1", "2-3,6"), else None. Where
+    an engine keeps every core it runs on busy, cores of the embedder's own are the one way it gets
+    predictions in time without slowing the engine -- at the price of those cores."""
+    setting = os.environ.get(CPUS_VARIABLE, "").strip()
+    if not setting:
+        return None
+    cpus: set[int] = set()
+    for part in setting.split(","):
+        bounds = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
+        if bounds is None:
+            cpus = set()
+            break
+        cpus.update(range(int(bounds[1]), int(bounds[2] or bounds[1]) + 1))
+    # The machine's cores, not this thread's: the engine may have bound its own threads elsewhere.
+    count = os.cpu_count() or 1
+    if not cpus or not cpus <= set(range(count)):
+        raise ValueError(
+            f"{CPUS_VARIABLE}: expected cores among 0-{count - 1} such as '1' or '2-3,6', got {setting!r}"
+        )
+    return frozenset(cpus)
 
 
 def _serve(nice: int) -> None:

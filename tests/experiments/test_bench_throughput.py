@@ -3,19 +3,22 @@
 from experiments.bench_throughput import DEFAULT, summarise
 
 
-def result(tokens_per_s: float, most_running: int = 64, errors: int = 0, finished: int = 10) -> dict:
+def result(
+    tokens_per_s: float, most_running: int = 64, errors: int = 0, finished: int = 10, cut_short: int = 0
+) -> dict:
     return {
         "tokens_per_s": tokens_per_s,
         "most_running": most_running,
         "policy_errors": errors,
         "finished": finished,
+        "cut_short": cut_short,
     }
 
 
 def test_ratios_are_per_round_and_the_median_is_reported():
     runs = {
         DEFAULT: [result(100.0), result(50.0), result(80.0)],  # the machine slowed in round 2
-        "sagesched": [result(95.0), result(49.0), result(60.0, errors=1, finished=9)],
+        "sagesched": [result(95.0), result(49.0), result(60.0, errors=1, finished=9, cut_short=4)],
     }
     report = summarise(runs)
     assert report[DEFAULT]["round_ratios"] == [1.0, 1.0, 1.0]
@@ -23,3 +26,4 @@ def test_ratios_are_per_round_and_the_median_is_reported():
     assert report["sagesched"]["ratio_to_default"] == 0.95  # median of the rounds' ratios
     assert report["sagesched"]["tok_per_s"] == 60.0  # median tokens/s (60, 49, 95 -> 60)
     assert report["sagesched"]["policy_errors"] == 1 and report["sagesched"]["finished"] == 9  # worst round
+    assert report["sagesched"]["cut_short"] == 4  # the median round's drops, beside its tokens/s

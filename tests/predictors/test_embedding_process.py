@@ -72,6 +72,42 @@ def test_the_priority_is_the_lowest_unless_an_operator_sets_it(monkeypatch):
         EmbeddingProcess(nice=20)
 
 
+def test_cores_of_its_own_are_a_linux_cpu_list_of_this_machines_cores(monkeypatch):
+    from predictors.embedding_process import CPUS_VARIABLE, configured_cpus
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.delenv(CPUS_VARIABLE, raising=False)
+    assert configured_cpus() is None
+    for setting, cpus in [("1", {1}), (" 2-3,6 ", {2, 3, 6}), ("0-7", set(range(8)))]:
+        monkeypatch.setenv(CPUS_VARIABLE, setting)
+        assert configured_cpus() == cpus
+    for setting in ["8", "one", "3-", "-1", ",", "3-2"]:
+        monkeypatch.setenv(CPUS_VARIABLE, setting)
+        with pytest.raises(ValueError, match=r"among 0-7"):
+            configured_cpus()
+    with pytest.raises(ValueError, match="at least one core"):
+        EmbeddingProcess(cpus=frozenset())
+
+
+def test_the_child_runs_on_the_cores_it_was_given(monkeypatch):
+    """A stand-in child (it answers "ready" and then waits), so that this needs no model."""
+    import sys
+
+    from predictors import embedding_process
+
+    ready = "import pickle, sys, time; pickle.dump('ready', sys.stdout.buffer)"
+    ready += "; sys.stdout.flush(); time.sleep(30)"
+    monkeypatch.setattr(embedding_process, "_child_command", lambda nice: [sys.executable, "-c", ready])
+    core = max(os.sched_getaffinity(0))
+    child = EmbeddingProcess(cpus=frozenset({core}))
+    try:
+        child.start()
+        assert os.sched_getaffinity(child._child.pid) == {core}
+    finally:
+        child._child.kill()
+        child._child.wait()
+
+
 @pytest.mark.parametrize(
     ("command", "error"),
     [(["/bin/false"], "stopped"), (["/bin/sleep", "5"], "not loaded after")],
