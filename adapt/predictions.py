@@ -109,6 +109,9 @@ class PredictionQueue:
         """The results ready by `now`, in submission order, each handed over once."""
         raise NotImplementedError
 
+    def stop(self) -> None:
+        """Take no more batches, without waiting for one in flight (`close` waits)."""
+
     def close(self) -> None:
         """Stop any worker (the engine is done with this queue)."""
 
@@ -235,10 +238,15 @@ class BackgroundWorker(PredictionQueue):
         with self._lock:
             return self._lock.wait_for(lambda: not self._pending and not self._computing, timeout_s)
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Take no more batches; a batch in flight finishes (or fails, quietly) in the background.
+        An engine stops its workers, then stops what they compute with, then `close`s them."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()  # the worker, and any `drain` waiting
+
+    def close(self) -> None:
+        self.stop()
         if self._thread is not None:
             self._thread.join(timeout=30)  # a batch in flight finishes first (never killed mid-model)
 
@@ -265,6 +273,9 @@ class BackgroundWorker(PredictionQueue):
             try:
                 results = list(self.function([payload for _, payload in batch]))
             except Exception:  # a failed batch leaves its requests on their prior
+                with self._lock:
+                    if self._closed:  # stopped meanwhile: the engine took the model away
+                        return
                 log.exception("prediction worker: a batch of %d failed", len(batch))
                 with self._lock:
                     self.errors += 1

@@ -17,13 +17,13 @@ the engine's process uses about one core and the spare ones are the natural plac
 
 Protocol: pickled objects over the child's stdin and a duplicate of its stdout (anything a library
 prints goes to stderr, so it cannot corrupt a reply). The child first sends "ready" once the model
-is loaded, then answers each `(texts, batch_size)` with an array or `("error", message)`. It exits
-when its stdin closes (at the engine's shutdown, or when the engine dies: after the batch it is
-computing, if any), and it sits in its own session, so a terminal's Ctrl-C stops the engine, which
-stops it. It sees no GPU: on a GPU node it would otherwise put a second CUDA context and its memory
-beside vLLM's, outside vLLM's budget, and nice does not order GPU work. Pickle is safe here: both
-ends are this package, talking over a pipe no one else holds. The priority is relative: nice 19
-adds 19 to the engine's own niceness (capped at 19).
+is loaded, then answers each `(texts, batch_size)` with an array or `("error", message)`. The
+engine kills it at shutdown, even mid-batch; it exits by itself when its stdin closes or its parent
+is gone (within a second, even mid-batch), and it sits in its own session, so a terminal's Ctrl-C
+stops the engine, which stops it. It sees no GPU: on a GPU node it would otherwise put a second
+CUDA context and its memory beside vLLM's, outside vLLM's budget, and nice does not order GPU work.
+Pickle is safe here: both ends are this package, talking over a pipe no one else holds. The
+priority is relative: nice 19 adds 19 to the engine's own niceness (capped at 19).
 """
 
 from __future__ import annotations
@@ -91,15 +91,12 @@ class EmbeddingProcess:
         return reply
 
     def close(self) -> None:
-        with self._lock:
-            child, self._child = self._child, None
+        """Stop the child now, even mid-batch (its vectors are of no use to an engine shutting
+        down): an `embed` in flight raises at once instead of holding shutdown for the batch."""
+        child, self._child = self._child, None  # not under the lock: an `embed` in flight holds it
         if child is not None:
-            child.stdin.close()  # the child's cue to exit
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+            child.kill()
+            child.wait()
 
     def _start(self) -> subprocess.Popen[bytes]:
         if self._child is not None and self._child.poll() is None:
@@ -186,8 +183,17 @@ def configured_cpus() -> frozenset[int] | None:
     return frozenset(cpus)
 
 
+def _exit_when_orphaned(parent: int, every_s: float = 1.0) -> None:
+    """Exit once `parent` is gone (a killed engine cannot close the pipe in an orderly way, and a
+    batch of hundreds of prompts would otherwise go on taking a core for tens of seconds)."""
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(0)
+
+
 def _serve(nice: int) -> None:
     """The child's loop: load the model, then answer batches until stdin closes."""
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # a library's print lands in stderr, never inside a reply
     requests = os.fdopen(0, "rb")

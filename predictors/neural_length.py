@@ -116,6 +116,13 @@ class NeuralLength(BoundEvidence, LearnedComponent):
 
     reads_prompt_text = True  # a bound is a function of the prompt's embedding
 
+    def warm_up(self) -> None:
+        """Load the embedding model now (a live prediction worker calls this as the engine starts):
+        otherwise it loads on the first prompt, while the engine serves its first requests."""
+        from predictors.embedding import load_model
+
+        load_model()
+
     def predict_bound(
         self,
         prompt_tokens: Sequence[int],

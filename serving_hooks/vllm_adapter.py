@@ -401,11 +401,13 @@ class PolicyScheduler(AsyncScheduler):
         written out (a server stopped under load would otherwise lose its last second of request
         and step records)."""
         for queue in self.prediction_queues:
-            queue.close()
-        if self.prediction_queues:
+            queue.stop()
+        if self.prediction_queues:  # a batch in flight in the embedding process ends at once
             from predictors.embedding import close_child_process
 
             close_child_process()
+        for queue in self.prediction_queues:
+            queue.close()
         if self.monitor is not None:
             self._flush_logs()
         super().shutdown()
@@ -415,9 +417,9 @@ class PolicyScheduler(AsyncScheduler):
         bounded by `ADAPT_PREDICTION_QUEUE` waiting submissions (default 256). With
         `ADAPT_EMBEDDING_PROCESS=1`, prompt embeddings, the costly part of those calls, run in a
         child process at the lowest CPU priority: in this process's worker thread they hold the GIL
-        this engine loop needs. Off by default: it changes when embeddings arrive, and the replay's
-        model of that delay (the mean wait of delivered results) ignores requests that finish
-        before theirs, which the child's low priority makes common."""
+        this engine loop needs. Off by default until it has been through CI as the default: it
+        changes when embeddings arrive (at saturation the niced child leaves every request on its
+        prior), and on a GPU node it embeds on CPU where the thread would use the GPU."""
         if os.environ.get("ADAPT_EMBEDDING_PROCESS") == "1":
             from predictors.embedding import compute_in_child_process
 

@@ -177,7 +177,7 @@ class JITServe(Policy):
         """Forest bounds run where the engine says; ones already asked are asked again there (none
         is lost when a live engine swaps this policy in with requests in flight)."""
         self._predictions.close()
-        self._predictions = queues(LengthBounds())
+        self._predictions = queues(LengthBounds(self.qrf))
         for key, asked in self._asked.items():
             self._predictions.submit(key, asked.payload, asked.at_s)
 
@@ -661,7 +661,16 @@ class LengthBounds:
     """The model call JITServe makes off the scheduling step: a `qrf-length` bound per payload
     (component, quantile, (prompt tokens, prompt text, g)), each distinct row predicted once, one
     forest call per component and quantile (rows are predicted independently: the same bound as
-    one by one)."""
+    one by one). `warm_up` readies the component the policy holds when the worker starts (the
+    network's embedding model), so that it does not load while the engine serves."""
+
+    def __init__(self, component: Any = None) -> None:
+        self.component = component
+
+    def warm_up(self) -> None:
+        warm_up = getattr(self.component, "warm_up", None)
+        if warm_up is not None:
+            warm_up()
 
     def __call__(self, payloads: list[tuple[Any, float, tuple[int, str, int]]]) -> list[float]:
         groups: dict[tuple[int, float], tuple[Any, float, dict[tuple[int, str, int], None]]] = {}

@@ -126,6 +126,25 @@ def test_background_worker_survives_a_failing_batch():
         queue.close()
 
 
+def test_a_batch_that_fails_after_stop_ends_the_worker_quietly(caplog):
+    """At shutdown the engine stops its workers, then kills the embedding process under a batch
+    in flight: that failure is the shutdown, not an error to report."""
+    started, release = threading.Event(), threading.Event()
+
+    def killed(batch):
+        started.set()
+        release.wait(5)
+        raise RuntimeError("embedding process stopped")
+
+    queue = BackgroundWorker(killed)
+    queue.submit("a", 1, now=0.0)
+    assert started.wait(5)
+    queue.stop()
+    release.set()
+    queue.close()
+    assert queue.errors == 0 and "failed" not in caplog.text
+
+
 def test_drain_waits_until_every_submission_is_computed():
     release = threading.Event()
 

@@ -108,6 +108,50 @@ def test_the_child_runs_on_the_cores_it_was_given(monkeypatch):
         child._child.wait()
 
 
+def test_close_stops_a_child_mid_batch_at_once(monkeypatch):
+    """A stand-in child that never answers its batch: `close` must not wait for it, and the
+    caller blocked in `embed` gets an error instead of hanging."""
+    import sys
+    import threading
+    import time
+
+    from predictors import embedding_process
+
+    ready = "import pickle, sys, time; pickle.dump('ready', sys.stdout.buffer)"
+    ready += "; sys.stdout.flush(); time.sleep(60)"
+    monkeypatch.setattr(embedding_process, "_child_command", lambda nice: [sys.executable, "-c", ready])
+    child = EmbeddingProcess()
+    child.start()
+    errors = []
+
+    def embed():
+        try:
+            child.embed(TEXTS, batch_size=2)
+        except EmbeddingProcessError as error:
+            errors.append(error)
+
+    caller = threading.Thread(target=embed)
+    caller.start()
+    time.sleep(0.5)  # the batch is in flight
+    started = time.monotonic()
+    child.close()
+    caller.join(timeout=5)
+    assert time.monotonic() - started < 5 and not caller.is_alive()
+    assert len(errors) == 1 and child._child is None
+
+
+def test_a_child_exits_once_its_parent_is_gone(monkeypatch):
+    from predictors import embedding_process
+
+    parents = iter([100, 100, 1])  # reparented to init on the third look
+    monkeypatch.setattr(embedding_process.os, "getppid", lambda: next(parents))
+    monkeypatch.setattr(embedding_process.time, "sleep", lambda s: None)
+    exits = []
+    monkeypatch.setattr(embedding_process.os, "_exit", exits.append)
+    embedding_process._exit_when_orphaned(100)
+    assert exits == [0]
+
+
 @pytest.mark.parametrize(
     ("command", "error"),
     [(["/bin/false"], "stopped"), (["/bin/sleep", "5"], "not loaded after")],

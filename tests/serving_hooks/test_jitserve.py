@@ -277,6 +277,27 @@ def test_a_request_is_on_its_fallback_bound_until_the_forests_comes_then_re_rank
     assert again.cache["jit_bound"] == (900.0, 0) and not again.cache["jit_prior"] and len(qrf.calls) == 1
 
 
+def test_the_live_worker_readies_the_length_model_before_the_first_request():
+    """A worker's `warm_up` (run as the engine starts) loads what the policy's length model
+    computes with -- the network's embedding model -- instead of the first requests waiting on it."""
+
+    class Warming(FakeBounds):
+        warmed = 0
+
+        def warm_up(self):
+            self.warmed += 1
+
+    from adapt.predictions import Delayed
+
+    qrf = Warming()
+    policy = JITServe(qrf=qrf)
+    functions = []
+    policy.use_predictions(lambda function: functions.append(function) or Delayed(function))
+    functions[0].warm_up()
+    assert qrf.warmed == 1
+    JITServe().use_predictions(lambda function: function.warm_up() or Delayed(function))  # no model
+
+
 def test_a_running_request_counts_its_old_bound_down_until_the_refreshed_one_comes():
     policy = JITServe(qrf=FakeBounds(), frame_steps=2, waiting_time_s=None)
     _, factory = late_bounds(0.5)
