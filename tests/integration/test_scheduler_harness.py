@@ -227,6 +227,34 @@ def test_jitserve_serves_with_a_registered_neural_length_off_the_step(tiny_model
     scheduler.shutdown()
 
 
+def test_the_embedding_process_starts_with_the_engine_and_stops_with_it(tiny_model, monkeypatch):
+    """`ADAPT_EMBEDDING_PROCESS=1`: MiniLM is loaded in its child as the engine starts (not on the
+    first prompts), and shutdown stops the child at once, even under a batch in flight."""
+    import signal
+    import time
+
+    from experiments.bench_scheduler import make_requests, make_scheduler, step
+    from predictors import embedding
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    monkeypatch.setenv("ADAPT_EMBEDDING_PROCESS", "1")
+    monkeypatch.setenv("ADAPT_EMBEDDING_CACHE", "off")  # every prompt goes to the child
+    monkeypatch.setenv("ADAPT_POLICY", "sagesched")
+    scheduler = make_scheduler(tiny_model, PolicyScheduler, 8, 4000)
+    try:
+        child = embedding._child._child
+        assert child is not None and child.poll() is None  # loaded before any request came
+        for request in make_requests(200, 0, seed=5, max_tokens=16):
+            scheduler.add_request(request)
+        step(scheduler)  # 200 prompts submitted: the child embeds them in the background
+    finally:
+        started = time.monotonic()
+        scheduler.shutdown()
+        took = time.monotonic() - started
+    assert child.poll() == -signal.SIGKILL and embedding._child is None  # stopped, not left to finish
+    assert took < 10, f"shutdown waited {took:.1f} s for the embedding process"
+
+
 class _SleepingBound:
     """A length bound that takes 200 ms a batch (a slow model), or fails every call."""
 
