@@ -24,7 +24,8 @@ A queue hands results over in submission order and never those of a request `dis
 before its result came). Each counts what it did (`PredictionStats`): the share of requests whose
 first decision was made on the prior, and the wait from submission to hand-over -- where a request
 left first, the time it waited in vain, a lower bound on its wait (a replay that modelled the delay
-from delivered results alone would miss exactly the slowest ones: under overload, most of them).
+from delivered results alone would miss exactly the slowest ones: under overload, most of them;
+`PredictionStats.summary`'s `delay_estimate_s` counts them).
 """
 
 from __future__ import annotations
@@ -65,15 +66,22 @@ class PredictionStats:
         return cls(*(sum(getattr(p, name) for p in parts) for name in cls.__dataclass_fields__))
 
     def summary(self) -> dict[str, float | int]:
-        """The counts, with `share_on_prior` and `mean_wait_s`: the mean over delivered and
-        censored waits, each censored one counted at its lower bound (so a lower bound itself when
-        any was censored, but not biased to the fast ones as the delivered mean alone is)."""
+        """The counts, with `share_on_prior`, `mean_wait_s` (over delivered results) and
+        `delay_estimate_s`: the mean wait estimated with the censored ones too -- all time waited
+        over results delivered, the estimate for exponential waits cut off at random (it equals
+        the delivered mean when none was cut off). Under overload most requests finish before their
+        result and the delivered mean, which sees only the fast ones, would tell a replay that
+        predictions come early; where all are censored it is their mean, a lower bound."""
         first_decisions = self.submitted + self.refused
-        waits = self.delivered + self.censored
+        if self.delivered:
+            estimate = (self.waited_s + self.censored_s) / self.delivered
+        else:
+            estimate = self.censored_s / self.censored if self.censored else 0.0
         return {
             **asdict(self),
             "share_on_prior": (self.on_prior + self.refused) / first_decisions if first_decisions else 0.0,
-            "mean_wait_s": (self.waited_s + self.censored_s) / waits if waits else 0.0,
+            "mean_wait_s": self.waited_s / self.delivered if self.delivered else 0.0,
+            "delay_estimate_s": estimate,
         }
 
 
@@ -248,7 +256,7 @@ class BackgroundWorker(PredictionQueue):
     def close(self) -> None:
         self.stop()
         if self._thread is not None:
-            self._thread.join(timeout=30)  # a batch in flight finishes first (never killed mid-model)
+            self._thread.join(timeout=30)  # a batch in flight finishes (or fails, if stopped under it)
 
     def _warm_up(self) -> None:
         """The function's `warm_up` (e.g. loading its model), once."""
@@ -275,6 +283,9 @@ class BackgroundWorker(PredictionQueue):
             except Exception:  # a failed batch leaves its requests on their prior
                 with self._lock:
                     if self._closed:  # stopped meanwhile: the engine took the model away
+                        self._computing = 0
+                        self._lock.notify_all()
+                        log.debug("prediction worker: a batch failed after stop", exc_info=True)
                         return
                 log.exception("prediction worker: a batch of %d failed", len(batch))
                 with self._lock:

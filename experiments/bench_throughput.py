@@ -198,7 +198,8 @@ def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "finished": min(r["finished"] for r in results),
             "on_prior": middle.get("on_prior"),
             # A policy that drops requests (jitserve's GMAX) serves fewer tokens in the same time:
-            # its ratio then measures its decisions, not the engine's speed.
+            # its ratio then measures its decisions, not the engine's speed. (From the round with
+            # the median tokens/s, like `tok_per_s`; the ratio's median may be another round's.)
             "cut_short": middle["cut_short"],
         }
     return report

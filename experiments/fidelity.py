@@ -175,8 +175,8 @@ def engine_config(out: Path) -> Any:
     fields = json.loads((out / "engine.json").read_text())
     fields.pop("policy_errors")
     predictions = fields.pop("predictions", None)
-    if predictions:  # the live prediction latency: replay hands results over as late
-        fields["prediction_delay_s"] = predictions["mean_wait_s"]
+    if predictions:  # the live prediction latency, requests gone before theirs counted
+        fields["prediction_delay_s"] = predictions.get("delay_estimate_s", predictions["mean_wait_s"])
     return EngineConfig(**fields)
 
 

@@ -51,20 +51,28 @@ def compute_in_child_process() -> None:
 
 
 def close_child_process() -> None:
-    """Stop the child process, if one runs, and compute in this process again (an engine shutting
-    down inside a longer-lived process, e.g. `LLM` with in-process engine core)."""
-    global _child
-    child, _child = _child, None
+    """Stop the child process, if one runs: an embedding in flight fails at once, and so does any
+    later one until `compute_in_this_process` -- an engine shutting down joins its prediction
+    workers between the two, so that none of them loads MiniLM in the engine's process meanwhile."""
+    child = _child
     if child is not None:
         child.close()
+
+
+def compute_in_this_process() -> None:
+    """Compute embeddings in this process again, after `close_child_process` (an engine shut down
+    inside a longer-lived process, e.g. `LLM` with in-process engine core)."""
+    global _child
+    _child = None
 
 
 def load_model() -> None:
     """Load MiniLM now (~10 s the first time in a process, or in the child process where
     `compute_in_child_process` sent it), e.g. in a live prediction worker before the first prompt
     needs it, rather than on that prompt."""
-    if _child is not None:
-        _child.start()
+    child = _child  # read once: an engine's shutdown may reset it meanwhile
+    if child is not None:
+        child.start()
     else:
         _model()
 
@@ -73,8 +81,9 @@ def embed(texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
     """(len(texts), 384) float32 unit vectors, one per text, computed in batches."""
     if not texts:
         return np.zeros((0, DIMENSION), dtype=np.float32)
-    if _child is not None:
-        return _child.embed(texts, batch_size)
+    child = _child  # read once: an engine's shutdown may reset it meanwhile
+    if child is not None:
+        return child.embed(texts, batch_size)
     vectors = _model().encode(
         list(texts), batch_size=batch_size, normalize_embeddings=True, show_progress_bar=False
     )

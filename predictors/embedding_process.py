@@ -29,6 +29,7 @@ priority is relative: nice 19 adds 19 to the engine's own niceness (capped at 19
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 import re
@@ -71,6 +72,7 @@ class EmbeddingProcess:
         self._lock = threading.Lock()
         self._child: subprocess.Popen[bytes] | None = None
         self._retry_at = 0.0  # monotonic time before which a failed start is not tried again
+        self._closed = False
 
     def start(self) -> None:
         """Start the child if none runs and wait until its model is loaded (~10 s on 2 cores)."""
@@ -91,16 +93,21 @@ class EmbeddingProcess:
         return reply
 
     def close(self) -> None:
-        """Stop the child now, even mid-batch (its vectors are of no use to an engine shutting
-        down): an `embed` in flight raises at once instead of holding shutdown for the batch."""
-        child, self._child = self._child, None  # not under the lock: an `embed` in flight holds it
+        """Stop the child now, even mid-batch or mid-load (its vectors are of no use to an engine
+        shutting down): an `embed` in flight raises at once instead of holding shutdown for the
+        batch, and every later call raises (never starts another child)."""
+        self._closed = True  # not under the lock: an `embed` in flight holds it
+        child, self._child = self._child, None
         if child is not None:
             child.kill()
             child.wait()
 
     def _start(self) -> subprocess.Popen[bytes]:
-        if self._child is not None and self._child.poll() is None:
-            return self._child
+        if self._closed:
+            raise EmbeddingProcessError("embedding process: closed")
+        child = self._child
+        if child is not None and child.poll() is None:
+            return child
         if time.monotonic() < self._retry_at:
             raise EmbeddingProcessError("embedding process: failed to start; not retried yet")
         command = _child_command(self.nice)
@@ -110,30 +117,53 @@ class EmbeddingProcess:
         child = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=environment, start_new_session=True
         )
-        self._child = child
+        self._child = child  # from here `close` can stop it, even while its model loads
         try:
-            if self.cpus is not None:
-                os.sched_setaffinity(child.pid, self.cpus)
+            self._place(child)
             readable, _, _ = select.select([child.stdout], [], [], START_TIMEOUT_S)
             if not readable:
                 raise TimeoutError(f"model not loaded after {START_TIMEOUT_S:.0f} s")
             ready = pickle.load(child.stdout)
             if ready != "ready":
                 raise ValueError(f"unexpected first reply {ready!r}")
+            if self._closed:
+                raise EmbeddingProcessError("embedding process: closed while its model loaded")
+        except EmbeddingProcessError:
+            self._lost(None)
+            raise
         except (OSError, EOFError, pickle.UnpicklingError, ValueError) as error:
             self._retry_at = time.monotonic() + RETRY_AFTER_S
             raise self._lost(error) from error
+        except BaseException:  # never leave a child that has not said "ready" as the one to use
+            self._lost(None)
+            raise
         where = "the engine's cores" if self.cpus is None else f"cores {sorted(self.cpus)}"
         log.info("embedding process %d: model loaded, running at nice %d on %s", child.pid, self.nice, where)
         return child
 
-    def _lost(self, cause: BaseException) -> EmbeddingProcessError:
-        """Reap a child that stopped answering; the next call starts another."""
+    def _place(self, child: subprocess.Popen[bytes]) -> None:
+        """Move the child to its own cores. A core the kernel refuses (offline, or outside this
+        container's set) is a setting to correct, not a failure a restart would mend: no retry."""
+        if self.cpus is None:
+            return
+        try:
+            os.sched_setaffinity(child.pid, self.cpus)
+        except OSError as error:
+            self._retry_at = math.inf
+            raise EmbeddingProcessError(
+                f"{CPUS_VARIABLE}: cannot run the embedding process on cores {sorted(self.cpus)}: {error}"
+            ) from error
+
+    def _lost(self, cause: BaseException | None) -> EmbeddingProcessError:
+        """Reap a child that stopped answering (or that `close` stopped); the next call starts
+        another unless closed."""
         child, self._child = self._child, None
         code = None
         if child is not None:
             child.kill()
             code = child.wait()
+        if self._closed:
+            return EmbeddingProcessError("embedding process: closed")
         return EmbeddingProcessError(
             f"embedding process stopped (exit code {code}: {cause!r}); its stderr is above; "
             "a later batch starts a new one"
@@ -141,7 +171,8 @@ class EmbeddingProcess:
 
 
 def _child_command(nice: int) -> list[str]:
-    return [sys.executable, "-m", "predictors.embedding_process", str(nice)]
+    """The child's command line: its priority, and this process's id (the parent it watches)."""
+    return [sys.executable, "-m", "predictors.embedding_process", str(nice), str(os.getpid())]
 
 
 def configured_nice() -> int:
@@ -170,10 +201,11 @@ def configured_cpus() -> frozenset[int] | None:
     cpus: set[int] = set()
     for part in setting.split(","):
         bounds = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
-        if bounds is None:
+        first, last = (int(bounds[1]), int(bounds[2] or bounds[1])) if bounds else (1, 0)
+        if first > last:  # malformed, or a reversed range
             cpus = set()
             break
-        cpus.update(range(int(bounds[1]), int(bounds[2] or bounds[1]) + 1))
+        cpus.update(range(first, last + 1))
     # The machine's cores, not this thread's: the engine may have bound its own threads elsewhere.
     count = os.cpu_count() or 1
     if not cpus or not cpus <= set(range(count)):
@@ -191,9 +223,9 @@ def _exit_when_orphaned(parent: int, every_s: float = 1.0) -> None:
     os._exit(0)
 
 
-def _serve(nice: int) -> None:
+def _serve(nice: int, parent: int) -> None:
     """The child's loop: load the model, then answer batches until stdin closes."""
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # a library's print lands in stderr, never inside a reply
     requests = os.fdopen(0, "rb")
@@ -220,4 +252,4 @@ def _serve(nice: int) -> None:
 
 
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]))
+    _serve(int(sys.argv[1]), int(sys.argv[2]))

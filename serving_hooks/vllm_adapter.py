@@ -400,14 +400,15 @@ class PolicyScheduler(AsyncScheduler):
         still inside a model at interpreter exit can abort the process) and the logs' buffers are
         written out (a server stopped under load would otherwise lose its last second of request
         and step records)."""
-        for queue in self.prediction_queues:
-            queue.stop()
-        if self.prediction_queues:  # a batch in flight in the embedding process ends at once
-            from predictors.embedding import close_child_process
+        if self.prediction_queues:
+            from predictors.embedding import close_child_process, compute_in_this_process
 
-            close_child_process()
-        for queue in self.prediction_queues:
-            queue.close()
+            for queue in self.prediction_queues:
+                queue.stop()
+            close_child_process()  # a batch in flight in the embedding process ends at once
+            for queue in self.prediction_queues:
+                queue.close()
+            compute_in_this_process()
         if self.monitor is not None:
             self._flush_logs()
         super().shutdown()

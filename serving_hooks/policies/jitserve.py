@@ -661,8 +661,9 @@ class LengthBounds:
     """The model call JITServe makes off the scheduling step: a `qrf-length` bound per payload
     (component, quantile, (prompt tokens, prompt text, g)), each distinct row predicted once, one
     forest call per component and quantile (rows are predicted independently: the same bound as
-    one by one). `warm_up` readies the component the policy holds when the worker starts (the
-    network's embedding model), so that it does not load while the engine serves."""
+    one by one). `warm_up` readies the component the policy held when it asked for this worker
+    (the network's embedding model), so that it does not load while the engine serves; a version
+    swapped in later loads on its first batch."""
 
     def __init__(self, component: Any = None) -> None:
         self.component = component

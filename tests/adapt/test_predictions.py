@@ -52,10 +52,21 @@ def test_a_discarded_request_gets_nothing_and_is_not_computed_if_not_yet_polled(
     queue.discard("b", now=2.0)  # already handed over: not a censored wait
     assert queue.ready(5.0) == [] and not queue.awaited
     stats = queue.stats.summary()
-    # a and c left after waiting 0.25 s and 0.75 s in vain: lower bounds beside b's 1.0 s.
+    # a and c left after waiting 0.25 s and 0.75 s in vain; b waited 1.0 s for its result.
     assert (stats["delivered"], stats["censored"]) == (1, 2)
     assert stats["censored_s"] == pytest.approx(1.0)
-    assert stats["mean_wait_s"] == pytest.approx((1.0 + 0.25 + 0.75) / 3)
+    assert stats["mean_wait_s"] == pytest.approx(1.0)  # the delivered one
+    assert stats["delay_estimate_s"] == pytest.approx((1.0 + 0.25 + 0.75) / 1)  # all time waited
+
+
+def test_the_delay_estimate_without_a_delivered_result_is_the_censored_mean():
+    queue = Delayed(doubled, delay_s=10.0)
+    assert queue.stats.summary()["delay_estimate_s"] == 0.0  # nothing submitted
+    queue.submit("a", 1, now=0.0)
+    queue.submit("b", 2, now=0.0)
+    queue.discard("a", now=1.0)
+    queue.discard("b", now=3.0)
+    assert queue.stats.summary()["delay_estimate_s"] == pytest.approx(2.0)  # a lower bound
 
 
 def test_scripted_hands_over_at_the_live_steps():

@@ -247,6 +247,11 @@ def test_the_embedding_process_starts_with_the_engine_and_stops_with_it(tiny_mod
         for request in make_requests(200, 0, seed=5, max_tokens=16):
             scheduler.add_request(request)
         step(scheduler)  # 200 prompts submitted: the child embeds them in the background
+        worker = scheduler.prediction_queues[0]
+        deadline = time.monotonic() + 30
+        while not worker._computing and time.monotonic() < deadline:  # the batch is in flight
+            time.sleep(0.01)
+        assert worker._computing
     finally:
         started = time.monotonic()
         scheduler.shutdown()

@@ -89,37 +89,51 @@ def test_cores_of_its_own_are_a_linux_cpu_list_of_this_machines_cores(monkeypatc
         EmbeddingProcess(cpus=frozenset())
 
 
-def test_the_child_runs_on_the_cores_it_was_given(monkeypatch):
-    """A stand-in child (it answers "ready" and then waits), so that this needs no model."""
+def _stand_in_child(monkeypatch, after_ready: str) -> None:
+    """Replace the child's command by a Python one-liner that says "ready" at once (no model
+    loads), then runs `after_ready`."""
     import sys
 
     from predictors import embedding_process
 
-    ready = "import pickle, sys, time; pickle.dump('ready', sys.stdout.buffer)"
-    ready += "; sys.stdout.flush(); time.sleep(30)"
-    monkeypatch.setattr(embedding_process, "_child_command", lambda nice: [sys.executable, "-c", ready])
+    script = "import pickle, sys, time; pickle.dump('ready', sys.stdout.buffer); sys.stdout.flush()"
+    script += f"; {after_ready}"
+    monkeypatch.setattr(embedding_process, "_child_command", lambda nice: [sys.executable, "-c", script])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to move the child to one")
+def test_the_child_runs_on_the_cores_it_was_given(monkeypatch):
+    _stand_in_child(monkeypatch, "time.sleep(30)")
     core = max(os.sched_getaffinity(0))
     child = EmbeddingProcess(cpus=frozenset({core}))
     try:
         child.start()
         assert os.sched_getaffinity(child._child.pid) == {core}
     finally:
-        child._child.kill()
-        child._child.wait()
+        child.close()
 
 
-def test_close_stops_a_child_mid_batch_at_once(monkeypatch):
-    """A stand-in child that never answers its batch: `close` must not wait for it, and the
-    caller blocked in `embed` gets an error instead of hanging."""
-    import sys
+def test_a_core_the_kernel_refuses_is_reported_and_not_retried(monkeypatch):
+    from predictors.embedding_process import CPUS_VARIABLE
+
+    _stand_in_child(monkeypatch, "time.sleep(30)")
+    child = EmbeddingProcess(cpus=frozenset({os.cpu_count() + 64}))  # no such core
+    with pytest.raises(EmbeddingProcessError, match=CPUS_VARIABLE):
+        child.start()
+    assert child._child is None
+    with pytest.raises(EmbeddingProcessError, match="not retried"):
+        child.start()
+
+
+def test_close_stops_a_child_mid_batch_at_once_and_for_good(monkeypatch, tmp_path):
+    """A stand-in child that marks the batch's arrival and never answers it: `close` must not
+    wait for it, the caller blocked in `embed` gets an error, and no call starts another child."""
     import threading
-    import time
 
-    from predictors import embedding_process
-
-    ready = "import pickle, sys, time; pickle.dump('ready', sys.stdout.buffer)"
-    ready += "; sys.stdout.flush(); time.sleep(60)"
-    monkeypatch.setattr(embedding_process, "_child_command", lambda nice: [sys.executable, "-c", ready])
+    arrived = tmp_path / "batch-arrived"
+    _stand_in_child(
+        monkeypatch, f"pickle.load(sys.stdin.buffer); open({str(arrived)!r}, 'w'); time.sleep(60)"
+    )
     child = EmbeddingProcess()
     child.start()
     errors = []
@@ -132,12 +146,19 @@ def test_close_stops_a_child_mid_batch_at_once(monkeypatch):
 
     caller = threading.Thread(target=embed)
     caller.start()
-    time.sleep(0.5)  # the batch is in flight
-    started = time.monotonic()
+    for _ in range(500):  # up to 10 s for the batch to reach the child
+        if arrived.exists():
+            break
+        threading.Event().wait(0.02)
+    assert arrived.exists()
+    stopped = child._child
     child.close()
     caller.join(timeout=5)
-    assert time.monotonic() - started < 5 and not caller.is_alive()
-    assert len(errors) == 1 and child._child is None
+    assert not caller.is_alive() and stopped.poll() is not None
+    assert len(errors) == 1 and "closed" in str(errors[0])
+    with pytest.raises(EmbeddingProcessError, match="closed"):
+        child.embed(TEXTS, batch_size=2)
+    assert child._child is None
 
 
 def test_a_child_exits_once_its_parent_is_gone(monkeypatch):
