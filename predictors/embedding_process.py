@@ -1,19 +1,20 @@
-"""MiniLM in a child process at the lowest CPU priority, for a live engine.
+"""MiniLM in a child process, for a live engine: at the lowest CPU priority, or on cores of its own.
 
 Why not a thread of the engine's process: the encoder's Python work (tokenising, dispatching
 hundreds of small torch ops per batch) holds the GIL that vLLM's engine loop needs between its own
-ops, and a thread cannot give the engine priority over itself -- on 2 CPU cores an embedding thread
-held sagesched at 0.38-0.47 of vLLM's default throughput at saturation. A child process shares no
-GIL, and at nice 19 the kernel runs it on what the engine leaves: at saturation predictions wait
-(requests stay on their prior, which is what the policies are built for) instead of the engine
-waiting -- 0.73-0.97 (median 0.93) in the same benchmark (`experiments.bench_throughput`).
+ops, and a thread cannot give the engine priority over itself. A child process shares no GIL.
 
-Where the engine keeps every core busy (vLLM's CPU backend), a niced child gets almost no CPU, so
-nearly every request stays on its prior. `ADAPT_EMBEDDING_CPUS` gives the child cores of its own
-(the engine kept off them by the operator: `VLLM_CPU_OMP_THREADS_BIND`, or `taskset`): with the
-engine on one core and MiniLM on the other, sagesched ran at 0.88 of vLLM's default on the same one
-core (fcfs 0.92 in the same rounds) -- the trade is the core, not the engine's speed. On a GPU node
-the engine's process uses about one core and the spare ones are the natural place for the child.
+Where it runs matters more than the GIL on a CPU engine (`experiments.bench_throughput`, 768 x 128
+tokens, 2 cores, re-measured 2026-11-25): sharing both cores with vLLM at nice 19 the child held
+sagesched at 0.29 (0.27-0.48) of vLLM's default -- lower than the embedding thread's 0.54
+(0.43-0.54): vLLM's CPU forward runs OpenMP regions on both cores, and a busy neighbour on either,
+even a niced one, stretches every region. (An earlier measurement of 0.93 for the shared child did
+not reproduce.) `ADAPT_EMBEDDING_CPUS` gives the child cores of its own, the engine kept off them
+by the operator (`taskset`; vLLM's `VLLM_CPU_OMP_THREADS_BIND` did not restrict an in-process
+engine here): with the engine on one core and MiniLM on the other, sagesched ran at 0.88 of vLLM's
+default on the same one core, fcfs 0.92 in the same rounds -- the trade is the core, not the
+engine's speed. On a GPU node the engine's process uses about one core and the spare ones are the
+natural place for the child.
 
 Protocol: pickled objects over the child's stdin and a duplicate of its stdout (anything a library
 prints goes to stderr, so it cannot corrupt a reply). The child first sends "ready" once the model

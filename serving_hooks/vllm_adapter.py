@@ -418,9 +418,10 @@ class PolicyScheduler(AsyncScheduler):
         bounded by `ADAPT_PREDICTION_QUEUE` waiting submissions (default 256). With
         `ADAPT_EMBEDDING_PROCESS=1`, prompt embeddings, the costly part of those calls, run in a
         child process at the lowest CPU priority: in this process's worker thread they hold the GIL
-        this engine loop needs. Off by default until it has been through CI as the default: it
-        changes when embeddings arrive (at saturation the niced child leaves every request on its
-        prior), and on a GPU node it embeds on CPU where the thread would use the GPU."""
+        this engine loop needs. Off by default: sharing a CPU engine's cores it slowed vLLM more
+        than the thread (`predictors.embedding_process` has the figures; it pays with cores of its
+        own, `ADAPT_EMBEDDING_CPUS`), and on a GPU node it embeds on CPU where the thread would use
+        the GPU."""
         if os.environ.get("ADAPT_EMBEDDING_PROCESS") == "1":
             from predictors.embedding import compute_in_child_process
 
