@@ -129,9 +129,6 @@ class EmbeddingProcess:
                 raise ValueError(f"unexpected first reply {ready!r}")
             if self._closed:
                 raise EmbeddingProcessError("embedding process: closed while its model loaded")
-        except EmbeddingProcessError:
-            self._lost(None)
-            raise
         except (OSError, EOFError, pickle.UnpicklingError, ValueError) as error:
             self._retry_at = time.monotonic() + RETRY_AFTER_S
             raise self._lost(error) from error
