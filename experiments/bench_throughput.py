@@ -16,9 +16,9 @@ configurations run round-robin and each policy's ratio is taken against the defa
 round* (a drift in machine speed hits both), the median and the spread of the N ratios reported;
 `--json OUT` writes `{"policies": {NAME: {"tok_per_s", "ratio_to_default", "round_ratios", ...}}}`.
 "on prior" is the share of requests a policy first scheduled on its prior, before its model's
-prediction came back (`adapt.predictions`): at saturation the embedding process
-(`ADAPT_EMBEDDING_PROCESS=1`), at the lowest CPU priority, gets little of the machine. Prompts
-are the same every round, so the runs keep no disk cache of embeddings (each embeds its prompts).
+prediction came back (`adapt.predictions`): in a burst of hundreds at once, nearly all. "cut
+short" counts requests that ended before `--max-tokens` (dropped by the policy). Prompts are the
+same every round, so the runs keep no disk cache of embeddings (each embeds its prompts).
 """
 
 from __future__ import annotations

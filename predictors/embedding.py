@@ -8,8 +8,8 @@ batches of 64 (measured by `python -m experiments.bench_sagesched`). Loading it 
 `shared_cache()` keeps vectors on disk too (`predictors.embedding_cache`): a replay whose prompts
 were all embedded before never loads the model. A live engine started with
 `ADAPT_EMBEDDING_PROCESS=1` calls `compute_in_child_process()` first: the model then runs in a
-child process at the lowest CPU priority (`predictors.embedding_process`), so embedding never
-holds the engine's GIL or its cores.
+child process (`predictors.embedding_process`), so embedding never holds the engine's GIL; it
+keeps off the engine's cores only where given cores of its own (`ADAPT_EMBEDDING_CPUS`).
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ def _model():
 def compute_in_child_process() -> None:
     """From now on this process's embeddings are computed by a child process at the lowest CPU
     priority (`ADAPT_EMBEDDING_NICE` overrides it; `ADAPT_EMBEDDING_CPUS` gives it cores of its
-    own), started on first use or by `load_model`. For a
-    live engine, whose loop must not wait on MiniLM for the GIL or the CPU; a replay or a training
-    job keeps the model in-process."""
+    own), started on first use or by `load_model`. For a live engine, whose loop must not wait on
+    MiniLM for the GIL; a replay or a training job keeps the model in-process."""
     global _child
     if _child is None:
         _child = EmbeddingProcess(configured_nice(), configured_cpus())

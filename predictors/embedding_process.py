@@ -63,7 +63,7 @@ class EmbeddingProcess:
 
     def __init__(self, nice: int = LOWEST_PRIORITY, cpus: frozenset[int] | None = None) -> None:
         """`cpus`: the cores the child may run on (None: the engine's); the engine's own threads
-        should then be kept off them (vLLM's CPU backend: `VLLM_CPU_OMP_THREADS_BIND`)."""
+        should then be kept off them (e.g. `taskset`)."""
         if not 0 <= nice <= LOWEST_PRIORITY:
             raise ValueError(f"embedding process: nice must be 0..{LOWEST_PRIORITY}, got {nice}")
         if cpus is not None and not cpus:
