@@ -33,6 +33,10 @@ class RequestState:
 
     `oracle_output_tokens` is the true output length, filled in only for policies that declare
     `needs_oracle = True` (sjf-oracle, jitserve-oracle); every other policy sees None.
+
+    `prompt_embedding` is the prompt's MiniLM vector where the request arrived with it (`adapt
+    serve --embed-prompts` computes it in the API server, before the engine sees the request), so
+    a policy that embeds prompts has it at its first decision instead of asking for it.
     """
 
     __slots__ = (
@@ -48,6 +52,7 @@ class RequestState:
         "oracle_output_tokens",
         "phase",
         "program",
+        "prompt_embedding",
         "prompt_text",
         "prompt_tokens",
         "slo",
@@ -65,6 +70,7 @@ class RequestState:
         prompt_text: str | None = None,
         program: ProgramRef | None = None,
         label: str | None = None,
+        prompt_embedding: Any = None,
     ) -> None:
         self.id = request_id
         self.arrival_s = arrival_s
@@ -74,6 +80,7 @@ class RequestState:
         self.prompt_text = prompt_text
         self.program = program
         self.label = label
+        self.prompt_embedding = prompt_embedding
         self.tokens_computed = 0
         self.tokens_generated = 0
         self.phase: Phase = "waiting"

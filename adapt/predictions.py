@@ -20,12 +20,15 @@ prior (what it knows without the model) until the result is ready, and re-ranks 
 - `Scripted(deliveries)` (a trace-driven replay, `adapt.conformance`): every result is handed over
   at the step at which the live engine handed it over, so decisions made on a prior agree too.
 
-A queue hands results over in submission order and never those of a request `discard`ed (it left
-before its result came). Each counts what it did (`PredictionStats`): the share of requests whose
-first decision was made on the prior, and the wait from submission to hand-over -- where a request
-left first, the time it waited in vain, a lower bound on its wait (a replay that modelled the delay
-from delivered results alone would miss exactly the slowest ones: under overload, most of them;
-`PredictionStats.summary`'s `delay_estimate_s` counts them).
+A result the request arrived with (`supply`: e.g. a prompt embedding the API server computed
+before the request reached the engine) is ready at the next poll whatever the queue, as a delay-0
+replay's would be. A queue hands results over in submission order (supplied ones first) and never
+those of a request `discard`ed (it left before its result came). Each counts what it did
+(`PredictionStats`): the share of requests whose first decision was made on the prior, and the
+wait from submission to hand-over -- where a request left first, the time it waited in vain, a
+lower bound on its wait (a replay that modelled the delay from delivered results alone would miss
+exactly the slowest ones: under overload, most of them; `PredictionStats.summary`'s
+`delay_estimate_s` counts them).
 """
 
 from __future__ import annotations
@@ -48,12 +51,14 @@ QueueFactory = Callable[[BatchFunction], "PredictionQueue"]
 class PredictionStats:
     """What a queue did: `on_prior` counts requests still without a result at the first poll after
     their submission (their first scheduling decision used the prior); `refused` those never
-    submitted (queue full); `waited_s` sums, over delivered results, submission to hand-over;
-    `censored` counts results discarded before they came (the request left) and `censored_s` sums
-    their submission to discard."""
+    submitted (queue full); `supplied` those that arrived with their result (counted in
+    `submitted` and `delivered` too, with no wait); `waited_s` sums, over delivered results,
+    submission to hand-over; `censored` counts results discarded before they came (the request
+    left) and `censored_s` sums their submission to discard."""
 
     submitted: int = 0
     refused: int = 0
+    supplied: int = 0
     delivered: int = 0
     on_prior: int = 0
     waited_s: float = 0.0
@@ -97,6 +102,13 @@ class PredictionQueue:
         self.handed_over: list[str] | None = None
         self._submitted_at: dict[str, float] = {}  # key -> when, until handed over or discarded
         self._unpolled: list[str] = []  # submitted since the last poll
+        self._supplied: list[tuple[str, Any]] = []  # arrived with the request, not yet polled
+
+    def supply(self, key: str, result: Any, now: float) -> None:
+        """`key`'s result came with the request: no model call; handed over at the next poll."""
+        PredictionQueue.submit(self, key, result, now)  # the bookkeeping only, not a subclass's work
+        self.stats.supplied += 1
+        self._supplied.append((key, result))
 
     def submit(self, key: str, payload: Any, now: float) -> bool:
         """Queue `payload`'s prediction under `key`; False if refused (the request keeps its prior)."""
@@ -135,7 +147,10 @@ class PredictionQueue:
 
     def _hand_over(self, results: list[tuple[str, Any]], now: float) -> list[tuple[str, Any]]:
         """Keep the results of requests still here, count them, and count every request polled for
-        the first time without its result as decided on its prior."""
+        the first time without its result as decided on its prior. Supplied results go first."""
+        if self._supplied:
+            results = [*self._supplied, *results]
+            self._supplied = []
         kept = [(key, value) for key, value in results if key in self._submitted_at]
         for key, _ in kept:
             self.stats.waited_s += now - self._submitted_at.pop(key)
@@ -181,7 +196,8 @@ class Delayed(PredictionQueue):
     def next_ready_s(self) -> float:
         pending = (self._ready_at(key) for key, _ in self._pending if key in self._submitted_at)
         computed = (at for at, key, _ in self._computed if key in self._submitted_at)
-        return min(itertools.chain(pending, computed), default=math.inf)
+        supplied = (self._submitted_at[key] for key, _ in self._supplied if key in self._submitted_at)
+        return min(itertools.chain(pending, computed, supplied), default=math.inf)
 
 
 class Scripted(Delayed):

@@ -1,5 +1,6 @@
-"""The HTTP side of `adapt serve`: a vLLM `--middleware` that validates our `vllm_xargs` and
-answers `GET /v1/adapt/status`.
+"""The HTTP side of `adapt serve`: a vLLM `--middleware` that validates our `vllm_xargs`, answers
+`GET /v1/adapt/status`, and with `--embed-prompts` embeds each prompt before it goes on to the
+engine (`serving_hooks.prompt_embedder`).
 
 vLLM passes `vllm_xargs` through to the engine untouched, where a bad value could only be logged
 and ignored; checking them here gives the client an HTTP 400 whose message names the field, e.g.
@@ -21,7 +22,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from serving_hooks.xargs import validate_xargs
+from serving_hooks.prompt_embedder import PromptEmbedder, configured_embedder, prompt_text
+from serving_hooks.xargs import EMBEDDING_FIELD, encode_embedding, validate_xargs
 
 STATUS_PATH = "/v1/adapt/status"
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -85,18 +87,42 @@ def _error(message: str) -> JSONResponse:
 
 
 async def adapt_middleware(request: Request, call_next) -> Response:
+    embedder = configured_embedder()
+    if embedder is not None:
+        embedder.start()  # the server's first request of any kind: vLLM's engine process is up
     if request.url.path == STATUS_PATH and request.method == "GET":
         path = os.environ.get("ADAPT_STATUS_FILE")
         if not path or not os.path.exists(path):
             return JSONResponse({"error": {"message": "adapt status not available yet"}}, status_code=503)
         with open(path) as handle:
-            return JSONResponse(json.load(handle))
+            status = json.load(handle)
+        if embedder is not None:
+            status["prompt_embedder"] = embedder.summary()
+        return JSONResponse(status)
     if request.method == "POST" and request.url.path in GENERATION_PATHS:
         try:
             body = json.loads(await request.body() or b"{}")
         except json.JSONDecodeError:
             return await call_next(request)  # vLLM reports malformed JSON itself
-        message = validate_xargs(body.get("vllm_xargs")) if isinstance(body, dict) else None
+        if not isinstance(body, dict):
+            return await call_next(request)
+        message = validate_xargs(body.get("vllm_xargs"))
         if message is not None:
             return _error(message)
+        if embedder is not None:
+            await _attach_embedding(request, body, embedder)
     return await call_next(request)
+
+
+async def _attach_embedding(request: Request, body: dict[str, Any], embedder: PromptEmbedder) -> None:
+    """Hold the request until its prompt is embedded and send the vector on in `vllm_xargs` (one
+    the client sent is kept). Starlette's middleware hands the next layer the body it read, so the
+    rewritten body replaces it there."""
+    xargs = body.get("vllm_xargs") or {}
+    if EMBEDDING_FIELD in xargs:
+        return
+    vector = await embedder.vector(prompt_text(body))
+    if vector is None:
+        return
+    body["vllm_xargs"] = {**xargs, EMBEDDING_FIELD: encode_embedding(vector)}
+    request._body = json.dumps(body).encode()

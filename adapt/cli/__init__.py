@@ -324,6 +324,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         follow_policy_config=args.follow_policy_config,
         metrics=args.metrics,
         drift_margin=args.drift_margin,
+        embed_prompts=args.embed_prompts,
         extra=extra,
     )
 
@@ -524,6 +525,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=number(0.0, 1.0, low_open=False),
         help="drift alarm when online length-bound coverage falls this far below the held-out"
         " coverage registered for the serving version (default 0.05)",
+    )
+    serve.add_argument(
+        "--embed-prompts",
+        action="store_true",
+        help="embed each prompt (MiniLM) in the API server before it reaches the engine, so the"
+        " policy's first decision uses its embedding (the request waits for it; sagesched)",
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=integer(1, 65535), default=8000)

@@ -206,7 +206,7 @@ class SageSched(PriorityPolicy):
         self._predictions.close()
         self._predictions = queues(PromptEmbeddings())
         for request in self._awaiting.values():
-            self._predictions.submit(request.id, request.prompt_text, request.arrival_s)
+            self._ask(request, request.arrival_s)
 
     def use_component(self, attribute: str, component: Any) -> None:
         """A new history version replaces the window (the policy's own copy, in its mode)."""
@@ -245,8 +245,16 @@ class SageSched(PriorityPolicy):
     # ------------------------------------------------------------ lifecycle
     def on_arrival(self, request: RequestState, now: float) -> None:
         self._new[request.id] = request  # ranked at the next step, with that step's other arrivals
-        if request.prompt_text and self._predictions.submit(request.id, request.prompt_text, now):
+        if self._ask(request, now):
             self._awaiting[request.id] = request
+
+    def _ask(self, request: RequestState, now: float) -> bool:
+        """Ask for `request`'s embedding; False if it will have none (no text, or a full queue). One
+        it arrived with is handed over at the next step, as a model that costs nothing would."""
+        if request.prompt_embedding is not None:
+            self._predictions.supply(request.id, (request.prompt_embedding, True), now)
+            return True
+        return bool(request.prompt_text) and self._predictions.submit(request.id, request.prompt_text, now)
 
     def on_preempt(self, request: RequestState, now: float) -> None:
         self._refresh([request])

@@ -203,3 +203,29 @@ def test_the_model_warms_up_once_at_start_or_in_the_worker(now):
         assert len(model.warm_ups) == 1 and (now or model.warm_ups == ["adapt-predictions"])
     finally:
         queue.close()
+
+
+@pytest.mark.parametrize("make", [lambda f: Delayed(f, delay_s=10.0), lambda f: BackgroundWorker(f)])
+def test_a_supplied_result_is_ready_at_the_next_poll_whatever_the_queue(make):
+    calls = []
+    queue = make(lambda batch: calls.append(list(batch)) or doubled(batch))
+    queue.supply("a", "vector", now=1.0)
+    assert queue.awaited
+    assert isinstance(queue, BackgroundWorker) or queue.next_ready_s == 1.0
+    assert queue.ready(1.0) == [("a", "vector")]
+    assert calls == [] and not queue.awaited
+    stats = queue.stats.summary()
+    assert (stats["submitted"], stats["supplied"], stats["delivered"], stats["on_prior"]) == (1, 1, 1, 0)
+    assert stats["mean_wait_s"] == 0.0 and stats["share_on_prior"] == 0.0
+    queue.close()
+
+
+def test_supplied_results_go_first_and_a_discarded_one_is_never_handed_over():
+    queue = Delayed(doubled)
+    queue.submit("a", 1, now=0.0)
+    queue.supply("b", "vb", now=0.0)
+    queue.supply("c", "vc", now=0.0)
+    queue.discard("c", now=0.5)
+    assert queue.ready(1.0) == [("b", "vb"), ("a", 2)]
+    stats = queue.stats.summary()
+    assert (stats["delivered"], stats["censored"], stats["supplied"]) == (2, 1, 2)

@@ -140,3 +140,61 @@ def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_pat
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_serve_embeds_prompts_before_the_engine_so_the_first_decision_uses_them(tmp_path, monkeypatch):
+    """`adapt serve --embed-prompts`: the API server holds each request until MiniLM has embedded
+    its prompt and sends the vector on, so sagesched schedules every request first on its
+    embedding -- where the engine's own worker, on this CPU, hands it over only after the first
+    steps (issue 22)."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serving_hooks.tiny_model import make_tiny_model
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'serve.db'}")
+    monkeypatch.setenv("ADAPT_EMBEDDING_CACHE", "off")  # every prompt embedded by the model, now
+    model = make_tiny_model(tmp_path / "tiny")
+    port = free_port()
+    argv, env = server_command(
+        str(model),
+        "sagesched",
+        port=port,
+        status_file=tmp_path / "status.json",
+        embed_prompts=True,
+        extra=VLLM_CPU_ARGS,
+    )
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        # The first status request starts loading MiniLM in the API server; until it has loaded a
+        # request would go on without a vector.
+        wait_for_status(port, server, log_path, lambda s: s.get("prompt_embedder", {}).get("ready"), 240)
+        requests = 24
+
+        def send(i: int) -> int:
+            prompt = f"question {i}: explain {'why ' * (i % 5)}the sky is blue"
+            body = {"model": str(model), "prompt": prompt, "max_tokens": 8}
+            return post_completion(port, body, timeout_s=120)[0]
+
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(send, range(requests)))
+        assert codes == [200] * requests
+        status = wait_for_status(
+            port, server, log_path, lambda s: (s.get("predictions") or {}).get("delivered", 0) >= requests, 60
+        )
+        predictions = status["predictions"]
+        assert predictions["supplied"] == predictions["submitted"] == requests
+        assert predictions["on_prior"] == 0 and predictions["share_on_prior"] == 0.0
+        assert status["prompt_embedder"]["embedded"] == requests
+        assert status["prompt_embedder"]["passed_through"] == 0
+        code, body = post_completion(
+            port,
+            {"model": str(model), "prompt": "x", "vllm_xargs": {"adapt_embedding": "AAAA"}},
+            timeout_s=60,
+        )
+        assert code == 400 and "vllm_xargs.adapt_embedding" in body["error"]["message"]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)

@@ -594,3 +594,28 @@ def test_no_request_lost_when_predictions_come_late():
     result = engine.run(requests)
     assert engine.violations == [] and result.metrics()["completed"] == len(requests)
     assert all(engine.completions[r.request_id] == r.output_tokens for r in requests)
+
+
+def test_an_embedding_that_came_with_the_request_ranks_it_at_its_first_step():
+    """`adapt serve --embed-prompts`: the API server sent the vector along, so however slow the
+    model, the first decision is made on it (and the prompt is never submitted to the model)."""
+    from adapt.predictions import Delayed
+
+    policy = SageSched(history=history_with_text())
+    queues = []
+    never = []
+    policy.use_predictions(
+        lambda fn: queues.append(Delayed(lambda texts: never.extend(texts) or [], delay_s=60.0)) or queues[-1]
+    )
+    essay = state("essay", 10, arrival=0.0, text="write an essay")
+    essay.prompt_embedding = basis(1)
+    short = state("short", 10, arrival=0.1)
+    policy.on_arrival(essay, 0.0)
+    policy.on_arrival(short, 0.1)
+    view = EngineView(0.1, [essay, short], [], 0.0, 2048, 8, 0.02)
+    assert [r.id for r in policy.on_step(view).admit] == ["short", "essay"]
+    assert not essay.cache["sage_prior"] and essay.cache["sage_distribution"].mean == pytest.approx(900)
+    assert never == []
+    stats = queues[0].stats.summary()
+    assert (stats["supplied"], stats["delivered"], stats["on_prior"]) == (1, 1, 0)
+    assert stats["share_on_prior"] == 0.0

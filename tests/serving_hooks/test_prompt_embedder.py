@@ -1,0 +1,209 @@
+"""Prompts embedded in the API server (`adapt serve --embed-prompts`): the text taken from a request
+body, the vector's wire format in `vllm_xargs`, the embedder's batching and fall-backs, and the
+middleware that holds a request for its vector (a fake model: the real one is served in
+`tests/integration/test_serve.py`)."""
+
+import asyncio
+import base64
+import json
+import threading
+
+import numpy as np
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from predictors.embedding import DIMENSION
+from serving_hooks import http, prompt_embedder
+from serving_hooks.prompt_embedder import PromptEmbedder, prompt_text
+from serving_hooks.xargs import EMBEDDING_FIELD, embedding_from_extra_args, encode_embedding, validate_xargs
+
+
+def unit(index: int) -> np.ndarray:
+    vector = np.zeros(DIMENSION, np.float32)
+    vector[index] = 1.0
+    return vector
+
+
+def by_length(texts):
+    """A stand-in model: each text embeds as the basis vector of its length."""
+    return np.stack([unit(len(t) % DIMENSION) for t in texts])
+
+
+@pytest.mark.parametrize(
+    ("body", "text"),
+    [
+        ({"prompt": "hello"}, "hello"),
+        ({"prompt": ["hello"]}, "hello"),
+        ({"prompt": ["a", "b"]}, None),  # several prompts: one vector cannot stand for them
+        ({"prompt": [1, 2, 3]}, None),  # token ids: no text
+        ({"prompt": ""}, None),
+        (
+            {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+            "be brief\nhi",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url"}]}
+                ]
+            },
+            "look",
+        ),
+        ({"messages": "not a list"}, None),
+        ({}, None),
+    ],
+)
+def test_the_text_embedded_from_a_request_body(body, text):
+    assert prompt_text(body) == text
+
+
+def test_an_embedding_goes_through_vllm_xargs_unchanged():
+    vector = by_length(["abc"])[0]
+    extra = {EMBEDDING_FIELD: encode_embedding(vector)}
+    assert validate_xargs(extra) is None
+    np.testing.assert_array_equal(embedding_from_extra_args(extra), vector)
+    assert embedding_from_extra_args({"slo_kind": "best_effort"}) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (3, "expected a base64 string"),
+        ("not base64!", "not valid base64"),
+        (base64.b64encode(b"\0" * 12).decode(), "expected 384 float32 values, got 12 bytes"),
+        (encode_embedding(np.full(DIMENSION, np.nan, np.float32)), "finite"),
+        (encode_embedding(2 * unit(0)), "unit vector"),
+    ],
+)
+def test_a_bad_embedding_is_refused_naming_the_field(value, says):
+    message = validate_xargs({EMBEDDING_FIELD: value})
+    assert message.startswith(f"vllm_xargs.{EMBEDDING_FIELD}") and says in message
+
+
+def embedder_ready(**kwargs) -> PromptEmbedder:
+    embedder = PromptEmbedder(load=lambda: None, **kwargs)
+    embedder.start()
+    embedder._loaded.result(timeout=10)
+    return embedder
+
+
+def test_prompts_waiting_together_are_embedded_in_one_batch():
+    batches = []
+    release = threading.Event()
+
+    def slow(texts):
+        release.wait(10)
+        batches.append(list(texts))
+        return by_length(texts)
+
+    embedder = embedder_ready(embed=slow)
+
+    async def main():
+        first = asyncio.ensure_future(embedder.vector("a"))
+        await asyncio.sleep(0.05)  # "a" is being embedded; these three wait for the next batch
+        rest = [asyncio.ensure_future(embedder.vector(t)) for t in ("bb", "ccc", "dddd")]
+        await asyncio.sleep(0.05)
+        release.set()
+        return await asyncio.gather(first, *rest)
+
+    vectors = asyncio.run(main())
+    assert batches == [["a"], ["bb", "ccc", "dddd"]]
+    for text, vector in zip(["a", "bb", "ccc", "dddd"], vectors, strict=True):
+        np.testing.assert_array_equal(vector, unit(len(text)))
+    assert embedder.summary() == {
+        "ready": True,
+        "load_error": None,
+        "embedded": 4,
+        "passed_through": 0,
+        "failed": 0,
+        "waiting": 0,
+    }
+
+
+def test_a_request_goes_on_without_a_vector_while_loading_when_full_and_when_the_model_fails():
+    loading = threading.Event()
+    embedder = PromptEmbedder(embed=by_length, load=lambda: loading.wait(10))
+    assert asyncio.run(embedder.vector("early")) is None  # the model is still loading
+    loading.set()
+    embedder._loaded.result(timeout=10)
+    assert asyncio.run(embedder.vector("")) is None  # nothing to embed
+
+    def failing(texts):
+        raise RuntimeError("model gone")
+
+    broken = embedder_ready(embed=failing)
+    assert asyncio.run(broken.vector("x")) is None
+    assert (broken.failed, broken.embedded) == (1, 0)
+
+    release = threading.Event()
+    full = embedder_ready(embed=lambda texts: release.wait(10) and by_length(texts), max_waiting=1)
+
+    async def two():
+        first = asyncio.ensure_future(full.vector("a"))
+        await asyncio.sleep(0.05)
+        second = await full.vector("b")  # one already waits: this one goes on at once
+        release.set()
+        return await first, second
+
+    first, second = asyncio.run(two())
+    assert first is not None and second is None
+    assert embedder.passed_through == 2 and full.passed_through == 1
+
+
+def test_a_model_that_fails_to_load_says_so_in_the_summary():
+    def no_model():
+        raise OSError("no MiniLM here")
+
+    embedder = PromptEmbedder(embed=by_length, load=no_model)
+    embedder.start()
+    with pytest.raises(OSError):
+        embedder._loaded.result(timeout=10)
+    assert asyncio.run(embedder.vector("x")) is None
+    assert embedder.summary()["load_error"] == "OSError: no MiniLM here"
+
+
+@pytest.fixture
+def client(monkeypatch, tmp_path):
+    """vLLM's app stands in as a route that echoes the body it was given, behind our middleware."""
+
+    async def echo(request: Request) -> JSONResponse:
+        return JSONResponse(json.loads(await request.body()))
+
+    status = tmp_path / "status.json"
+    status.write_text(json.dumps({"policy": "sagesched"}))
+    monkeypatch.setenv("ADAPT_STATUS_FILE", str(status))
+    monkeypatch.setenv(prompt_embedder.ENABLED_ENV, "1")
+    monkeypatch.setattr(prompt_embedder, "_embedder", embedder_ready(embed=by_length))
+    app = Starlette(routes=[Route("/v1/completions", echo, methods=["POST"])])
+    app.add_middleware(BaseHTTPMiddleware, dispatch=http.adapt_middleware)
+    return TestClient(app)
+
+
+def test_the_middleware_sends_the_prompts_vector_on_to_the_engine(client):
+    body = {"model": "m", "prompt": "four", "vllm_xargs": {"slo_kind": "best_effort"}}
+    seen = client.post("/v1/completions", json=body).json()
+    assert seen["vllm_xargs"]["slo_kind"] == "best_effort"
+    np.testing.assert_array_equal(embedding_from_extra_args(seen["vllm_xargs"]), unit(4))
+    # A vector the client sent is kept; a bad one is a 400 before anything is embedded.
+    own = encode_embedding(unit(7))
+    seen = client.post(
+        "/v1/completions", json={"prompt": "four", "vllm_xargs": {EMBEDDING_FIELD: own}}
+    ).json()
+    assert seen["vllm_xargs"][EMBEDDING_FIELD] == own
+    refused = client.post("/v1/completions", json={"prompt": "x", "vllm_xargs": {EMBEDDING_FIELD: "??"}})
+    assert refused.status_code == 400 and EMBEDDING_FIELD in refused.json()["error"]["message"]
+    status = client.get("/v1/adapt/status").json()
+    assert status["policy"] == "sagesched"
+    assert (status["prompt_embedder"]["embedded"], status["prompt_embedder"]["ready"]) == (1, True)
+
+
+def test_without_the_option_the_body_goes_on_untouched(client, monkeypatch):
+    monkeypatch.setenv(prompt_embedder.ENABLED_ENV, "0")
+    body = {"prompt": "four"}
+    assert client.post("/v1/completions", json=body).json() == body
+    assert "prompt_embedder" not in client.get("/v1/adapt/status").json()
