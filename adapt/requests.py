@@ -128,7 +128,9 @@ class Request:
     `output_tokens` is the true length the response will have (what the trace recorded); only
     oracle policies may read it. `label` is the class used in `by_class` reports. `max_tokens` is
     the client's cap, which policies do see (unset: whatever the context leaves; a live engine's
-    decision log sets it to what the client asked for).
+    decision log sets it to what the client asked for). `prompt_embedding` is the prompt's vector
+    where the request arrives with it (as `adapt serve --embed-prompts` sends it to the engine), a
+    float32 array of `predictors.embedding.DIMENSION`; left out of comparisons.
     """
 
     request_id: str
@@ -140,6 +142,7 @@ class Request:
     program: ProgramRef | None = None
     label: str | None = None
     max_tokens: int | None = None
+    prompt_embedding: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

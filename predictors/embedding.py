@@ -129,6 +129,13 @@ class EmbeddingCache:
         self.disk_hits = 0
         self.misses = 0
 
+    def remember(self, text: str, vector: np.ndarray) -> None:
+        """Keep `text`'s vector, computed elsewhere (the API server's, `adapt serve
+        --embed-prompts`), in the in-process layer only. Safe beside an `embed` call in another
+        thread without a lock (one a step could wait on): it only adds, and the next `embed` trims
+        the layer to capacity, so it never removes a vector that call is about to read."""
+        self._vectors[text] = np.ascontiguousarray(vector, dtype=np.float32)
+
     def embed(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
         """`embed`, computing only the distinct texts in neither layer, in one batch."""
         missing = [t for t in dict.fromkeys(texts) if t not in self._vectors]

@@ -149,10 +149,17 @@ class PolicyScheduler(AsyncScheduler):
             program=program,
             prompt_embedding=embedding,
         )
+        if embedding is not None and state.prompt_text:
+            # A worker that embeds this prompt (neural-length's bounds) finds it done.
+            from predictors.embedding import shared_cache
+
+            shared_cache().remember(state.prompt_text, embedding)
         self._states[request.request_id] = state
         self._waiting_order[request.request_id] = None
         if self.decisions is not None:
             extra = {"slo": dataclasses.asdict(slo), "prompt_text": state.prompt_text}
+            if embedding is not None:
+                extra["prompt_embedding"] = embedding.tolist()
             self._arrived_since.append(
                 [request.request_id, now, request.num_prompt_tokens, request.max_tokens or 0, extra]
             )

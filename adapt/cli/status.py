@@ -153,6 +153,15 @@ def render(status: dict[str, Any] | None, samples: Samples, now: float | None = 
             f"predictions off the step: {predictions['submitted']} submitted, first scheduled on a"
             f" prior {_fraction(predictions['share_on_prior'])}, mean wait"
             f" {1000 * predictions['mean_wait_s']:.1f} ms, refused {predictions['refused']}"
+            f", {predictions.get('supplied', 0)} came embedded"
+        )
+    embedder = (status or {}).get("prompt_embedder")
+    if embedder:  # `serving_hooks.prompt_embedder.PromptEmbedder.summary` (adapt serve --embed-prompts)
+        state = "ready" if embedder["ready"] else f"not loaded ({embedder['load_error'] or 'loading'})"
+        lines.append(
+            f"embedding before the engine: {state}, {embedder['embedded']} embedded,"
+            f" {embedder['passed_through']} went on without, {embedder['failed']} failed,"
+            f" {embedder['waiting']} waiting"
         )
     preempted = _by(samples, "adapt_requests_preempted_total", "cause")
     dropped = _by(samples, "adapt_requests_dropped_total", "reason")

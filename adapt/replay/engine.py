@@ -307,6 +307,7 @@ class ReplayEngine:
             request.prompt_text,
             request.program,
             request.label,
+            request.prompt_embedding,
         )
 
     def _arrive(self, request: Request) -> None:

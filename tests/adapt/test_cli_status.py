@@ -53,7 +53,10 @@ def server():
         "drift_alarms": ["online-quantile"],
         "predictions": {
             "submitted": 8, "refused": 2, "delivered": 8, "on_prior": 3, "waited_s": 0.2,
-            "share_on_prior": 0.5, "mean_wait_s": 0.025,
+            "share_on_prior": 0.5, "mean_wait_s": 0.025, "supplied": 5,
+        },
+        "prompt_embedder": {
+            "ready": True, "load_error": None, "embedded": 5, "passed_through": 1, "failed": 0, "waiting": 0,
         },
     }  # fmt: skip
 
@@ -73,7 +76,8 @@ def test_status_summarises_a_running_server(server, capsys):
     quality_row = next(line for line in out.splitlines() if line.strip().startswith("online-quantile"))
     assert quality_row.split()[1:3] == ["6", "0.500"]
     assert "DRIFT" in out and "policy 2.00 ms" in out
-    assert "first scheduled on a prior 0.500, mean wait 25.0 ms, refused 2" in out
+    assert "first scheduled on a prior 0.500, mean wait 25.0 ms, refused 2, 5 came embedded" in out
+    assert "embedding before the engine: ready, 5 embedded, 1 went on without, 0 failed" in out
 
 
 def test_status_says_when_no_server_answers(capsys):

@@ -73,6 +73,44 @@ def test_sagesched_embeds_off_the_step_and_replay_hands_over_at_the_same_steps(
     assert result.agreement == 1.0, result.describe()
 
 
+def test_embeddings_that_arrive_with_requests_are_used_at_the_first_step_in_both_engines(
+    tiny_model, tmp_path, monkeypatch
+):
+    """`adapt serve --embed-prompts`: every other request arrives with its prompt's vector in its
+    `vllm_xargs`; live sagesched ranks it on that vector at the step it arrives (the rest wait for
+    the worker, as before), and the replay -- which reads the vectors from the decision log -- takes
+    the same decisions. The vectors are made here, not by MiniLM, and say what MiniLM's would
+    ideally say -- short answer or long (one direction each) -- so that sagesched's history
+    matches them and they change its order: a replay that embedded the text instead decides
+    otherwise."""
+    import numpy as np
+
+    from experiments.fidelity import PREDICTED_OFFSET, conformance, serve, workload
+    from predictors.embedding import DIMENSION
+    from serving_hooks.xargs import EMBEDDING_FIELD, encode_embedding
+
+    monkeypatch.setenv("ADAPT_EMBEDDING_CACHE", str(tmp_path / "embedding-cache"))
+    rows = workload(150, 60.0, PREDICTED_OFFSET)
+    median = np.median([row["output"] for row in rows])
+    vectors = np.eye(DIMENSION, dtype=np.float32)[[int(row["output"] > median) for row in rows]]
+    for row, vector in list(zip(rows, vectors, strict=True))[::2]:
+        row["slo"] = {**(row["slo"] or {}), EMBEDDING_FIELD: encode_embedding(vector)}
+    out = tmp_path / "run"
+    serve(str(tiny_model), "sagesched", rows, out, SETTINGS)
+    live = json.loads((out / "decisions.json").read_text())
+    summary = json.loads((out / "engine.json").read_text())["predictions"]
+    assert summary["supplied"] == 75 and summary["submitted"] == 150
+    # vLLM suffixes the ids the client gave ("r0" -> "r0-<hash>")
+    arrivals = {a[0].rsplit("-", 1)[0]: (a[0], step["index"], a[4]) for step in live for a in step["arrived"]}
+    handed_at = {key: step["index"] for step in live for key in step["predicted"]}
+    for index, vector in enumerate(vectors[::2]):
+        key, arrived_at, extra = arrivals[f"r{2 * index}"]
+        assert handed_at[key] == arrived_at  # ranked on it at the step it arrived at
+        np.testing.assert_array_equal(np.asarray(extra["prompt_embedding"], np.float32), vector)
+    result = conformance(out, "sagesched")
+    assert result.agreement == 1.0, result.describe()
+
+
 def test_jitserve_bounds_its_requests_off_the_step_and_replay_hands_over_at_the_same_steps(
     tiny_model, tmp_path, monkeypatch
 ):

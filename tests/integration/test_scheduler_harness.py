@@ -260,6 +260,53 @@ def test_the_embedding_process_starts_with_the_engine_and_stops_with_it(tiny_mod
     assert took < 10, f"shutdown waited {took:.1f} s for the embedding process"
 
 
+def test_prompts_that_come_embedded_are_ranked_on_their_vector_at_the_first_step(tiny_model, monkeypatch):
+    """`adapt serve --embed-prompts`: a request whose `vllm_xargs` carry its prompt's vector is
+    ranked on it at its first step (sagesched embeds nothing), and the engine keeps the vector for
+    a worker that would embed the same prompt (neural-length); one without a vector is embedded by
+    the worker, as before."""
+    import numpy as np
+    from vllm.sampling_params import SamplingParams
+
+    from experiments.bench_scheduler import make_requests, make_scheduler, step
+    from predictors import embedding
+    from predictors.embedding import DIMENSION, shared_cache
+    from serving_hooks.vllm_adapter import PolicyScheduler
+    from serving_hooks.xargs import EMBEDDING_FIELD, encode_embedding
+
+    monkeypatch.setenv("ADAPT_EMBEDDING_CACHE", "off")
+    monkeypatch.setenv("ADAPT_POLICY", "sagesched")
+    shared_cache.cache_clear()
+    scheduler = make_scheduler(tiny_model, PolicyScheduler, 8, 4000)
+    try:
+        requests = make_requests(12, 0, seed=6, max_tokens=4)
+        vectors = np.eye(DIMENSION, dtype=np.float32)[: len(requests)]
+        for request, vector in zip(requests[:10], vectors, strict=False):
+            extra = {EMBEDDING_FIELD: encode_embedding(vector)}
+            request.sampling_params = SamplingParams(max_tokens=4, ignore_eos=True, extra_args=extra)
+        calls = []
+        real_embed = embedding.embed
+        monkeypatch.setattr(
+            embedding, "embed", lambda texts, *a: calls.append(list(texts)) or real_embed(texts)
+        )
+        for request in requests:
+            scheduler.add_request(request)
+        step(scheduler)
+        states = [scheduler._states[r.request_id] for r in requests]
+        assert [not s.cache["sage_prior"] for s in states] == [True] * 10 + [False] * 2
+        for state, vector in zip(states[:10], vectors, strict=False):
+            np.testing.assert_array_equal(state.cache["sage_embedding"], vector)
+            np.testing.assert_array_equal(shared_cache().embed([state.prompt_text])[0], vector)
+        assert scheduler.prediction_queues[0].drain(60)
+        embedded = sorted(text for batch in calls for text in batch)
+        assert embedded == sorted(s.prompt_text for s in states[10:])  # only the two without a vector
+        summary = scheduler.prediction_summary()
+        assert (summary["supplied"], summary["submitted"], summary["on_prior"]) == (10, 12, 2)
+    finally:
+        scheduler.shutdown()
+        shared_cache.cache_clear()
+
+
 class _SleepingBound:
     """A length bound that takes 200 ms a batch (a slow model), or fails every call."""
 

@@ -282,3 +282,19 @@ def test_real_minilm_vectors_round_trip_bit_for_bit(tmp_path, monkeypatch):
 
     monkeypatch.setattr(embedding, "embed", no_model)
     np.testing.assert_array_equal(EmbeddingCache(disk=DiskEmbeddingCache(tmp_path)).embed(texts), computed)
+
+
+def test_a_remembered_vector_is_used_in_process_and_never_written_to_disk(tmp_path, model_calls):
+    """`adapt serve --embed-prompts`: the engine keeps the vector the API server sent, so a worker
+    that embeds the prompt (neural-length) computes nothing; the disk layer stays the model's own."""
+    cache = EmbeddingCache(capacity=2, disk=DiskEmbeddingCache(tmp_path), model_id="fake-model")
+    sent = fake_vectors(["from the API server"])[0]
+    cache.remember("prompt", sent)
+    np.testing.assert_array_equal(cache.embed(["prompt"])[0], sent)
+    assert model_calls == [] and cache.hits == 1
+    for text in ("a", "b", "c"):
+        cache.remember(text, fake_vectors([text])[0])  # remembering alone never evicts...
+    assert len(cache._vectors) == 4
+    cache.embed(["c"])
+    assert list(cache._vectors) == ["b", "c"]  # ...the next embed trims to capacity, oldest first
+    assert cache_on(tmp_path).embed(["prompt"]) is not None and model_calls == [["prompt"]]

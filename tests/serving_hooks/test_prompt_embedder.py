@@ -207,3 +207,14 @@ def test_without_the_option_the_body_goes_on_untouched(client, monkeypatch):
     body = {"prompt": "four"}
     assert client.post("/v1/completions", json=body).json() == body
     assert "prompt_embedder" not in client.get("/v1/adapt/status").json()
+
+
+@pytest.mark.parametrize(("threads", "says"), [("two", "expected an integer"), ("0", "must be >= 1")])
+def test_a_bad_thread_count_is_a_load_error_naming_the_setting(monkeypatch, threads, says):
+    monkeypatch.setenv(prompt_embedder.THREADS_ENV, threads)
+    embedder = PromptEmbedder(embed=by_length)  # the real loader, which checks before loading
+    embedder.start()
+    with pytest.raises(ValueError):
+        embedder._loaded.result(timeout=60)
+    error = embedder.summary()["load_error"]
+    assert error.startswith(f"ValueError: {prompt_embedder.THREADS_ENV}") and says in error

@@ -1,0 +1,141 @@
+"""Where a live server embeds prompts (issue 22): in the engine's background worker (the default),
+or in the API server before the request reaches the engine (`adapt serve --embed-prompts`).
+
+    .venv/bin/python -m experiments.bench_embed_placement [--rate 8] [--requests 200]
+        [--max-tokens 64] [--repeats 2] [--placements engine-worker,api-server] [--model DIR]
+        [--json OUT]
+
+Each round starts `adapt serve --policy sagesched` once per placement (a fresh server, the
+embedding disk cache off so that every prompt costs the model) and drives the same load at it
+with `experiments.bench_serve`: the `sagesched-mix` workload's real AlpacaEval prompts at `--rate`
+requests/s, Poisson arrivals, streamed. It reads from the server's status how many requests
+were first scheduled on their prior (before their embedding came), and from the client the TTFT
+and end-to-end latency. Embedding in the API server trades TTFT (each request waits for its
+vector) for first decisions made on the prediction. Without `--model` a tiny random model is
+generated (DESIGN.md section 6). `--json OUT` writes `{"placements": {NAME: {"share_on_prior",
+"ttft_p50", "ttft_p99", "e2e_mean", "failed", "rounds": [...]}}}`, each figure the median of the
+rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+PLACEMENTS = ("engine-worker", "api-server")
+
+
+def one_run(model: str, placement: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Serve, load, read the status: one placement's figures for one round."""
+    from adapt.workloads import get_workload
+    from experiments.bench_serve import run_load, summarise
+    from experiments.quickstart_serve import free_port, stop, wait_for_status
+    from serving_hooks.server import server_command
+    from serving_hooks.tiny_model import VLLM_CPU_ARGS
+
+    requests = get_workload("sagesched-mix").build(args.rate, args.requests, args.seed)
+    port = free_port()
+    argv, env = server_command(
+        model,
+        "sagesched",
+        port=port,
+        status_file=workdir / f"status-{placement}.json",
+        embed_prompts=placement == "api-server",
+        extra=VLLM_CPU_ARGS,
+    )
+    env["ADAPT_EMBEDDING_CACHE"] = "off"
+    log_path = workdir / f"server-{placement}.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        if placement == "api-server":  # MiniLM loads in the API server at its first request
+            wait_for_status(port, server, log_path, lambda s: s.get("prompt_embedder", {}).get("ready"))
+        else:
+            wait_for_status(port, server, log_path, lambda s: True)
+        url = f"http://127.0.0.1:{port}"
+        records = asyncio.run(run_load(url, model, requests, args.max_prompt_words, args.max_tokens))
+        client = summarise(records)
+
+        def counted(status: dict[str, Any]) -> bool:
+            predictions = status.get("predictions") or {}
+            return predictions.get("submitted", 0) + predictions.get("refused", 0) >= client["ok"]
+
+        status = wait_for_status(port, server, log_path, counted, 60)
+    finally:
+        stop(server)
+    predictions = status["predictions"]
+    return {
+        "share_on_prior": predictions["share_on_prior"],
+        "supplied": predictions.get("supplied", 0),
+        "mean_wait_s": predictions["mean_wait_s"],
+        **{key: client[key] for key in ("ok", "failed", "ttft_p50", "ttft_p99", "e2e_mean")},
+    }
+
+
+def median_of(rounds: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rounds if r[key] is not None]
+    return statistics.median(values) if values else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=float, default=8.0, help="requests per second (Poisson)")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-prompt-words", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=2, help="rounds, placements round-robin in each")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--placements", default=",".join(PLACEMENTS), help=f"any of {', '.join(PLACEMENTS)}")
+    parser.add_argument("--model", help="model directory (default: a tiny random model made here)")
+    parser.add_argument("--json", dest="json_out", metavar="OUT")
+    args = parser.parse_args(argv)
+    if args.rate <= 0 or args.requests < 1 or args.repeats < 1:
+        parser.error("--rate must be > 0, --requests and --repeats >= 1")
+    chosen = [p.strip() for p in args.placements.split(",") if p.strip()]
+    unknown = sorted(set(chosen) - set(PLACEMENTS))
+    if unknown or not chosen:
+        parser.error(f"--placements: expected some of {', '.join(PLACEMENTS)}, got {args.placements!r}")
+    os.environ.setdefault(
+        "MLFLOW_TRACKING_URI", f"sqlite:///{tempfile.mkdtemp(prefix='adapt-bench-')}/mlflow.db"
+    )
+    with tempfile.TemporaryDirectory(prefix="adapt-embed-placement-") as tmp:
+        workdir = Path(tmp)
+        model = args.model
+        if model is None:
+            from serving_hooks.tiny_model import make_tiny_model
+
+            model = str(make_tiny_model(workdir / "tiny"))
+        rounds: dict[str, list[dict[str, Any]]] = {p: [] for p in chosen}
+        for round_index in range(args.repeats):
+            for placement in chosen:
+                result = one_run(model, placement, args, workdir)
+                rounds[placement].append(result)
+                print(f"round {round_index + 1}/{args.repeats} {placement}: {json.dumps(result)}", flush=True)
+    placements = {
+        name: {
+            **{key: median_of(runs, key) for key in ("share_on_prior", "ttft_p50", "ttft_p99", "e2e_mean")},
+            "failed": sum(r["failed"] for r in runs),
+            "rounds": runs,
+        }
+        for name, runs in rounds.items()
+    }
+    print(f"\nsagesched, {args.requests} requests at {args.rate} req/s, median of {args.repeats} round(s):")
+    print(f"{'placement':<15} {'on prior':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'E2E mean':>9} {'failed':>7}")
+    for name, figures in placements.items():
+        cells = [figures[k] for k in ("share_on_prior", "ttft_p50", "ttft_p99", "e2e_mean")]
+        shown = " ".join(f"{v:>9.3f}" if v is not None else f"{'-':>9}" for v in cells)
+        print(f"{name:<15} {shown} {figures['failed']:>7}")
+    if args.json_out:
+        payload = {"rate": args.rate, "requests": args.requests, "placements": placements}
+        Path(args.json_out).write_text(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()
