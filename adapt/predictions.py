@@ -52,9 +52,11 @@ class PredictionStats:
     """What a queue did: `on_prior` counts requests still without a result at the first poll after
     their submission (their first scheduling decision used the prior); `refused` those never
     submitted (queue full); `supplied` those that arrived with their result (counted in
-    `submitted` and `delivered` too, with no wait); `waited_s` sums, over delivered results,
-    submission to hand-over; `censored` counts results discarded before they came (the request
-    left) and `censored_s` sums their submission to discard."""
+    `submitted`, as first decisions made on a result, and nowhere else: no model was waited for,
+    and counting them delivered at no wait would tell a replay the model is faster than it is);
+    `delivered` and `waited_s` count the model's results and sum submission to hand-over;
+    `censored` counts results discarded before they came (the request left) and `censored_s` sums
+    their submission to discard."""
 
     submitted: int = 0
     refused: int = 0
@@ -102,13 +104,13 @@ class PredictionQueue:
         self.handed_over: list[str] | None = None
         self._submitted_at: dict[str, float] = {}  # key -> when, until handed over or discarded
         self._unpolled: list[str] = []  # submitted since the last poll
-        self._supplied: list[tuple[str, Any]] = []  # arrived with the request, not yet polled
+        self._supplied: dict[str, tuple[Any, float]] = {}  # came with the request: (result, when)
 
     def supply(self, key: str, result: Any, now: float) -> None:
         """`key`'s result came with the request: no model call; handed over at the next poll."""
-        PredictionQueue.submit(self, key, result, now)  # the bookkeeping only, not a subclass's work
+        self._supplied[key] = (result, now)
+        self.stats.submitted += 1
         self.stats.supplied += 1
-        self._supplied.append((key, result))
 
     def submit(self, key: str, payload: Any, now: float) -> bool:
         """Queue `payload`'s prediction under `key`; False if refused (the request keeps its prior)."""
@@ -119,7 +121,8 @@ class PredictionQueue:
 
     def discard(self, key: str, now: float) -> None:
         """The request left at `now`: its result, if it comes, is dropped (and its wait so far
-        counted as censored)."""
+        counted as censored; a supplied one was never waited for)."""
+        self._supplied.pop(key, None)
         submitted_at = self._submitted_at.pop(key, None)
         if submitted_at is not None:
             self.stats.censored += 1
@@ -138,7 +141,7 @@ class PredictionQueue:
     @property
     def awaited(self) -> bool:
         """Whether any submitted result has not been handed over yet."""
-        return bool(self._submitted_at)
+        return bool(self._submitted_at or self._supplied)
 
     @property
     def next_ready_s(self) -> float:
@@ -148,13 +151,13 @@ class PredictionQueue:
     def _hand_over(self, results: list[tuple[str, Any]], now: float) -> list[tuple[str, Any]]:
         """Keep the results of requests still here, count them, and count every request polled for
         the first time without its result as decided on its prior. Supplied results go first."""
-        if self._supplied:
-            results = [*self._supplied, *results]
-            self._supplied = []
+        supplied = [(key, result) for key, (result, _) in self._supplied.items()]
+        self._supplied = {}
         kept = [(key, value) for key, value in results if key in self._submitted_at]
         for key, _ in kept:
             self.stats.waited_s += now - self._submitted_at.pop(key)
         self.stats.delivered += len(kept)
+        kept = [*supplied, *kept]
         if self.handed_over is not None:
             self.handed_over.extend(key for key, _ in kept)
         self.stats.on_prior += sum(key in self._submitted_at for key in self._unpolled)
@@ -196,7 +199,7 @@ class Delayed(PredictionQueue):
     def next_ready_s(self) -> float:
         pending = (self._ready_at(key) for key, _ in self._pending if key in self._submitted_at)
         computed = (at for at, key, _ in self._computed if key in self._submitted_at)
-        supplied = (self._submitted_at[key] for key, _ in self._supplied if key in self._submitted_at)
+        supplied = (at for _, at in self._supplied.values())
         return min(itertools.chain(pending, computed, supplied), default=math.inf)
 
 

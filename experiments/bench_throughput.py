@@ -2,7 +2,8 @@
 `PolicyScheduler` with each policy, on the same model and the same burst of requests.
 
     .venv/bin/python -m experiments.bench_throughput [--requests 768] [--max-tokens 128]
-        [--max-num-seqs 64] [--policies fcfs,sarathi,...] [--model DIR] [--repeats 1] [--json OUT]
+        [--max-num-seqs 64] [--policies fcfs,sarathi,...] [--model DIR] [--repeats 1] [--embedded]
+        [--json OUT]
 
 Every request arrives at once (the queue never empties: saturation), prompts are 16-256 filler
 words, each generates exactly `--max-tokens` tokens (ignore_eos). Each configuration runs in its
@@ -19,6 +20,10 @@ round* (a drift in machine speed hits both), the median and the spread of the N 
 prediction came back (`adapt.predictions`): in a burst of hundreds at once, nearly all. "cut
 short" counts requests that ended before `--max-tokens` (dropped by the policy). Prompts are the
 same every round, so the runs keep no disk cache of embeddings (each embeds its prompts).
+With `--embedded` every request arrives with its prompt's vector, computed before the timed burst
+(what `adapt serve --embed-prompts` sends from the API server): the figure is then the engine's
+with the embedding work moved off it, which on a GPU node runs beside it; on a small CPU it would
+take the same cores, and the figure leaves that out.
 """
 
 from __future__ import annotations
@@ -35,8 +40,11 @@ from pathlib import Path
 DEFAULT = "vllm-default"
 
 
-def worker(model: str, policy: str, requests: int, max_tokens: int, max_num_seqs: int) -> None:
-    """One engine, one burst; prints one JSON line."""
+def worker(
+    model: str, policy: str, requests: int, max_tokens: int, max_num_seqs: int, embedded: bool = False
+) -> None:
+    """One engine, one burst; prints one JSON line. `embedded`: every request carries its prompt's
+    vector, computed before the burst (as `adapt serve --embed-prompts` or a gateway would)."""
     import random
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -64,14 +72,24 @@ def worker(model: str, policy: str, requests: int, max_tokens: int, max_num_seqs
     scheduler = engine.engine_core.engine_core.scheduler
     rng = random.Random(0)
     words = ["the", "request", "queue", "token", "model", "batch", "cache", "step"]
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(16, 256))) for _ in range(requests)]
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * requests
+    if embedded:  # outside the timed burst, for every configuration alike
+        from predictors.embedding import embed
+        from serving_hooks.xargs import EMBEDDING_FIELD, encode_embedding
+
+        params = [
+            SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True, extra_args={EMBEDDING_FIELD: encode_embedding(v)}
+            )
+            for v in embed(prompts)
+        ]
     engine.add_request("warmup", "the request", SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     started = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
+    for i, (prompt, request_params) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, request_params)
     tokens, finished, most_running = 0, 0, 0
     cut_short = 0  # ended before max_tokens (EOS is ignored): dropped by the policy, not served
     while engine.has_unfinished_requests():
@@ -116,6 +134,7 @@ def run(model: str, policy: str, args: argparse.Namespace) -> dict:
         str(args.max_tokens),
         "--max-num-seqs",
         str(args.max_num_seqs),
+        *(["--embedded"] if args.embedded else []),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     for line in done.stdout.splitlines():
@@ -134,11 +153,16 @@ def main() -> None:
         "--repeats", type=int, default=1, help="rounds over all configurations (median taken)"
     )
     parser.add_argument("--model", help="model directory (default: a generated tiny model)")
+    parser.add_argument(
+        "--embedded",
+        action="store_true",
+        help="requests arrive with their prompts' vectors (embedded before the burst, untimed)",
+    )
     parser.add_argument("--json", metavar="OUT", help="write the table as JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.model, args.worker, args.requests, args.max_tokens, args.max_num_seqs)
+        worker(args.model, args.worker, args.requests, args.max_tokens, args.max_num_seqs, args.embedded)
         return
     with tempfile.TemporaryDirectory(prefix="adapt-throughput-") as tmp:
         model = args.model
@@ -149,6 +173,7 @@ def main() -> None:
         print(
             f"{args.requests} requests at once, {args.max_tokens} output tokens each, max_num_seqs"
             f" {args.max_num_seqs}, {args.repeats} round(s) over all configurations (median)"
+            + (", prompts embedded before the burst (untimed)" if args.embedded else "")
         )
         from serving_hooks.policies import servable_policies
 
@@ -177,7 +202,8 @@ def main() -> None:
                 flush=True,
             )
         if args.json:
-            settings = {k: getattr(args, k) for k in ("requests", "max_tokens", "max_num_seqs", "repeats")}
+            names = ("requests", "max_tokens", "max_num_seqs", "repeats", "embedded")
+            settings = {k: getattr(args, k) for k in names}
             Path(args.json).write_text(json.dumps({"settings": settings, "policies": report}, indent=2))
 
 

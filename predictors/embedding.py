@@ -15,6 +15,7 @@ keeps off the engine's cores only where given cores of its own (`ADAPT_EMBEDDING
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from functools import lru_cache
@@ -125,28 +126,33 @@ class EmbeddingCache:
         self.disk = disk
         self.model_id = model_id if model_id is not None else model_identity()
         self._vectors: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()  # the in-process layer: an engine's worker and its step share it
         self.hits = 0
         self.disk_hits = 0
         self.misses = 0
 
     def remember(self, text: str, vector: np.ndarray) -> None:
         """Keep `text`'s vector, computed elsewhere (the API server's, `adapt serve
-        --embed-prompts`), in the in-process layer only. Safe beside an `embed` call in another
-        thread without a lock (one a step could wait on): it only adds, and the next `embed` trims
-        the layer to capacity, so it never removes a vector that call is about to read."""
-        self._vectors[text] = np.ascontiguousarray(vector, dtype=np.float32)
+        --embed-prompts`), in the in-process layer only (the disk layer stays the model's own)."""
+        with self._lock:
+            self._keep({text: np.ascontiguousarray(vector, dtype=np.float32)})
 
     def embed(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
-        """`embed`, computing only the distinct texts in neither layer, in one batch."""
-        missing = [t for t in dict.fromkeys(texts) if t not in self._vectors]
+        """`embed`, computing only the distinct texts in neither layer, in one batch. The in-process
+        layer is locked only for its lookups and updates, never over the model: an engine's step
+        that `remember`s a vector meanwhile waits microseconds, not for MiniLM. Rows are built
+        from what this call found or computed, so another thread trimming the layer meanwhile
+        cannot take a vector from under it."""
+        with self._lock:
+            found = {t: self._vectors[t] for t in dict.fromkeys(texts) if t in self._vectors}
+        missing = [t for t in dict.fromkeys(texts) if t not in found]
         self.hits += len(texts) - len(missing)
+        new: dict[str, np.ndarray] = {}
         if missing and self.disk is not None:
             keys = {text: content_key(self.model_id, text) for text in missing}
             stored = self.disk.get_many(list(keys.values()), DIMENSION)
             self.disk_hits += len(stored)
-            for text in missing:
-                if keys[text] in stored:
-                    self._vectors[text] = stored[keys[text]]
+            new.update((text, stored[keys[text]]) for text in missing if keys[text] in stored)
             missing = [t for t in missing if keys[t] not in stored]
         if missing:
             # A module-level lookup, so a test can stand in for the model by patching `embed`.
@@ -157,17 +163,22 @@ class EmbeddingCache:
                 )
             computed = np.ascontiguousarray(computed, dtype=np.float32)
             self.misses += len(missing)
-            for text, vector in zip(missing, computed, strict=True):
-                self._vectors[text] = vector
+            new.update(zip(missing, computed, strict=True))
             if self.disk is not None:
                 self.disk.put_many({keys[t]: v for t, v in zip(missing, computed, strict=True)})
-        rows = []
-        for text in texts:
+        found.update(new)
+        with self._lock:
+            self._keep({text: found[text] for text in dict.fromkeys(texts)})  # all, most recent last
+        rows = [found[text] for text in texts]
+        return np.vstack(rows) if rows else np.zeros((0, DIMENSION), dtype=np.float32)
+
+    def _keep(self, vectors: dict[str, np.ndarray]) -> None:
+        """Store `vectors` as the most recently used and trim to capacity (the caller holds the lock)."""
+        for text, vector in vectors.items():
+            self._vectors[text] = vector
             self._vectors.move_to_end(text)
-            rows.append(self._vectors[text])
         while len(self._vectors) > self.capacity:
             self._vectors.popitem(last=False)
-        return np.vstack(rows) if rows else np.zeros((0, DIMENSION), dtype=np.float32)
 
 
 @lru_cache(maxsize=1)

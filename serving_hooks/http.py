@@ -115,14 +115,17 @@ async def adapt_middleware(request: Request, call_next) -> Response:
 
 
 async def _attach_embedding(request: Request, body: dict[str, Any], embedder: PromptEmbedder) -> None:
-    """Hold the request until its prompt is embedded and send the vector on in `vllm_xargs` (one
-    the client sent is kept). Starlette's middleware hands the next layer the body it read, so the
-    rewritten body replaces it there."""
-    xargs = body.get("vllm_xargs") or {}
-    if EMBEDDING_FIELD in xargs:
+    """Hold the request until its prompt is embedded and send the vector on in `vllm_xargs`.
+    Starlette's middleware hands the next layer the body it read, so the rewritten body (and its
+    length) replaces it there. vLLM checks API keys in a middleware inside this one, so a request
+    without a valid key is not embedded: it goes on to be refused there."""
+    if not embedder.authorized(request.headers.get("authorization")):
         return
     vector = await embedder.vector(prompt_text(body))
     if vector is None:
         return
-    body["vllm_xargs"] = {**xargs, EMBEDDING_FIELD: encode_embedding(vector)}
-    request._body = json.dumps(body).encode()
+    body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), EMBEDDING_FIELD: encode_embedding(vector)}
+    encoded = json.dumps(body).encode()
+    request._body = encoded
+    headers = [(k, v) for k, v in request.scope["headers"] if k.lower() != b"content-length"]
+    request.scope["headers"] = [*headers, (b"content-length", str(len(encoded)).encode())]

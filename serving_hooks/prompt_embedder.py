@@ -14,8 +14,10 @@ joined by newlines (not the chat template's rendering, which the engine would em
 
 Bounded, and never blocking indefinitely: until the model has loaded (it starts loading at the
 server's first request, after vLLM has started its engine process), beyond `max_waiting` prompts
-waiting, and where embedding fails, a request goes on without a vector. The engine's worker then
-embeds it, as without this option. Prompts that arrive together are embedded in one batch.
+waiting, after `timeout_s` waiting for its vector, and where embedding fails, a request goes on
+without a vector. The engine's worker then embeds it, as without this option. Prompts that arrive
+together are embedded in one batch. Where the server checks API keys (`--api-key`, or
+`VLLM_API_KEY`), a request without a valid one is not embedded: vLLM refuses it after this layer.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ log = logging.getLogger(__name__)
 ENABLED_ENV = "ADAPT_EMBED_PROMPTS"
 MAX_WAITING_ENV = "ADAPT_EMBED_PROMPTS_MAX_WAITING"
 THREADS_ENV = "ADAPT_EMBED_PROMPTS_THREADS"
+TIMEOUT_ENV = "ADAPT_EMBED_PROMPTS_TIMEOUT_S"
+API_KEYS_ENV = "ADAPT_EMBED_PROMPTS_API_KEYS"  # the server's --api-key values, newline-separated
 DEFAULT_MAX_WAITING = 256
+DEFAULT_TIMEOUT_S = 2.0
 
 
 def prompt_text(body: dict[str, Any]) -> str | None:
@@ -101,10 +106,16 @@ class PromptEmbedder:
         max_waiting: int = DEFAULT_MAX_WAITING,
         embed: Callable[[list[str]], np.ndarray] = _embed_with_cache,
         load: Callable[[], None] = _load,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        api_keys: frozenset[str] = frozenset(),
     ) -> None:
         if max_waiting < 1:
             raise ValueError(f"{MAX_WAITING_ENV}: must be >= 1, got {max_waiting}")
+        if not timeout_s > 0:
+            raise ValueError(f"{TIMEOUT_ENV}: must be > 0, got {timeout_s}")
         self.max_waiting = max_waiting
+        self.timeout_s = timeout_s
+        self.api_keys = api_keys
         self._embed = embed
         self._load = load
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapt-embed-prompts")
@@ -114,6 +125,7 @@ class PromptEmbedder:
         self._batcher: asyncio.Task | None = None
         self.embedded = 0
         self.passed_through = 0  # went on without a vector: model not ready, too many waiting, no text
+        self.timed_out = 0
         self.failed = 0
 
     def start(self) -> None:
@@ -135,9 +147,15 @@ class PromptEmbedder:
             "load_error": None if error is None else f"{type(error).__name__}: {error}",
             "embedded": self.embedded,
             "passed_through": self.passed_through,
+            "timed_out": self.timed_out,
             "failed": self.failed,
             "waiting": self._waiting,
         }
+
+    def authorized(self, authorization: str | None) -> bool:
+        """Whether a request with this Authorization header passes the server's API-key check
+        (every request does where the server has no keys)."""
+        return not self.api_keys or any(authorization == f"Bearer {key}" for key in self.api_keys)
 
     async def vector(self, text: str | None) -> np.ndarray | None:
         """`text`'s unit vector, or None where the request goes on without one (see the module)."""
@@ -152,7 +170,10 @@ class PromptEmbedder:
         if self._batcher is None or self._batcher.done():
             self._batcher = loop.create_task(self._run())
         try:
-            return await future
+            return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+        except TimeoutError:
+            self.timed_out += 1
+            return None
         finally:
             self._waiting -= 1
 
@@ -160,17 +181,20 @@ class PromptEmbedder:
         loop = asyncio.get_running_loop()
         while self._pending:
             batch, self._pending = self._pending, []
+            results: list[np.ndarray | None] = [None] * len(batch)
             try:
                 vectors = await loop.run_in_executor(self._executor, self._embed, [text for text, _ in batch])
-                results: list[np.ndarray | None] = list(vectors)
+                if len(vectors) != len(batch):
+                    raise ValueError(f"{len(vectors)} vectors for {len(batch)} prompts")
+                results = list(vectors)
                 self.embedded += len(batch)
             except Exception:
                 log.exception("API server: embedding %d prompts failed; the engine embeds them", len(batch))
-                results = [None] * len(batch)
                 self.failed += len(batch)
-            for (_, future), result in zip(batch, results, strict=True):
-                if not future.done():  # a client that left cancelled its wait
-                    future.set_result(result)
+            finally:  # every wait ends, whatever happened (a cancelled one is already done)
+                for (_, future), result in zip(batch, results, strict=True):
+                    if not future.done():
+                        future.set_result(result)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -186,10 +210,25 @@ def configured_embedder() -> PromptEmbedder | None:
     if os.environ.get(ENABLED_ENV) != "1":
         return None
     if _embedder is None:
-        raw = os.environ.get(MAX_WAITING_ENV, str(DEFAULT_MAX_WAITING))
-        try:
-            max_waiting = int(raw)
-        except ValueError:
-            raise ValueError(f"{MAX_WAITING_ENV}: expected an integer, got {raw!r}") from None
-        _embedder = PromptEmbedder(max_waiting)
+        # As vLLM decides: its --api-key values where given, else VLLM_API_KEY.
+        keys = {k for k in os.environ.get(API_KEYS_ENV, "").split("\n") if k}
+        if not keys and os.environ.get("VLLM_API_KEY"):
+            keys.add(os.environ["VLLM_API_KEY"])
+        _embedder = PromptEmbedder(
+            _setting(MAX_WAITING_ENV, int, DEFAULT_MAX_WAITING),
+            timeout_s=_setting(TIMEOUT_ENV, float, DEFAULT_TIMEOUT_S),
+            api_keys=frozenset(keys),
+        )
     return _embedder
+
+
+def _setting(name: str, kind: type, default: Any) -> Any:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(
+            f"{name}: expected {'an integer' if kind is int else 'a number'}, got {raw!r}"
+        ) from None

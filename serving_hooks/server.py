@@ -34,7 +34,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from serving_hooks.prompt_embedder import ENABLED_ENV
+from serving_hooks.prompt_embedder import API_KEYS_ENV, ENABLED_ENV
 
 SCHEDULER = "serving_hooks.vllm_adapter.PolicyScheduler"
 MIDDLEWARE = "serving_hooks.http.adapt_middleware"
@@ -107,7 +107,26 @@ def server_command(
     if drift_margin is not None:
         env["ADAPT_DRIFT_MARGIN"] = str(drift_margin)
     env[ENABLED_ENV] = "1" if embed_prompts else "0"
+    keys = api_keys(extra)
+    if embed_prompts and keys:
+        env[API_KEYS_ENV] = "\n".join(keys)
     return argv, env
+
+
+def api_keys(vllm_args: Sequence[str]) -> list[str]:
+    """The values of vLLM's `--api-key` among `vllm_args` (`--api-key K [K ...]` or `--api-key=K`):
+    the middleware embeds only requests that carry one."""
+    keys: list[str] = []
+    args = list(vllm_args)
+    for i, arg in enumerate(args):
+        if arg.startswith("--api-key="):
+            keys.append(arg.split("=", 1)[1])
+        elif arg == "--api-key":
+            for value in args[i + 1 :]:
+                if value.startswith("--"):
+                    break
+                keys.append(value)
+    return keys
 
 
 def serve(model: str, policy: str, **kwargs) -> int:

@@ -135,10 +135,14 @@ class PolicyScheduler(AsyncScheduler):
         try:
             slo = slo_from_extra_args(extra)
             program = program_from_extra_args(extra, self._program_starts, now)
-            embedding = embedding_from_extra_args(extra)
         except (ValidationError, TypeError, ValueError) as exc:  # the API layer rejects these
-            log.warning("request %s: ignoring invalid vllm_xargs: %s", request.request_id, exc)
-            slo, program, embedding = SLO(), None, None
+            log.warning("request %s: ignoring invalid SLO %s: %s", request.request_id, extra, exc)
+            slo, program = SLO(), None
+        try:
+            embedding = embedding_from_extra_args(extra)
+        except ValueError as exc:  # only in-process callers can send a bad one (the API layer refuses)
+            log.warning("request %s: ignoring its prompt embedding: %s", request.request_id, exc)
+            embedding = None
         state = RequestState(
             request.request_id,
             now,

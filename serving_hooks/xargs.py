@@ -1,8 +1,10 @@
 """Request metadata in the OpenAI API's `vllm_xargs` (DESIGN.md section 7): the SLO (`slo_kind`,
 `ttft_s`, `tbt_s`, `deadline_s`, `tier`), for compound requests `program_id` and `stage`, and
 `adapt_embedding`, the prompt's MiniLM vector (384 little-endian float32, base64), which `adapt serve
---embed-prompts` computes in the API server (`serving_hooks.prompt_embedder`) and a client or
-gateway that already embeds its prompts may send itself.
+--embed-prompts` computes in the API server (`serving_hooks.prompt_embedder`). A client may not
+send that one: a vector that says "short answer" would move its request ahead of others, and the
+engine keeps it for the prompt's text (`EmbeddingCache.remember`), where later requests would find
+it. In-process callers of the engine (`adapt fidelity`) are trusted and may set it.
 
 `validate_xargs` runs in the HTTP server (a bad value is an HTTP 400 naming the field); the
 `*_from_extra_args` readers run in the scheduler, where the same values arrive as
@@ -22,6 +24,7 @@ from predictors.embedding import DIMENSION
 
 MAX_PROGRAMS = 10_000  # program start times remembered for compound deadlines
 EMBEDDING_FIELD = "adapt_embedding"
+ENCODED_LENGTH = 4 * ((DIMENSION * 4 + 2) // 3)  # base64 of DIMENSION float32
 UNIT_NORM_TOLERANCE = 1e-3  # SageSched thresholds cosine similarity as an inner product of unit vectors
 
 SLO_FIELDS = {
@@ -72,11 +75,15 @@ def embedding_from_extra_args(extra: dict[str, Any] | None) -> np.ndarray | None
     field = f"vllm_xargs.{EMBEDDING_FIELD}"
     if not isinstance(value, str):
         raise ValueError(f"{field}: expected a base64 string, got {type(value).__name__}")
+    if len(value) != ENCODED_LENGTH:  # before decoding: a huge string costs nothing here
+        raise ValueError(
+            f"{field}: expected {ENCODED_LENGTH} base64 characters ({DIMENSION} float32), got {len(value)}"
+        )
     try:
-        raw = base64.b64decode(value, validate=True)
-    except binascii.Error:
+        raw = base64.b64decode(value.encode("ascii"), validate=True)
+    except (UnicodeEncodeError, binascii.Error):
         raise ValueError(f"{field}: not valid base64") from None
-    if len(raw) != DIMENSION * 4:
+    if len(raw) != DIMENSION * 4:  # padding: 2048 characters may hold 1534 to 1536 bytes
         raise ValueError(f"{field}: expected {DIMENSION} float32 values, got {len(raw)} bytes")
     vector = np.frombuffer(raw, dtype="<f4").astype(np.float32)
     if not np.isfinite(vector).all():
@@ -105,8 +112,8 @@ def validate_xargs(xargs: Any) -> str | None:
     stage = xargs.get("stage", 0)
     if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
         return f"vllm_xargs.stage: expected an integer >= 0, got {stage!r}"
-    try:
-        embedding_from_extra_args(xargs)
-    except ValueError as exc:
-        return str(exc)
+    if EMBEDDING_FIELD in xargs:
+        return (
+            f"vllm_xargs.{EMBEDDING_FIELD}: set by the server (adapt serve --embed-prompts), not by clients"
+        )
     return None

@@ -205,8 +205,9 @@ class SageSched(PriorityPolicy):
         (none is lost when a live engine swaps this policy in with requests waiting)."""
         self._predictions.close()
         self._predictions = queues(PromptEmbeddings())
-        for request in self._awaiting.values():
-            self._ask(request, request.arrival_s)
+        for request in list(self._awaiting.values()):
+            if not self._ask(request, request.arrival_s):  # the new queue is full: its prior it is
+                del self._awaiting[request.id]
 
     def use_component(self, attribute: str, component: Any) -> None:
         """A new history version replaces the window (the policy's own copy, in its mode)."""

@@ -215,8 +215,9 @@ def test_a_supplied_result_is_ready_at_the_next_poll_whatever_the_queue(make):
     assert queue.ready(1.0) == [("a", "vector")]
     assert calls == [] and not queue.awaited
     stats = queue.stats.summary()
-    assert (stats["submitted"], stats["supplied"], stats["delivered"], stats["on_prior"]) == (1, 1, 1, 0)
-    assert stats["mean_wait_s"] == 0.0 and stats["share_on_prior"] == 0.0
+    # A first decision made on a result; not a model result delivered (no wait to count).
+    assert (stats["submitted"], stats["supplied"], stats["delivered"], stats["on_prior"]) == (1, 1, 0, 0)
+    assert stats["waited_s"] == 0.0 and stats["share_on_prior"] == 0.0
     queue.close()
 
 
@@ -225,7 +226,9 @@ def test_supplied_results_go_first_and_a_discarded_one_is_never_handed_over():
     queue.submit("a", 1, now=0.0)
     queue.supply("b", "vb", now=0.0)
     queue.supply("c", "vc", now=0.0)
-    queue.discard("c", now=0.5)
+    queue.discard("c", now=0.5)  # left before its first step: nothing waited for, nothing censored
     assert queue.ready(1.0) == [("b", "vb"), ("a", 2)]
     stats = queue.stats.summary()
-    assert (stats["delivered"], stats["censored"], stats["supplied"]) == (2, 1, 2)
+    assert (stats["delivered"], stats["censored"], stats["supplied"], stats["submitted"]) == (1, 0, 2, 3)
+    # the model's one result waited 1.0 s: the supplied ones do not pull the estimate down
+    assert stats["mean_wait_s"] == stats["delay_estimate_s"] == 1.0

@@ -65,24 +65,31 @@ def test_the_text_embedded_from_a_request_body(body, text):
 def test_an_embedding_goes_through_vllm_xargs_unchanged():
     vector = by_length(["abc"])[0]
     extra = {EMBEDDING_FIELD: encode_embedding(vector)}
-    assert validate_xargs(extra) is None
     np.testing.assert_array_equal(embedding_from_extra_args(extra), vector)
     assert embedding_from_extra_args({"slo_kind": "best_effort"}) is None
+
+
+def test_a_client_may_not_send_a_vector_of_its_own():
+    message = validate_xargs({EMBEDDING_FIELD: encode_embedding(unit(3))})
+    assert message.startswith(f"vllm_xargs.{EMBEDDING_FIELD}: set by the server")
 
 
 @pytest.mark.parametrize(
     ("value", "says"),
     [
         (3, "expected a base64 string"),
-        ("not base64!", "not valid base64"),
-        (base64.b64encode(b"\0" * 12).decode(), "expected 384 float32 values, got 12 bytes"),
+        ("not base64!", "expected 2048 base64 characters"),
+        ("A" * 10_000_000, "expected 2048 base64 characters"),  # refused before decoding
+        ("é" * 2048, "not valid base64"),
+        ("!" * 2048, "not valid base64"),
+        (base64.b64encode(b"\0" * 1534).decode(), "float32 values, got 1534 bytes"),
         (encode_embedding(np.full(DIMENSION, np.nan, np.float32)), "finite"),
         (encode_embedding(2 * unit(0)), "unit vector"),
     ],
 )
-def test_a_bad_embedding_is_refused_naming_the_field(value, says):
-    message = validate_xargs({EMBEDDING_FIELD: value})
-    assert message.startswith(f"vllm_xargs.{EMBEDDING_FIELD}") and says in message
+def test_a_bad_embedding_is_a_value_error_naming_the_field(value, says):
+    with pytest.raises(ValueError, match=f"^vllm_xargs.{EMBEDDING_FIELD}: .*{says}"):
+        embedding_from_extra_args({EMBEDDING_FIELD: value})
 
 
 def embedder_ready(**kwargs) -> PromptEmbedder:
@@ -120,6 +127,7 @@ def test_prompts_waiting_together_are_embedded_in_one_batch():
         "load_error": None,
         "embedded": 4,
         "passed_through": 0,
+        "timed_out": 0,
         "failed": 0,
         "waiting": 0,
     }
@@ -155,6 +163,39 @@ def test_a_request_goes_on_without_a_vector_while_loading_when_full_and_when_the
     assert embedder.passed_through == 2 and full.passed_through == 1
 
 
+def test_a_request_waits_at_most_the_timeout_for_its_vector():
+    stuck = threading.Event()
+    embedder = embedder_ready(embed=lambda texts: stuck.wait(10) and by_length(texts), timeout_s=0.1)
+    assert asyncio.run(embedder.vector("slow")) is None
+    stuck.set()
+    assert (embedder.timed_out, embedder.summary()["waiting"]) == (1, 0)
+
+
+def test_a_model_that_returns_too_few_vectors_fails_the_batch_and_frees_every_wait():
+    embedder = embedder_ready(embed=lambda texts: by_length(texts[:1]))
+
+    async def two():
+        return await asyncio.gather(embedder.vector("a"), embedder.vector("bb"))
+
+    assert asyncio.run(two()) == [None, None]
+    assert (embedder.failed, embedder.embedded) == (2, 0)
+
+
+def test_only_requests_with_a_key_the_server_takes_are_embedded():
+    assert PromptEmbedder(load=lambda: None).authorized(None)  # no keys: every request
+    embedder = PromptEmbedder(load=lambda: None, api_keys=frozenset({"k1", "k2"}))
+    assert embedder.authorized("Bearer k2") and not embedder.authorized("Bearer nope")
+    assert not embedder.authorized(None)
+
+
+def test_the_api_keys_are_read_from_vllms_arguments():
+    from serving_hooks.server import api_keys
+
+    assert api_keys(["--dtype", "float32"]) == []
+    assert api_keys(["--api-key", "a", "b", "--port", "1"]) == ["a", "b"]
+    assert api_keys(["--api-key=c", "--enforce-eager"]) == ["c"]
+
+
 def test_a_model_that_fails_to_load_says_so_in_the_summary():
     def no_model():
         raise OSError("no MiniLM here")
@@ -172,7 +213,9 @@ def client(monkeypatch, tmp_path):
     """vLLM's app stands in as a route that echoes the body it was given, behind our middleware."""
 
     async def echo(request: Request) -> JSONResponse:
-        return JSONResponse(json.loads(await request.body()))
+        body = await request.body()
+        assert int(request.headers["content-length"]) == len(body)  # the rewritten body's length
+        return JSONResponse(json.loads(body))
 
     status = tmp_path / "status.json"
     status.write_text(json.dumps({"policy": "sagesched"}))
@@ -189,13 +232,9 @@ def test_the_middleware_sends_the_prompts_vector_on_to_the_engine(client):
     seen = client.post("/v1/completions", json=body).json()
     assert seen["vllm_xargs"]["slo_kind"] == "best_effort"
     np.testing.assert_array_equal(embedding_from_extra_args(seen["vllm_xargs"]), unit(4))
-    # A vector the client sent is kept; a bad one is a 400 before anything is embedded.
+    # A client's own vector is a 400, before anything is embedded.
     own = encode_embedding(unit(7))
-    seen = client.post(
-        "/v1/completions", json={"prompt": "four", "vllm_xargs": {EMBEDDING_FIELD: own}}
-    ).json()
-    assert seen["vllm_xargs"][EMBEDDING_FIELD] == own
-    refused = client.post("/v1/completions", json={"prompt": "x", "vllm_xargs": {EMBEDDING_FIELD: "??"}})
+    refused = client.post("/v1/completions", json={"prompt": "four", "vllm_xargs": {EMBEDDING_FIELD: own}})
     assert refused.status_code == 400 and EMBEDDING_FIELD in refused.json()["error"]["message"]
     status = client.get("/v1/adapt/status").json()
     assert status["policy"] == "sagesched"
@@ -218,3 +257,16 @@ def test_a_bad_thread_count_is_a_load_error_naming_the_setting(monkeypatch, thre
         embedder._loaded.result(timeout=60)
     error = embedder.summary()["load_error"]
     assert error.startswith(f"ValueError: {prompt_embedder.THREADS_ENV}") and says in error
+
+
+def test_a_request_without_the_servers_key_goes_on_unembedded(client, monkeypatch):
+    """vLLM checks keys after this middleware: an unauthenticated request costs no embedding."""
+    monkeypatch.setattr(
+        prompt_embedder, "_embedder", embedder_ready(embed=by_length, api_keys=frozenset({"k"}))
+    )
+    plain = client.post("/v1/completions", json={"prompt": "four"}).json()
+    assert EMBEDDING_FIELD not in (plain.get("vllm_xargs") or {})
+    keyed = client.post(
+        "/v1/completions", json={"prompt": "four"}, headers={"authorization": "Bearer k"}
+    ).json()
+    np.testing.assert_array_equal(embedding_from_extra_args(keyed["vllm_xargs"]), unit(4))

@@ -617,5 +617,5 @@ def test_an_embedding_that_came_with_the_request_ranks_it_at_its_first_step():
     assert not essay.cache["sage_prior"] and essay.cache["sage_distribution"].mean == pytest.approx(900)
     assert never == []
     stats = queues[0].stats.summary()
-    assert (stats["supplied"], stats["delivered"], stats["on_prior"]) == (1, 1, 0)
+    assert (stats["supplied"], stats["submitted"], stats["on_prior"]) == (1, 1, 0)
     assert stats["share_on_prior"] == 0.0
