@@ -20,10 +20,10 @@ round* (a drift in machine speed hits both), the median and the spread of the N 
 prediction came back (`adapt.predictions`): in a burst of hundreds at once, nearly all. "cut
 short" counts requests that ended before `--max-tokens` (dropped by the policy). Prompts are the
 same every round, so the runs keep no disk cache of embeddings (each embeds its prompts).
-With `--embedded` every request arrives with its prompt's vector, computed before the timed burst
-(what `adapt serve --embed-prompts` sends from the API server): the figure is then the engine's
-with the embedding work moved off it, which on a GPU node runs beside it; on a small CPU it would
-take the same cores, and the figure leaves that out.
+With `--embedded` every request arrives with its prompt's vector, computed once in this process
+before any run (what `adapt serve --embed-prompts` sends from the API server): the figure is then
+the engine's with the embedding work moved off it, which on a GPU node runs beside it; on a small
+CPU it would take the same cores, and the figure leaves that out.
 """
 
 from __future__ import annotations
@@ -40,13 +40,20 @@ from pathlib import Path
 DEFAULT = "vllm-default"
 
 
-def worker(
-    model: str, policy: str, requests: int, max_tokens: int, max_num_seqs: int, embedded: bool = False
-) -> None:
-    """One engine, one burst; prints one JSON line. `embedded`: every request carries its prompt's
-    vector, computed before the burst (as `adapt serve --embed-prompts` or a gateway would)."""
+def burst_prompts(requests: int) -> list[str]:
+    """The burst's prompts, the same in every run: 16-256 filler words each."""
     import random
 
+    rng = random.Random(0)
+    words = ["the", "request", "queue", "token", "model", "batch", "cache", "step"]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(16, 256))) for _ in range(requests)]
+
+
+def worker(
+    model: str, policy: str, requests: int, max_tokens: int, max_num_seqs: int, vectors: str | None = None
+) -> None:
+    """One engine, one burst; prints one JSON line. `vectors`: a .npy of the prompts' vectors, each
+    request sent with its own (as `adapt serve --embed-prompts` sends it from the API server)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # Every round sends the same prompts: a disk cache of embeddings would serve the second round's
@@ -70,19 +77,18 @@ def worker(
     )
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
-    rng = random.Random(0)
-    words = ["the", "request", "queue", "token", "model", "batch", "cache", "step"]
-    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(16, 256))) for _ in range(requests)]
+    prompts = burst_prompts(requests)
     params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * requests
-    if embedded:  # outside the timed burst, for every configuration alike
-        from predictors.embedding import embed
+    if vectors is not None:
+        import numpy as np
+
         from serving_hooks.xargs import EMBEDDING_FIELD, encode_embedding
 
         params = [
             SamplingParams(
                 max_tokens=max_tokens, ignore_eos=True, extra_args={EMBEDDING_FIELD: encode_embedding(v)}
             )
-            for v in embed(prompts)
+            for v in np.load(vectors)
         ]
     engine.add_request("warmup", "the request", SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -134,7 +140,7 @@ def run(model: str, policy: str, args: argparse.Namespace) -> dict:
         str(args.max_tokens),
         "--max-num-seqs",
         str(args.max_num_seqs),
-        *(["--embedded"] if args.embedded else []),
+        *(["--vectors", args.vectors] if args.vectors else []),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     for line in done.stdout.splitlines():
@@ -160,11 +166,19 @@ def main() -> None:
     )
     parser.add_argument("--json", metavar="OUT", help="write the table as JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--vectors", help=argparse.SUPPRESS)  # --embedded: the workers' .npy
     args = parser.parse_args()
     if args.worker:
-        worker(args.model, args.worker, args.requests, args.max_tokens, args.max_num_seqs, args.embedded)
+        worker(args.model, args.worker, args.requests, args.max_tokens, args.max_num_seqs, args.vectors)
         return
     with tempfile.TemporaryDirectory(prefix="adapt-throughput-") as tmp:
+        if args.embedded:  # here, once: no run's engine process embeds the burst
+            import numpy as np
+
+            from predictors.embedding import embed
+
+            args.vectors = str(Path(tmp) / "vectors.npy")
+            np.save(args.vectors, embed(burst_prompts(args.requests)))
         model = args.model
         if model is None:
             from serving_hooks.tiny_model import make_tiny_model

