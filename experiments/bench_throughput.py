@@ -16,6 +16,9 @@ trade throughput for goodput; the table says how many ran at most. With `--repea
 configurations run round-robin and each policy's ratio is taken against the default *of the same
 round* (a drift in machine speed hits both), the median and the spread of the N ratios reported;
 `--json OUT` writes `{"policies": {NAME: {"tok_per_s", "ratio_to_default", "round_ratios", ...}}}`.
+"predicted" counts the model results delivered (or arrived with their request) and the table says
+where model batches failed: a model that fails costs no CPU, and the figure would then measure a
+policy without its model.
 "on prior" is the share of requests a policy first scheduled on its prior, before its model's
 prediction came back (`adapt.predictions`): in a burst of hundreds at once, nearly all. "cut
 short" counts requests that ended before `--max-tokens` (dropped by the policy). Prompts are the
@@ -121,6 +124,10 @@ def worker(
         "policy_errors": getattr(scheduler, "policy_errors", 0),
         # Share of requests first scheduled on their prior (the model's answer not back yet).
         "on_prior": None if predictions is None else predictions["share_on_prior"],
+        # Results the model delivered or that came with their request: a model that failed every
+        # batch costs no CPU, and its "throughput" would measure no model at all.
+        "predicted": None if predictions is None else predictions["delivered"] + predictions["supplied"],
+        "prediction_errors": sum(getattr(q, "errors", 0) for q in queues),
     }
     print("RESULT " + json.dumps(report), flush=True)
 
@@ -203,7 +210,7 @@ def main() -> None:
         report = summarise(runs)
         print(
             f"{'scheduler':<40}{'tokens/s':>10}{'vs default':>12}{'rounds':>20}{'most running':>14}"
-            f"{'errors':>8}{'on prior':>10}{'cut short':>11}"
+            f"{'errors':>8}{'on prior':>10}{'predicted':>10}{'cut short':>11}"
         )
         for policy, row in report.items():
             rounds = "/".join(f"{r:.2f}" for r in row["round_ratios"])
@@ -211,7 +218,9 @@ def main() -> None:
                 f"{policy:<40}{row['tok_per_s']:>10.1f}{row['ratio_to_default']:>12.3f}{rounds:>20}"
                 f"{row['most_running']:>14}{row['policy_errors']:>8}"
                 + (f"{row['on_prior']:>10.2f}" if row["on_prior"] is not None else f"{'-':>10}")
+                + (f"{row['predicted']:>10}" if row["predicted"] is not None else f"{'-':>10}")
                 + f"{row['cut_short']:>11}"
+                + (f"  {row['prediction_errors']} failed model batches" if row["prediction_errors"] else "")
                 + ("" if row["finished"] == args.requests else f"  only {row['finished']} finished"),
                 flush=True,
             )
@@ -237,6 +246,8 @@ def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "policy_errors": max(r["policy_errors"] for r in results),
             "finished": min(r["finished"] for r in results),
             "on_prior": middle.get("on_prior"),
+            "predicted": middle.get("predicted"),
+            "prediction_errors": max(r.get("prediction_errors", 0) for r in results),
             # A policy that drops requests (jitserve's GMAX) serves fewer tokens in the same time:
             # its ratio then measures its decisions, not the engine's speed. (From the round with
             # the median tokens/s, like `tok_per_s`; the ratio's median may be another round's.)

@@ -27,3 +27,18 @@ def test_ratios_are_per_round_and_the_median_is_reported():
     assert report["sagesched"]["tok_per_s"] == 60.0  # median tokens/s (60, 49, 95 -> 60)
     assert report["sagesched"]["policy_errors"] == 1 and report["sagesched"]["finished"] == 9  # worst round
     assert report["sagesched"]["cut_short"] == 4  # the median round's drops, beside its tokens/s
+
+
+def test_the_table_shows_what_the_model_delivered_and_its_failures():
+    """A model that fails every batch costs no CPU: its policy's tokens/s would then measure the
+    policy without its model, so the report says how many results came and how many batches failed."""
+    runs = {
+        DEFAULT: [result(100.0), result(100.0)],
+        "sagesched": [
+            {**result(94.0), "predicted": 0, "prediction_errors": 12},
+            {**result(93.0), "predicted": 0, "prediction_errors": 9},
+        ],
+    }
+    report = summarise(runs)
+    assert report["sagesched"]["predicted"] == 0 and report["sagesched"]["prediction_errors"] == 12
+    assert report[DEFAULT]["predicted"] is None and report[DEFAULT]["prediction_errors"] == 0
