@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 PLACEMENTS = ("engine-worker", "api-server")
+FIGURES = ("share_on_prior", "ttft_p50", "ttft_p99", "e2e_mean")  # per placement, median of the rounds
 
 
 def one_run(model: str, placement: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -102,11 +103,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(chosen) - set(PLACEMENTS))
     if unknown or not chosen:
         parser.error(f"--placements: expected some of {', '.join(PLACEMENTS)}, got {args.placements!r}")
-    os.environ.setdefault(
-        "MLFLOW_TRACKING_URI", f"sqlite:///{tempfile.mkdtemp(prefix='adapt-bench-')}/mlflow.db"
-    )
     with tempfile.TemporaryDirectory(prefix="adapt-embed-placement-") as tmp:
         workdir = Path(tmp)
+        # The servers follow a registry: an empty one of this run's, unless the caller names one.
+        os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{workdir / 'mlflow.db'}")
         model = args.model
         if model is None:
             from serving_hooks.tiny_model import make_tiny_model
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"round {round_index + 1}/{args.repeats} {placement}: {json.dumps(result)}", flush=True)
     placements = {
         name: {
-            **{key: median_of(runs, key) for key in ("share_on_prior", "ttft_p50", "ttft_p99", "e2e_mean")},
+            **{key: median_of(runs, key) for key in FIGURES},
             "failed": sum(r["failed"] for r in runs),
             "rounds": runs,
         }
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nsagesched, {args.requests} requests at {args.rate} req/s, median of {args.repeats} round(s):")
     print(f"{'placement':<15} {'on prior':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'E2E mean':>9} {'failed':>7}")
     for name, figures in placements.items():
-        cells = [figures[k] for k in ("share_on_prior", "ttft_p50", "ttft_p99", "e2e_mean")]
+        cells = [figures[k] for k in FIGURES]
         shown = " ".join(f"{v:>9.3f}" if v is not None else f"{'-':>9}" for v in cells)
         print(f"{name:<15} {shown} {figures['failed']:>7}")
     if args.json_out:

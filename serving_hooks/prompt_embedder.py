@@ -83,11 +83,7 @@ def _load() -> None:
 
     from predictors.embedding import load_model
 
-    raw = os.environ.get(THREADS_ENV, "1")
-    try:
-        threads = int(raw)
-    except ValueError:
-        raise ValueError(f"{THREADS_ENV}: expected an integer, got {raw!r}") from None
+    threads = _setting(THREADS_ENV, int, 1)
     if threads < 1:
         raise ValueError(f"{THREADS_ENV}: must be >= 1, got {threads}")
     torch.set_num_threads(threads)
