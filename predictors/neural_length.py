@@ -10,7 +10,9 @@ and 2,000-token answers on one scale. One output per quantile in `quantiles` (pi
 calibration as `qrf-length` (`predictors.length_bounds`), so the two are scored alike.
 
 State: `weights.safetensors` (the network) and `scaling.json` (feature standardisation and the
-conformal factors); serving needs torch but not Lightning.
+conformal factors). Training needs torch and Lightning; serving runs the network in numpy
+(`predictors.quantile_net_arrays`: a torch call from a prediction worker's thread slows a CPU
+engine's forward).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from predictors.length_bounds import (
     coverage_metrics,
     refinement_rows,
 )
+from predictors.quantile_net_arrays import QuantileNetArrays
 
 WEIGHTS_FILE = "weights.safetensors"
 SCALING_FILE = "scaling.json"
@@ -106,13 +109,14 @@ class NeuralLength(BoundEvidence, LearnedComponent):
 
         return QuantileNet(DIMENSION + NUMERIC_FEATURES, self.hidden, len(self.quantiles), self.dropout)
 
+    def _serve(self, weights: dict[str, np.ndarray]) -> None:
+        """Keep `weights` (QuantileNet's state by name) and the numpy network that runs them."""
+        self.net_ = QuantileNetArrays(weights, DIMENSION + NUMERIC_FEATURES, self.hidden, len(self.quantiles))
+        self.weights_ = weights
+
     def _raw_quantiles(self, rows: np.ndarray) -> np.ndarray:
         """(rows, len(quantiles)) predicted remaining lengths, uncalibrated."""
-        import torch
-
-        with torch.inference_mode():
-            log_lengths = self.net_(torch.from_numpy(rows)).numpy()
-        return np.expm1(np.clip(log_lengths, 0.0, 12.0))
+        return np.expm1(np.clip(self.net_(rows), 0.0, 12.0))
 
     reads_prompt_text = True  # a bound is a function of the prompt's embedding
 
@@ -177,7 +181,7 @@ class NeuralLength(BoundEvidence, LearnedComponent):
             return x, torch.from_numpy(np.log1p(target).astype(np.float32))
 
         validation = tensors(self._rows(calibration, TRAIN_POINTS)) if calibration is not None else None
-        self.net_ = train_quantile_net(
+        net = train_quantile_net(
             self._new_net(),
             tensors((prompt_tokens, texts, generated, remaining)),
             validation,
@@ -189,6 +193,7 @@ class NeuralLength(BoundEvidence, LearnedComponent):
             seed=self.random_state,
             logger=logger,
         )
+        self._serve({name: tensor.numpy().copy() for name, tensor in net.state_dict().items()})
         self.scales_ = {}
         if calibration is not None:
             c_prompt, c_texts, c_generated, c_remaining = self._rows(calibration, TRAIN_POINTS)
@@ -227,26 +232,27 @@ class NeuralLength(BoundEvidence, LearnedComponent):
 
     # ------------------------------------------------------------ save / load
     def save_state(self, directory: Path) -> None:
-        from safetensors.torch import save_file
+        from safetensors.numpy import save_file
 
         if not hasattr(self, "net_"):
             raise ComponentError("neural-length: nothing to save before fit")
-        save_file({k: v.contiguous() for k, v in self.net_.state_dict().items()}, directory / WEIGHTS_FILE)
+        save_file(
+            {name: np.ascontiguousarray(array) for name, array in self.weights_.items()},
+            directory / WEIGHTS_FILE,
+        )
         scaling = {"mean": self.mean_.tolist(), "std": self.std_.tolist(), "scales": self.scales_}
         (directory / SCALING_FILE).write_text(json.dumps(scaling))
 
     def load_state(self, directory: Path) -> None:
-        from safetensors.torch import load_file
+        from safetensors.numpy import load_file
 
         self._validate_params()
-        net = self._new_net()
         try:
-            net.load_state_dict(load_file(directory / WEIGHTS_FILE))
-        except RuntimeError as error:  # shapes or names that do not match the hyper-parameters
+            self._serve(load_file(directory / WEIGHTS_FILE))
+        except ValueError as error:  # shapes or names that do not match the hyper-parameters
             raise ComponentError(
                 f"neural-length: {WEIGHTS_FILE} does not fit the network: {error}"
             ) from error
-        self.net_ = net.eval()
         scaling = json.loads((directory / SCALING_FILE).read_text())
         self.mean_, self.std_ = np.asarray(scaling["mean"]), np.asarray(scaling["std"])
         self.scales_ = scaling["scales"]
