@@ -2,7 +2,7 @@
 `PolicyScheduler` running each policy, in a GPU-free harness.
 
     .venv/bin/python -m experiments.bench_scheduler [--running 256] [--waiting 1000] [--steps 100]
-                                                    [--policies fcfs,sarathi,...]
+                                                    [--policies fcfs,sarathi,...] [--json OUT]
 
 The harness builds vLLM's real scheduler objects (`AsyncScheduler` and our subclass) with a KV
 cache that exists only as block accounting, the way vLLM's own scheduler tests do, fills
@@ -13,12 +13,17 @@ model runs, so the figures are the scheduler's own cost per step: `vLLM schedule
 vLLM's `AsyncScheduler.schedule`, `policy+adapter` what `PolicyScheduler` adds around it (a policy
 that caps the batch, like jitserve, makes vLLM's own part cheaper, so whole steps are not the
 comparison). Needs a model directory only
-for vLLM's config (a tiny one is generated in a temporary directory).
+for vLLM's config (a tiny one is generated in a temporary directory). A policy with a model
+(sagesched's MiniLM, `jitserve:qrf=neural-length@vN`) runs it in its prediction worker as it
+would live, on the decoded prompts, so the figure includes sharing the process with it.
+`--json OUT` writes `{"settings": {...}, "schedulers": {NAME: {"step_ms", "vllm_ms",
+"overhead_ms", "overhead_p99_ms", ...}}}` (NAME `vllm` for vLLM's own scheduler).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import statistics
@@ -159,6 +164,11 @@ def bench(model_dir: Path, policy: str | None, running: int, waiting: int, steps
     finally:
         AsyncScheduler.schedule = vllm_schedule
     overhead = [(total - own) * 1000 for (total, _), own in zip(times, inner, strict=True)]
+    from adapt.predictions import PredictionStats
+
+    queues = getattr(scheduler, "prediction_queues", [])
+    predictions = PredictionStats.combined([q.stats for q in queues]).summary() if queues else None
+    scheduler.shutdown()  # its prediction worker must not go on computing through the next run
     return {
         "step_ms": statistics.median(a + b for a, b in times) * 1000,
         "vllm_ms": statistics.median(inner) * 1000,
@@ -167,6 +177,10 @@ def bench(model_dir: Path, policy: str | None, running: int, waiting: int, steps
         "running": len(scheduler.running),
         "waiting": len(scheduler.waiting),
         "errors": getattr(scheduler, "policy_errors", 0),
+        # what the policy's model delivered during the timed steps: a model that fails costs
+        # nothing, and the overhead would then be the policy's without it
+        "predicted": None if predictions is None else predictions["delivered"] + predictions["supplied"],
+        "prediction_errors": sum(getattr(q, "errors", 0) for q in queues),
     }
 
 
@@ -179,6 +193,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--policies", default=",".join(servable_policies()))
     parser.add_argument("--model", help="a model directory for vLLM's config (default: a tiny one)")
+    parser.add_argument("--json", metavar="OUT", help="write the figures as JSON here")
     args = parser.parse_args()
     logging.getLogger("vllm").setLevel(logging.WARNING)
     logging.getLogger("adapt").setLevel(logging.WARNING)
@@ -193,15 +208,22 @@ def main() -> None:
             f"{'scheduler':<24}{'step':>8}{'vLLM schedule':>15}{'policy+adapter':>16}{'p99':>8}"
             f"{'running':>9}{'waiting':>9}"
         )
+        report = {}
         for policy in [None, *args.policies.split(",")]:
             r = bench(model_dir, policy, args.running, args.waiting, args.steps)
+            report["vllm" if policy is None else policy] = r
             label = "vllm (AsyncScheduler)" if policy is None else f"adapt: {policy}"
             print(
                 f"{label:<24}{r['step_ms']:>8.3f}{r['vllm_ms']:>15.3f}{r['overhead_ms']:>16.3f}"
                 f"{r['overhead_p99_ms']:>8.3f}{r['running']:>9}{r['waiting']:>9}"
-                + (f"  ({r['errors']} policy errors)" if r["errors"] else ""),
+                + (f"  ({r['errors']} policy errors)" if r["errors"] else "")
+                + ("" if r["predicted"] is None else f"  predicted {r['predicted']}")
+                + (f"  ({r['prediction_errors']} failed model batches)" if r["prediction_errors"] else ""),
                 flush=True,
             )
+    if args.json:
+        settings = {"running": args.running, "waiting": args.waiting, "steps": args.steps}
+        Path(args.json).write_text(json.dumps({"settings": settings, "schedulers": report}, indent=2))
 
 
 if __name__ == "__main__":
