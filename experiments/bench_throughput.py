@@ -208,14 +208,15 @@ def main() -> None:
                     flush=True,
                 )
         report = summarise(runs)
+        width = max(20, 5 * args.repeats + 2)  # "0.95/" per round
         print(
-            f"{'scheduler':<40}{'tokens/s':>10}{'vs default':>12}{'rounds':>20}{'most running':>14}"
+            f"{'scheduler':<40}{'tokens/s':>10}{'vs default':>12}{'rounds':>{width}}{'most running':>14}"
             f"{'errors':>8}{'on prior':>10}{'predicted':>10}{'cut short':>11}"
         )
         for policy, row in report.items():
             rounds = "/".join(f"{r:.2f}" for r in row["round_ratios"])
             print(
-                f"{policy:<40}{row['tok_per_s']:>10.1f}{row['ratio_to_default']:>12.3f}{rounds:>20}"
+                f"{policy:<40}{row['tok_per_s']:>10.1f}{row['ratio_to_default']:>12.3f}{rounds:>{width}}"
                 f"{row['most_running']:>14}{row['policy_errors']:>8}"
                 + (f"{row['on_prior']:>10.2f}" if row["on_prior"] is not None else f"{'-':>10}")
                 + (f"{row['predicted']:>10}" if row["predicted"] is not None else f"{'-':>10}")
