@@ -21,7 +21,8 @@ where model batches failed: a model that fails costs no CPU, and the figure woul
 policy without its model.
 "on prior" is the share of requests a policy first scheduled on its prior, before its model's
 prediction came back (`adapt.predictions`): in a burst of hundreds at once, nearly all. "cut
-short" counts requests that ended before `--max-tokens` (dropped by the policy). Prompts are the
+short" counts requests that ended before `--max-tokens` (dropped by the policy), "preempted" the
+preemptions (the policy's and vLLM's own; each recomputes its request's tokens). Prompts are the
 same every round, so the runs keep no disk cache of embeddings (each embeds its prompts).
 With `--embedded` every request arrives with its prompt's vector, computed once in this process
 before any run (what `adapt serve --embed-prompts` sends from the API server): the figure is then
@@ -80,6 +81,7 @@ def worker(
     )
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
+    preemptions = _count_preemptions(scheduler)
     prompts = burst_prompts(requests)
     params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * requests
     if vectors is not None:
@@ -118,6 +120,7 @@ def worker(
         "tokens": tokens,
         "finished": finished,
         "cut_short": cut_short,
+        "preemptions": preemptions[0],
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
         "most_running": most_running,
@@ -130,6 +133,21 @@ def worker(
         "prediction_errors": sum(getattr(q, "errors", 0) for q in queues),
     }
     print("RESULT " + json.dumps(report), flush=True)
+
+
+def _count_preemptions(scheduler) -> list[int]:
+    """A one-item list that counts the scheduler's preemptions from now on: every one, the
+    policy's and vLLM's own under KV pressure, goes through `_preempt_request`, and each is a
+    recompute the policy's tokens/s pays for."""
+    count = [0]
+    preempt = scheduler._preempt_request
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return preempt(*args, **kwargs)
+
+    scheduler._preempt_request = counted
+    return count
 
 
 def run(model: str, policy: str, args: argparse.Namespace) -> dict:
@@ -211,7 +229,7 @@ def main() -> None:
         width = max(20, 5 * args.repeats + 2)  # "0.95/" per round
         print(
             f"{'scheduler':<40}{'tokens/s':>10}{'vs default':>12}{'rounds':>{width}}{'most running':>14}"
-            f"{'errors':>8}{'on prior':>10}{'predicted':>10}{'cut short':>11}"
+            f"{'errors':>8}{'on prior':>10}{'predicted':>10}{'cut short':>11}{'preempted':>11}"
         )
         for policy, row in report.items():
             rounds = "/".join(f"{r:.2f}" for r in row["round_ratios"])
@@ -220,7 +238,7 @@ def main() -> None:
                 f"{row['most_running']:>14}{row['policy_errors']:>8}"
                 + (f"{row['on_prior']:>10.2f}" if row["on_prior"] is not None else f"{'-':>10}")
                 + (f"{row['predicted']:>10}" if row["predicted"] is not None else f"{'-':>10}")
-                + f"{row['cut_short']:>11}"
+                + f"{row['cut_short']:>11}{row['preemptions']:>11}"
                 + (f"  {row['prediction_errors']} failed model batches" if row["prediction_errors"] else "")
                 + ("" if row["finished"] == args.requests else f"  only {row['finished']} finished"),
                 flush=True,
@@ -253,6 +271,7 @@ def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
             # its ratio then measures its decisions, not the engine's speed. (From the round with
             # the median tokens/s, like `tok_per_s`; the ratio's median may be another round's.)
             "cut_short": middle["cut_short"],
+            "preemptions": middle.get("preemptions"),
         }
     return report
 

@@ -13,6 +13,7 @@ version saves is the one torch wrote; this module only reads it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -24,6 +25,9 @@ from threadpoolctl import ThreadpoolController
 LINEAR_LAYERS = ("body.0", "body.3", "body.5")
 
 _blas = ThreadpoolController()
+# BLAS's thread count is one setting for the whole process: two threads limiting and restoring it
+# at once could restore it in the wrong order and leave it at 1, so forward passes take turns.
+_blas_turn = threading.Lock()
 
 
 class QuantileNetArrays:
@@ -54,7 +58,7 @@ class QuantileNetArrays:
     def __call__(self, rows: np.ndarray) -> np.ndarray:
         """(n, quantiles) float32 outputs for (n, inputs) rows."""
         x = np.asarray(rows, dtype=np.float32)
-        with _blas.limit(limits=1, user_api="blas"):  # no BLAS threads beside the engine's
+        with _blas_turn, _blas.limit(limits=1, user_api="blas"):  # no BLAS threads beside the engine's
             for matrix, bias in self.layers[:-1]:
                 x = _gelu(x @ matrix + bias)
             matrix, bias = self.layers[-1]
