@@ -403,3 +403,27 @@ def test_a_vllm_without_a_name_the_adapter_needs_is_refused_with_its_version():
             dict.fromkeys(("queue", "status", "scheduler_output", "output", "outputs"), object)
             | {"scheduler": OldScheduler},
         )
+
+
+def test_the_overhead_benchmark_writes_each_schedulers_figures(tiny_model, monkeypatch, tmp_path):
+    """`python -m experiments.bench_scheduler --json OUT`: one entry per scheduler, vLLM's own
+    under "vllm", with the batch it timed (the running and waiting counts it was asked for)."""
+    import json
+    import sys
+
+    from experiments import bench_scheduler
+
+    monkeypatch.setenv("ADAPT_POLICY", "fcfs")  # the benchmark sets it; restored after the test
+    out = tmp_path / "overhead.json"
+    argv = ["bench_scheduler", "--running", "6", "--waiting", "10", "--steps", "4"]
+    argv += ["--policies", "fcfs,spf", "--model", str(tiny_model), "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_scheduler.main()
+    report = json.loads(out.read_text())
+    assert report["settings"] == {"running": 6, "waiting": 10, "steps": 4}
+    assert list(report["schedulers"]) == ["vllm", "fcfs", "spf"]
+    for name, figures in report["schedulers"].items():
+        assert (figures["running"], figures["waiting"]) == (6, 10), name
+        assert figures["vllm_ms"] > 0 and figures["step_ms"] >= figures["vllm_ms"]
+        assert figures["predicted"] is None and figures["errors"] == 0  # no model in these policies
+    assert report["schedulers"]["vllm"]["overhead_ms"] < report["schedulers"]["fcfs"]["overhead_ms"]
