@@ -95,6 +95,9 @@ class NeuralLength(BoundEvidence, LearnedComponent):
     # --------------------------------------------------------------- features
     def features(self, prompt_tokens: Sequence[int], prompt_texts: Sequence[str], generated: Sequence[int]):
         """(rows, 384 + 2) float32: embedding, then the standardised log counts."""
+        return self._features(prompt_tokens, shared_cache().embed(list(prompt_texts)), generated)
+
+    def _features(self, prompt_tokens: Sequence[int], vectors: np.ndarray, generated: Sequence[int]):
         numeric = np.column_stack(
             [
                 np.log1p(np.asarray(prompt_tokens, dtype=np.float64)),
@@ -102,7 +105,7 @@ class NeuralLength(BoundEvidence, LearnedComponent):
             ]
         )
         numeric = (numeric - self.mean_) / self.std_
-        return np.hstack([shared_cache().embed(list(prompt_texts)), numeric]).astype(np.float32)
+        return np.hstack([vectors, numeric]).astype(np.float32)
 
     def _new_net(self):
         from predictors.quantile_mlp import QuantileNet
@@ -143,9 +146,13 @@ class NeuralLength(BoundEvidence, LearnedComponent):
         wanted = self.quantile if quantile is None else float(quantile)
         if wanted not in self.quantiles:
             raise ValueError(f"neural-length: quantile {wanted} not trained; trained: {self.quantiles}")
-        rows = self.features(prompt_tokens, prompt_texts, generated_tokens)
-        raw = self._raw_quantiles(rows)[:, self.quantiles.index(wanted)]
-        if wanted == self.quantile:
+        return self._bounds(
+            self.features(prompt_tokens, prompt_texts, generated_tokens), generated_tokens, wanted
+        )
+
+    def _bounds(self, rows: np.ndarray, generated_tokens: Sequence[int], quantile: float) -> np.ndarray:
+        raw = self._raw_quantiles(rows)[:, self.quantiles.index(quantile)]
+        if quantile == self.quantile:
             raw = apply_scales(raw, np.asarray(generated_tokens), self.scales_)
         return np.maximum(1.0, raw)
 
@@ -258,7 +265,12 @@ class NeuralLength(BoundEvidence, LearnedComponent):
         self.scales_ = scaling["scales"]
 
     def validate(self) -> None:
-        bounds = self.predict_bound([12, 12], ["write a short poem about the sea"] * 2, [0, 200])
+        """A canary through the network and its calibration, on a fixed unit vector in place of an
+        embedded prompt: loading a version must not run MiniLM in the loading process -- a live
+        engine's, where MiniLM run once slowed vLLM's CPU forward for good (issue 22), while
+        `adapt serve --embed-prompts` keeps it in a child process or the API server."""
+        vectors = np.full((2, DIMENSION), DIMENSION**-0.5, dtype=np.float32)
+        bounds = self._bounds(self._features([12, 12], vectors, [0, 200]), [0, 200], self.quantile)
         if not (np.isfinite(bounds).all() and (bounds >= 1.0).all()):
             raise ComponentError("neural-length: canary bound is not a positive length")
 
