@@ -632,7 +632,11 @@ class PolicyScheduler(AsyncScheduler):
         deferred = [r for r in self.running if r.request_id not in chosen_ids]
         room = self.max_num_running_reqs - len(self.running)  # deferred requests hold their slots
         self.running = chosen
-        if not self.waiting:
+        # vLLM admits from its waiting queue only while fewer than this many run (and not at all
+        # in a step that preempts): with the batch full, the queue needs no holding out -- which
+        # costs O(waiting) each step, ~3% of a saturated CPU engine's time at 700 waiting.
+        full = len(chosen) >= getattr(self, "max_num_active_reqs", self.max_num_running_reqs)
+        if not self.waiting or full:
             return deferred
         waiting_ids = {r.request_id for r in self.waiting}
         front = []

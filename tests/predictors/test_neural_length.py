@@ -13,7 +13,13 @@ import torch
 
 from adapt.component import ComponentError, read_component
 from adapt.registry import Registry
-from predictors.length_bounds import apply_scales, conformal_scales, coverage_metrics, refinement_rows
+from predictors.length_bounds import (
+    TRAIN_POINTS,
+    apply_scales,
+    conformal_scales,
+    coverage_metrics,
+    refinement_rows,
+)
 from predictors.neural_length import NeuralLength
 from predictors.quantile_mlp import QuantileNet, pinball_loss
 
@@ -125,3 +131,30 @@ def test_pipeline_logs_curves_in_the_version_run_and_skips_unchanged_data(tmp_pa
     again = train_neural_length(registry, data, promote_if_better=True, epochs=3, skip_unchanged=True)
     assert again.version is None and len(registry.versions("neural-length")) == 1
     assert registry.load("neural-length").predict_bound([5], ["Say hi."], [0])[0] >= 1
+
+
+def _unfitted_with_random_network() -> NeuralLength:
+    from predictors.embedding import DIMENSION
+
+    model = NeuralLength(hidden=8)
+    torch.manual_seed(0)
+    net = QuantileNet(DIMENSION + 2, 8, 3).eval()
+    model._serve({name: tensor.numpy().copy() for name, tensor in net.state_dict().items()})
+    model.mean_, model.std_, model.scales_ = np.zeros(2), np.ones(2), {}
+    return model
+
+
+def test_validate_checks_the_network_without_embedding_a_prompt(monkeypatch):
+    """Loading a version validates it in the loading process -- a live engine's -- where MiniLM
+    must not run (issue 22): the canary goes through the network on a fixed vector instead."""
+    import predictors.neural_length as module
+
+    def no_embedding():
+        raise AssertionError("validate embedded a prompt")
+
+    model = _unfitted_with_random_network()
+    monkeypatch.setattr(module, "shared_cache", no_embedding)
+    model.validate()
+    model.scales_ = {str(p): float("nan") for p in TRAIN_POINTS}  # a broken calibration is caught
+    with pytest.raises(ComponentError, match="canary"):
+        model.validate()
