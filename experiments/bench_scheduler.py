@@ -158,17 +158,16 @@ def bench(model_dir: Path, policy: str | None, running: int, waiting: int, steps
         finally:
             inner.append(time.perf_counter() - started)
 
+    queues = getattr(scheduler, "prediction_queues", [])
+    before = _delivered(queues)  # results before the timed steps (the running prompts went first)
     AsyncScheduler.schedule = timed_schedule
     try:
         times = [step(scheduler) for _ in range(steps)]
+        predicted = None if before is None else _delivered(queues) - before
     finally:
         AsyncScheduler.schedule = vllm_schedule
+        scheduler.shutdown()  # its prediction worker must not go on computing through the next run
     overhead = [(total - own) * 1000 for (total, _), own in zip(times, inner, strict=True)]
-    from adapt.predictions import PredictionStats
-
-    queues = getattr(scheduler, "prediction_queues", [])
-    predictions = PredictionStats.combined([q.stats for q in queues]).summary() if queues else None
-    scheduler.shutdown()  # its prediction worker must not go on computing through the next run
     return {
         "step_ms": statistics.median(a + b for a, b in times) * 1000,
         "vllm_ms": statistics.median(inner) * 1000,
@@ -177,11 +176,21 @@ def bench(model_dir: Path, policy: str | None, running: int, waiting: int, steps
         "running": len(scheduler.running),
         "waiting": len(scheduler.waiting),
         "errors": getattr(scheduler, "policy_errors", 0),
-        # what the policy's model delivered during the timed steps: a model that fails costs
+        # results the policy's model delivered during the timed steps: a model that fails costs
         # nothing, and the overhead would then be the policy's without it
-        "predicted": None if predictions is None else predictions["delivered"] + predictions["supplied"],
+        "predicted": predicted,
         "prediction_errors": sum(getattr(q, "errors", 0) for q in queues),
     }
+
+
+def _delivered(queues: list[Any]) -> int | None:
+    """Results the queues have handed over so far (None: the policy has no model)."""
+    from adapt.predictions import PredictionStats
+
+    if not queues:
+        return None
+    summary = PredictionStats.combined([q.stats for q in queues]).summary()
+    return summary["delivered"] + summary["supplied"]
 
 
 def main() -> None:

@@ -238,7 +238,8 @@ def main() -> None:
                 f"{row['most_running']:>14}{row['policy_errors']:>8}"
                 + (f"{row['on_prior']:>10.2f}" if row["on_prior"] is not None else f"{'-':>10}")
                 + (f"{row['predicted']:>10}" if row["predicted"] is not None else f"{'-':>10}")
-                + f"{row['cut_short']:>11}{row['preemptions']:>11}"
+                + f"{row['cut_short']:>11}"
+                + (f"{row['preemptions']:>11}" if row["preemptions"] is not None else f"{'-':>11}")
                 + (f"  {row['prediction_errors']} failed model batches" if row["prediction_errors"] else "")
                 + ("" if row["finished"] == args.requests else f"  only {row['finished']} finished"),
                 flush=True,

@@ -427,3 +427,36 @@ def test_the_overhead_benchmark_writes_each_schedulers_figures(tiny_model, monke
         assert figures["vllm_ms"] > 0 and figures["step_ms"] >= figures["vllm_ms"]
         assert figures["predicted"] is None and figures["errors"] == 0  # no model in these policies
     assert report["schedulers"]["vllm"]["overhead_ms"] < report["schedulers"]["fcfs"]["overhead_ms"]
+
+
+def test_a_full_batch_leaves_the_waiting_queue_where_it_is(tiny_model, monkeypatch):
+    """vLLM admits nothing while its batch is full, so the adapter does not take the waiting
+    queue out and put it back (O(waiting) a step): nothing moves, nothing is admitted, and once
+    slots free up the plan's order admits as before."""
+    from experiments.bench_scheduler import make_requests, make_scheduler, step
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    monkeypatch.setenv("ADAPT_POLICY", "spf")
+    scheduler = make_scheduler(tiny_model, PolicyScheduler, 4, 4000)
+    for request in make_requests(4, 0, seed=5, max_tokens=40):
+        scheduler.add_request(request)
+    step(scheduler)  # all four admitted and prefilled in one step
+    for request in make_requests(6, 4, seed=6, max_tokens=4):
+        scheduler.add_request(request)
+    queued = [r.request_id for r in scheduler.waiting]
+    taken_out = []
+    remove = scheduler.waiting.remove_requests
+    monkeypatch.setattr(scheduler.waiting, "remove_requests", lambda rs: taken_out.append(rs) or remove(rs))
+    for _ in range(5):
+        step(scheduler)
+        assert len(scheduler.running) == 4
+    assert taken_out == [] and [r.request_id for r in scheduler.waiting] == queued
+    admitted = []
+    for _ in range(200):
+        if not scheduler.requests:
+            break
+        before = {r.request_id for r in scheduler.running}
+        step(scheduler)
+        admitted += [r.request_id for r in scheduler.running if r.request_id not in before]
+    assert not scheduler.requests and not scheduler.policy_errors
+    assert sorted(admitted) == sorted(queued)

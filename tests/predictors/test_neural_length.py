@@ -133,7 +133,7 @@ def test_pipeline_logs_curves_in_the_version_run_and_skips_unchanged_data(tmp_pa
     assert registry.load("neural-length").predict_bound([5], ["Say hi."], [0])[0] >= 1
 
 
-def _unfitted_with_random_network() -> NeuralLength:
+def _fitted_with_random_network() -> NeuralLength:
     from predictors.embedding import DIMENSION
 
     model = NeuralLength(hidden=8)
@@ -152,9 +152,33 @@ def test_validate_checks_the_network_without_embedding_a_prompt(monkeypatch):
     def no_embedding():
         raise AssertionError("validate embedded a prompt")
 
-    model = _unfitted_with_random_network()
+    model = _fitted_with_random_network()
     monkeypatch.setattr(module, "shared_cache", no_embedding)
     model.validate()
     model.scales_ = {str(p): float("nan") for p in TRAIN_POINTS}  # a broken calibration is caught
     with pytest.raises(ComponentError, match="canary"):
         model.validate()
+
+
+def test_a_version_saved_by_torch_loads_and_predicts_as_torch(tmp_path):
+    """Versions registered before serving moved to numpy hold a file torch wrote: it must load
+    and give torch's outputs."""
+    from safetensors.torch import save_file
+
+    from predictors.embedding import DIMENSION
+
+    model = _fitted_with_random_network()
+    model.save_state(tmp_path)  # scaling.json (and a numpy-written weights file, replaced next)
+    torch.manual_seed(1)
+    net = QuantileNet(DIMENSION + 2, 8, 3).eval()
+    save_file(
+        {name: tensor.contiguous() for name, tensor in net.state_dict().items()},
+        tmp_path / "weights.safetensors",
+    )
+    loaded = NeuralLength(hidden=8)
+    loaded.load_state(tmp_path)
+    loaded.validate()
+    rows = np.random.default_rng(0).standard_normal((50, DIMENSION + 2)).astype(np.float32)
+    with torch.inference_mode():
+        expected = np.expm1(np.clip(net(torch.from_numpy(rows)).numpy(), 0.0, 12.0))
+    np.testing.assert_allclose(loaded._raw_quantiles(rows), expected, rtol=1e-5)

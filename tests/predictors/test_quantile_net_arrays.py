@@ -52,12 +52,12 @@ def test_gelu_and_softplus_by_hand():
 
 
 def test_weights_of_another_shape_are_refused_by_name():
-    weights = {
-        f"{layer}.{kind}": np.zeros(1)
-        for layer in ("body.0", "body.3", "body.5")
-        for kind in ("weight", "bias")
-    }
-    with pytest.raises(ValueError, match=r"body\.0\.weight"):
+    weights = {name: np.zeros(1) for name in ("body.0.weight", "body.0.bias", "body.3.weight")}
+    weights |= {"body.3.bias": np.zeros(16), "body.5.weight": np.zeros((3, 16)), "body.5.bias": np.zeros(3)}
+    with pytest.raises(ValueError) as refused:
         QuantileNetArrays(weights, 10, 16, 3)
-    with pytest.raises(ValueError, match="expected tensors"):
-        QuantileNetArrays({}, 10, 16, 3)
+    message = str(refused.value)
+    assert "body.0.weight: expected (16, 10), got (1,)" in message
+    assert "body.3.bias" not in message and "body.5" not in message  # only what does not fit
+    with pytest.raises(ValueError, match=r"body\.5\.bias: expected \(3,\), got none"):
+        QuantileNetArrays({k: v for k, v in weights.items() if k != "body.5.bias"}, 10, 16, 3)
