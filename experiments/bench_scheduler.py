@@ -158,12 +158,12 @@ def bench(model_dir: Path, policy: str | None, running: int, waiting: int, steps
         finally:
             inner.append(time.perf_counter() - started)
 
-    queues = getattr(scheduler, "prediction_queues", [])
-    before = _delivered(queues)  # results before the timed steps (the running prompts went first)
+    queues = getattr(scheduler, "prediction_queues", [])  # only a PolicyScheduler has any
+    before = _delivered(scheduler)  # results before the timed steps (the running prompts went first)
     AsyncScheduler.schedule = timed_schedule
     try:
         times = [step(scheduler) for _ in range(steps)]
-        predicted = None if before is None else _delivered(queues) - before
+        predicted = None if before is None else _delivered(scheduler) - before
     finally:
         AsyncScheduler.schedule = vllm_schedule
         scheduler.shutdown()  # its prediction worker must not go on computing through the next run
@@ -183,13 +183,11 @@ def bench(model_dir: Path, policy: str | None, running: int, waiting: int, steps
     }
 
 
-def _delivered(queues: list[Any]) -> int | None:
-    """Results the queues have handed over so far (None: the policy has no model)."""
-    from adapt.predictions import PredictionStats
-
-    if not queues:
+def _delivered(scheduler: Any) -> int | None:
+    """Results the policy's model calls have handed over so far (None: it makes none)."""
+    if not getattr(scheduler, "prediction_queues", None):
         return None
-    summary = PredictionStats.combined([q.stats for q in queues]).summary()
+    summary = scheduler.prediction_summary()
     return summary["delivered"] + summary["supplied"]
 
 

@@ -111,10 +111,8 @@ def worker(
                 cut_short += len(output.outputs[0].token_ids) < max_tokens
         most_running = max(most_running, len(scheduler.running))
     wall = time.perf_counter() - started
-    from adapt.predictions import PredictionStats
-
-    queues = getattr(scheduler, "prediction_queues", [])
-    predictions = PredictionStats.combined([q.stats for q in queues]).summary() if queues else None
+    queues = getattr(scheduler, "prediction_queues", [])  # only a PolicyScheduler has any
+    predictions = scheduler.prediction_summary() if queues else None
     report = {
         "policy": policy,
         "tokens": tokens,

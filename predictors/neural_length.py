@@ -113,9 +113,8 @@ class NeuralLength(BoundEvidence, LearnedComponent):
         return QuantileNet(DIMENSION + NUMERIC_FEATURES, self.hidden, len(self.quantiles), self.dropout)
 
     def _serve(self, weights: dict[str, np.ndarray]) -> None:
-        """Keep `weights` (QuantileNet's state by name) and the numpy network that runs them."""
+        """Serve `weights` (QuantileNet's state by name) with the numpy network, which keeps them."""
         self.net_ = QuantileNetArrays(weights, DIMENSION + NUMERIC_FEATURES, self.hidden, len(self.quantiles))
-        self.weights_ = weights
 
     def _raw_quantiles(self, rows: np.ndarray) -> np.ndarray:
         """(rows, len(quantiles)) predicted remaining lengths, uncalibrated."""
@@ -244,7 +243,7 @@ class NeuralLength(BoundEvidence, LearnedComponent):
         if not hasattr(self, "net_"):
             raise ComponentError("neural-length: nothing to save before fit")
         save_file(
-            {name: np.ascontiguousarray(array) for name, array in self.weights_.items()},
+            {name: np.ascontiguousarray(array) for name, array in self.net_.weights.items()},
             directory / WEIGHTS_FILE,
         )
         scaling = {"mean": self.mean_.tolist(), "std": self.std_.tolist(), "scales": self.scales_}

@@ -53,6 +53,7 @@ class QuantileNetArrays:
         ]
         if wrong:
             raise ValueError("tensors do not fit the network: " + "; ".join(wrong))
+        self.weights = dict(weights)  # as given: what a version saves
         # transposed once, so the forward pass is rows @ matrix
         self.layers = [
             (
