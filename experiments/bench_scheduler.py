@@ -38,7 +38,13 @@ PROMPT_TOKENS = 64
 BLOCK_SIZE = 16
 
 
-def make_scheduler(model_dir: Path, scheduler_cls: type, max_num_seqs: int, num_blocks: int) -> Any:
+def make_scheduler(
+    model_dir: Path,
+    scheduler_cls: type,
+    max_num_seqs: int,
+    num_blocks: int,
+    max_num_active_seqs: int | None = None,
+) -> Any:
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -51,6 +57,8 @@ def make_scheduler(model_dir: Path, scheduler_cls: type, max_num_seqs: int, num_
         enable_chunked_prefill=True,
         async_scheduling=True,
         is_encoder_decoder=False,
+        # Only where asked: vLLMs before `max_num_active_seqs` refuse the keyword.
+        **({} if max_num_active_seqs is None else {"max_num_active_seqs": max_num_active_seqs}),
     )
     model_config = ModelConfig(model=str(model_dir), dtype="float32", seed=0, max_model_len=2048)
     cache_config = CacheConfig(block_size=BLOCK_SIZE, cache_dtype="auto")

@@ -86,6 +86,9 @@ class PolicyScheduler(AsyncScheduler):
         if self.policy != SchedulingPolicy.FCFS or not isinstance(self.waiting, FCFSRequestQueue):
             raise ValueError("PolicyScheduler needs vLLM's FCFS scheduling policy (scheduling_policy='fcfs')")
         self.engine_token_budget = int(self.max_num_scheduled_tokens)  # what vLLM was started with
+        # How many requests vLLM lets run: `max_num_active_seqs` where set (it caps admissions
+        # below `max_num_seqs`, the model runner's slot count); vLLMs without it admit up to that.
+        self.admission_cap = int(getattr(self, "max_num_active_reqs", self.max_num_running_reqs))
         self.adapt_policy = make_policy_from_spec(os.environ.get("ADAPT_POLICY", "fcfs"))
         self._check(self.adapt_policy)
         # Model calls of the serving policy run in background workers, never inside a step.
@@ -295,7 +298,7 @@ class PolicyScheduler(AsyncScheduler):
         usable_blocks = int(self.kv_cache_manager.block_pool.num_gpu_blocks) - 1  # vLLM's null block
         return EngineConfig(
             token_budget=self.engine_token_budget,
-            max_running=int(self.max_num_running_reqs),
+            max_running=self.admission_cap,
             block_size=int(self.block_size),
             max_model_len=int(self.max_model_len),
             kv_capacity_tokens=usable_blocks * int(self.block_size),
@@ -592,7 +595,7 @@ class PolicyScheduler(AsyncScheduler):
             running=running,
             kv_usage=float(self.kv_cache_manager.usage),
             token_budget=int(self.max_num_scheduled_tokens),
-            max_running=int(self.max_num_running_reqs),
+            max_running=self.admission_cap,
             mean_batch_time_s=self._mean_batch_s,
             step_index=int(getattr(self, "current_step", 0)),
             kv_free_blocks=int(self.kv_cache_manager.block_pool.get_num_free_blocks()),
@@ -630,12 +633,12 @@ class PolicyScheduler(AsyncScheduler):
         # vLLM evicts from the end of `chosen`: that is the order its preemptions happen in.
         self._preempt_order += [r.request_id for r in reversed(chosen)]
         deferred = [r for r in self.running if r.request_id not in chosen_ids]
-        room = self.max_num_running_reqs - len(self.running)  # deferred requests hold their slots
+        room = self.admission_cap - len(self.running)  # deferred requests hold their slots
         self.running = chosen
         # vLLM admits from its waiting queue only while fewer than this many run (and not at all
         # in a step that preempts): with the batch full, the queue needs no holding out -- which
         # costs O(waiting) each step, ~3% of a saturated CPU engine's time at 700 waiting.
-        full = len(chosen) >= getattr(self, "max_num_active_reqs", self.max_num_running_reqs)
+        full = len(chosen) >= self.admission_cap
         if not self.waiting or full:
             return deferred
         waiting_ids = {r.request_id for r in self.waiting}

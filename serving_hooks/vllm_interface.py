@@ -54,7 +54,9 @@ SCHEDULER_ATTRIBUTES: dict[str, str] = {
     "requests": "R: request id -> Request",
     "kv_cache_manager": "R: usage and block_pool (free blocks, total blocks)",
     "max_num_scheduled_tokens": "W: the policy's token budget for the step",
-    "max_num_running_reqs": "R: the batch cap the policy sees",
+    # Releases with `max_num_active_seqs` also set `max_num_active_reqs`, a lower admission cap
+    # the adapter reads where present (the policy sees it as its batch cap); it is not required.
+    "max_num_running_reqs": "R: the batch cap the policy sees (or max_num_active_reqs)",
     "block_size": "R: KV block size",
     "current_step": "R: the step index in decision logs",
     "max_model_len": "R: the engine's limits a replay models (`engine_limits`)",

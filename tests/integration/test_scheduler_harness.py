@@ -460,3 +460,29 @@ def test_a_full_batch_leaves_the_waiting_queue_where_it_is(tiny_model, monkeypat
         admitted += [r.request_id for r in scheduler.running if r.request_id not in before]
     assert not scheduler.requests and not scheduler.policy_errors
     assert sorted(admitted) == sorted(queued)
+
+
+def test_vllms_admission_cap_is_the_batch_cap_the_policy_and_the_replay_see(tiny_model, monkeypatch):
+    """With `max_num_active_seqs` below `max_num_seqs`, vLLM admits only that many: the policy's
+    view and the limits a replay or a gate takes from this engine say so, and no step runs more."""
+    from experiments.bench_scheduler import make_requests, make_scheduler, step
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    monkeypatch.setenv("ADAPT_POLICY", "spf")
+    scheduler = make_scheduler(tiny_model, PolicyScheduler, 8, 4000, max_num_active_seqs=3)
+    assert scheduler.engine_limits().max_running == 3
+    seen = []
+    on_step = scheduler.adapt_policy.on_step
+    monkeypatch.setattr(
+        scheduler.adapt_policy, "on_step", lambda view: seen.append(view.max_running) or on_step(view)
+    )
+    for request in make_requests(10, 0, seed=7, max_tokens=6):
+        scheduler.add_request(request)
+    most = 0
+    for _ in range(500):
+        if not scheduler.requests:
+            break
+        step(scheduler)
+        most = max(most, len(scheduler.running))
+    assert not scheduler.requests and not scheduler.policy_errors
+    assert most == 3 and set(seen) == {3}
