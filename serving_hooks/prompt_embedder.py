@@ -121,6 +121,10 @@ class PromptEmbedder:
         self.passed_through = 0  # went on without a vector: model not ready, too many waiting, no text
         self.timed_out = 0
         self.failed = 0
+        # Time requests were held here waiting for a vector (however that ended): what a replay
+        # of this server charges as `EngineConfig.intake_delay_s` (`adapt replay --intake-delay`).
+        self.held = 0
+        self.held_s = 0.0
 
     def start(self) -> None:
         """Start loading the model (in the embedding thread), once."""
@@ -144,6 +148,7 @@ class PromptEmbedder:
             "timed_out": self.timed_out,
             "failed": self.failed,
             "waiting": self._waiting,
+            "mean_wait_s": self.held_s / self.held if self.held else None,
         }
 
     def authorized(self, authorization: str | None) -> bool:
@@ -161,6 +166,7 @@ class PromptEmbedder:
         future = loop.create_future()
         self._pending.append((text, future))
         self._waiting += 1
+        held_at = loop.time()
         if self._batcher is None or self._batcher.done():
             self._batcher = loop.create_task(self._run())
         try:
@@ -170,6 +176,8 @@ class PromptEmbedder:
             return None
         finally:
             self._waiting -= 1
+            self.held += 1
+            self.held_s += loop.time() - held_at
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

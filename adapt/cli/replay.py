@@ -82,6 +82,15 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds from a request's arrival until its policy's model prediction (SageSched's"
         " embedding) is ready; it is ranked on a prior until then (default 0: at once)",
     )
+    parser.add_argument(
+        "--intake-delay",
+        type=DELAY,
+        default=0.0,
+        metavar="S",
+        help="seconds from a request's arrival until the engine sees it: the API server's wait under"
+        " `adapt serve --embed-prompts` (its status shows prompt_embedder.mean_wait_s); latencies count"
+        " from the arrival (default 0)",
+    )
     parser.add_argument("--replicas", type=COUNT, default=1, help="engine replicas behind a router")
     parser.add_argument("--router", choices=ROUTERS, default="least-outstanding")
     parser.add_argument("--decode-attention", choices=("sum", "max"), default="sum", help="see cost.py")
@@ -205,6 +214,8 @@ def run_replay_command(args: argparse.Namespace) -> int:
     setup = build_setup(args)
     budget = given(args.token_budget, setup.workload.get("token_budget", EngineConfig.token_budget))
     setup.workload.update(token_budget=budget, max_running=args.max_running)
+    if args.intake_delay:  # a setting the runs differ by: in the JSON and the MLflow params
+        setup.workload["intake_delay_s"] = args.intake_delay
     print(
         f"replaying {len(setup.requests):,} requests ({setup.workload.get('name')}) on {setup.model} /"
         f" {setup.tp} x {setup.gpu}, {args.replicas} replica(s), every policy at token budget {budget} and"
@@ -216,6 +227,7 @@ def run_replay_command(args: argparse.Namespace) -> int:
         max_running=args.max_running,
         keep_token_times=args.keep_token_times,
         prediction_delay_s=args.prediction_delay,
+        intake_delay_s=args.intake_delay,
     )
     cost = None
     if args.cost_model != "roofline":

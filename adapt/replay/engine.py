@@ -87,6 +87,11 @@ class EngineConfig:
     # Simulated seconds from a request's arrival until its policy's model call (an embedding)
     # is done (`adapt.predictions.Delayed`); 0: ready at the next step, as if the model were free.
     prediction_delay_s: float = 0.0
+    # Simulated seconds from a request's arrival at the server until the engine sees it: `adapt
+    # serve --embed-prompts` holds each request in the API server while its prompt is embedded
+    # (`prompt_embedder.mean_wait_s` in the server's status). The policy sees the request from
+    # then on, as live; its latencies and SLOs count from its arrival, as its client's do.
+    intake_delay_s: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -110,8 +115,9 @@ class EngineConfig:
         for name in ("token_budget", "max_running", "block_size", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        if not self.prediction_delay_s >= 0:
-            raise ValueError(f"prediction_delay_s: must be >= 0, got {self.prediction_delay_s}")
+        for name in ("prediction_delay_s", "intake_delay_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 
 
 # Written by `adapt serve --log-dir` beside its request and step logs: the serving engine's limits,
@@ -179,7 +185,9 @@ class ReplayEngine:
         # the next arrival routed anywhere (it might come here).
         self.arrival_fence_s = math.inf
         self.recorder = Recorder(
-            record_steps=self.config.record_steps, keep_token_times=self.config.keep_token_times
+            record_steps=self.config.record_steps,
+            keep_token_times=self.config.keep_token_times,
+            intake_delay_s=self.config.intake_delay_s,
         )
         # Async scheduling: the last step's sampled requests, delivered after the next is planned.
         self._in_flight: tuple[float, list[RequestState]] | None = None
@@ -203,11 +211,14 @@ class ReplayEngine:
     def add(self, request: Request) -> None:
         """Queue a future arrival; requests must be added in arrival order. A dependant (a request
         with parents) is held until its parents finish; its own `arrival_s` is then ignored, but
-        its parents must have been added before it."""
+        its parents must have been added before it. Each reaches the engine
+        `config.intake_delay_s` after it arrives."""
         parents = request.program.parent_ids if request.program is not None else ()
         if parents:
             self._hold(request, parents)
             return
+        if self.config.intake_delay_s:
+            request = dataclasses.replace(request, arrival_s=request.arrival_s + self.config.intake_delay_s)
         if self._pending and request.arrival_s < self._pending[-1].arrival_s:
             raise ValueError(f"{request.request_id}: requests must be added in arrival order")
         if request.program is not None:
@@ -233,9 +244,11 @@ class ReplayEngine:
             self._release(rid)
 
     def _release(self, rid: str) -> None:
-        """All parents finished: the dependant arrives after its tool time."""
+        """All parents finished: the dependant arrives after its tool time (and reaches the engine
+        after the intake delay)."""
         request = self._held.pop(rid)
         arrival = max(self._ready_s.pop(rid), self.now) + request.program.after_parents_s  # type: ignore[union-attr]
+        arrival += self.config.intake_delay_s
         del self._unmet[rid]
         released = dataclasses.replace(request, arrival_s=arrival)
         bisect.insort(self._pending, released, lo=self._pending_pos, key=lambda r: r.arrival_s)
@@ -258,7 +271,9 @@ class ReplayEngine:
     def _drop_held(self, rid: str, reason: str) -> None:
         request = self._held.pop(rid)
         del self._unmet[rid], self._ready_s[rid]
-        state = self._state_for(dataclasses.replace(request, arrival_s=max(self.now, request.arrival_s)))
+        # Never sent (its program ended): recorded as arriving now, as the recorder reads arrivals.
+        arrival = max(self.now, request.arrival_s) + self.config.intake_delay_s
+        state = self._state_for(dataclasses.replace(request, arrival_s=arrival))
         self.recorder.arrived(state, request.output_tokens)
         self.recorder.dropped(state, self.now, reason)
         self._parent_done(rid, finished=False)

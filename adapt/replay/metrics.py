@@ -43,25 +43,27 @@ _GAP_BATCH = 65_536  # TBT gaps buffered per class before they are bucketed in o
 _CLOSE_BATCH = 1_024  # records of departed requests moved into the table at once
 
 
-def _on_time_limit(state: RequestState, index: int) -> float:
+def _on_time_limit(state: RequestState, index: int, intake_delay_s: float) -> float:
+    """When token `index` of `state` is due; a TTFT target counts from the request's arrival at
+    the server, `intake_delay_s` before the engine saw it (`EngineConfig.intake_delay_s`)."""
     slo = state.slo
     if slo.ttft_s is not None:
         if index == 0 or slo.tbt_s is not None:
-            return state.arrival_s + slo.ttft_s + index * (slo.tbt_s or 0.0)
+            return state.arrival_s - intake_delay_s + slo.ttft_s + index * (slo.tbt_s or 0.0)
         return math.inf
     if index == 0 or state.first_token_s is None:
         return math.inf
     return state.first_token_s + index * slo.tbt_s  # type: ignore[operator]
 
 
-def _on_time_limits(state: RequestState, first: int, count: int) -> np.ndarray:
+def _on_time_limits(state: RequestState, first: int, count: int, intake_delay_s: float) -> np.ndarray:
     """`_on_time_limit` of tokens first .. first + count - 1, as one array (same arithmetic)."""
     slo = state.slo
     index = first + np.arange(count, dtype=np.float64)
     if slo.ttft_s is not None:
         if slo.tbt_s is not None:
-            return state.arrival_s + slo.ttft_s + index * slo.tbt_s
-        return np.where(index == 0, state.arrival_s + slo.ttft_s + 0.0, math.inf)
+            return state.arrival_s - intake_delay_s + slo.ttft_s + index * slo.tbt_s
+        return np.where(index == 0, state.arrival_s - intake_delay_s + slo.ttft_s + 0.0, math.inf)
     if state.first_token_s is None:
         return np.full(count, math.inf)
     return np.where(index == 0, math.inf, state.first_token_s + index * slo.tbt_s)  # type: ignore[operator]
@@ -443,7 +445,12 @@ class Recorder:
     """Collects per-request records and samples as the engine reports events. A record stays an
     object while its request is in the engine and moves into the table when it leaves."""
 
-    def __init__(self, record_steps: bool = False, keep_token_times: bool = False) -> None:
+    def __init__(
+        self, record_steps: bool = False, keep_token_times: bool = False, intake_delay_s: float = 0.0
+    ) -> None:
+        # Engines see a request this long after it arrived (`EngineConfig.intake_delay_s`): its
+        # record and its SLO count from the arrival.
+        self._intake_delay_s = intake_delay_s
         self._open: dict[str, RequestRecord] = {}
         self._order: dict[str, int] = {}
         self._arrivals = 0
@@ -473,7 +480,7 @@ class Recorder:
             request_id=state.id,
             label=state.label,
             slo_kind=state.slo.kind,
-            arrival_s=state.arrival_s,
+            arrival_s=state.arrival_s - self._intake_delay_s,
             prompt_tokens=state.prompt_tokens,
             output_tokens=output_tokens,
             program_id=state.program.program_id if state.program else None,
@@ -499,7 +506,7 @@ class Recorder:
             last = state.last_token_s
             if last is not None and index > 0:
                 gaps[state.label].append(now - last)
-            if state.slo.kind == "latency" and now <= _on_time_limit(state, index):
+            if state.slo.kind == "latency" and now <= _on_time_limit(state, index, self._intake_delay_s):
                 self._open[state.id].ontime_tokens += 1
         for label, pending in gaps.items():
             if len(pending) >= _GAP_BATCH:
@@ -533,12 +540,12 @@ class Recorder:
         if len(times) == 1:  # one step (a bulk step): scalar arithmetic, as `tokens` does
             end = ends[0]
             for state in latency:
-                if end <= _on_time_limit(state, state.tokens_generated):
+                if end <= _on_time_limit(state, state.tokens_generated, self._intake_delay_s):
                     self._open[state.id].ontime_tokens += 1
         else:
             ends_array = np.asarray(ends)
             for state in latency:
-                limits = _on_time_limits(state, state.tokens_generated, len(times))
+                limits = _on_time_limits(state, state.tokens_generated, len(times), self._intake_delay_s)
                 self._open[state.id].ontime_tokens += int(np.count_nonzero(ends_array <= limits))
         for label, count in counts.items():
             if not count:

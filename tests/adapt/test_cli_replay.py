@@ -169,6 +169,7 @@ def test_compare_lines_up_runs_and_plots_goodput_versus_load(tmp_path, capsys):
         (["--duration", "1e9"], "would generate 9.6e+08 requests; at most 10,000,000"),
         (["--token-budget", "0"], "argument --token-budget: must be > 0"),
         (["--seed", "-1"], "argument --seed: must be >= 0"),
+        (["--intake-delay", "-0.1"], "argument --intake-delay: must be >= 0"),
         (["--policies", "sarathi:token_budget=0"], "token_budget: expected an integer in [1, inf), got 0"),
         (
             ["--policies", "sarathi:token_budget=1.5"],
@@ -300,3 +301,19 @@ def test_a_pinned_policy_config_says_what_it_runs_as_a_spec_that_builds(tmp_path
     policy = make_policy_from_spec(runs)
     assert policy.preempt_on_flip is True and policy.victim == "priority"
     assert pin_policy_config("spf:victim=newest") == ("spf:victim=newest", None)
+
+
+def test_an_intake_delay_is_recorded_and_charged_to_every_latency(tmp_path):
+    """`--intake-delay S` (the API server's hold under `adapt serve --embed-prompts`): the same
+    replay, every TTFT and TTLT S longer, and the setting in the JSON beside the workload."""
+    results = {}
+    for delay in ("0", "0.5"):
+        out = tmp_path / f"r{delay}.json"
+        args = ["replay", "--workload", "slai-tiers", "--policies", "fcfs", "--num-requests", "40"]
+        assert main([*args, "--intake-delay", delay, "--json", str(out), "--no-mlflow", "--quiet"]) == 0
+        results[delay] = json.loads(out.read_text())
+    plain, delayed = results["0"], results["0.5"]
+    assert "intake_delay_s" not in plain["workload"] and delayed["workload"]["intake_delay_s"] == 0.5
+    for metric in ("ttft_mean", "ttlt_mean"):
+        shift = delayed["policies"]["fcfs"][metric] - plain["policies"]["fcfs"][metric]
+        assert shift == pytest.approx(0.5, abs=1e-6), metric

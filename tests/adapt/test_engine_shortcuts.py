@@ -109,13 +109,14 @@ def test_roofline_decode_step_timer_gives_the_run_times_elements(
     tbt=st.one_of(st.none(), st.floats(0.001, 0.5)),
     first_token=st.one_of(st.none(), st.floats(0, 100)),
     first=st.integers(0, 50),
+    intake_delay=st.sampled_from([0.0, 0.009, 0.5]),
 )
-def test_on_time_limits_match_per_token(ttft, tbt, first_token, first):
+def test_on_time_limits_match_per_token(ttft, tbt, first_token, first, intake_delay):
     if ttft is None and tbt is None:
         tbt = 0.1
     state = RequestState("r", 3.25, 10, 100, SLO(kind="latency", ttft_s=ttft, tbt_s=tbt))
     state.first_token_s = first_token
-    expected = [_on_time_limit(state, first + j) for j in range(7)]
-    got = _on_time_limits(state, first, 7).tolist()
+    expected = [_on_time_limit(state, first + j, intake_delay) for j in range(7)]
+    got = _on_time_limits(state, first, 7, intake_delay).tolist()
     assert [math.isinf(x) for x in got] == [math.isinf(x) for x in expected]
     assert [x for x in got if not math.isinf(x)] == [x for x in expected if not math.isinf(x)]

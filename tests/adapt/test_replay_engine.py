@@ -408,3 +408,63 @@ def test_fcfs_runs_go_past_arrivals_behind_a_blocked_head():
     for key in ("completed", "preemptions", "steps", "ttft_mean", "ttlt_mean", "makespan_s"):
         assert same[1][key] == stepped[1][key], key
         assert same[1][key] == stopped[1][key], key
+
+
+def test_an_intake_delay_is_charged_to_latency_and_slos_from_the_arrival():
+    """`adapt serve --embed-prompts` holds a request in the API server before the engine sees
+    it: the policy sees it from then on (as the live adapter stamps it), its client counts from
+    its arrival. One request, 0.1 s steps, a 0.05 s hold: tokens at 0.15 / 0.25 / 0.35."""
+    seen = []
+    policy = make_policy("fcfs")
+    on_arrival = policy.on_arrival
+    policy.on_arrival = lambda state, now: seen.append((state.arrival_s, now)) or on_arrival(state, now)
+    slo = SLO(kind="latency", ttft_s=0.12, tbt_s=0.1)  # due 0.12 / 0.22 / 0.32 from the arrival
+    engine = CheckedEngine(policy, ConstantCost(0.1), EngineConfig(intake_delay_s=0.05))
+    result = engine.run([Request("a", 0.0, 10, 3, slo=slo)])
+    record = by_id(result)["a"]
+    assert seen == [(pytest.approx(0.05), pytest.approx(0.05))]
+    assert record.arrival_s == 0.0
+    assert (record.first_token_s, record.finish_s) == (pytest.approx(0.15), pytest.approx(0.35))
+    metrics = result.metrics()
+    assert metrics["ttft_mean"] == pytest.approx(0.15) and metrics["ttlt_mean"] == pytest.approx(0.35)
+    assert metrics["goodput_tokens"] == 0  # every token is late counted from the arrival
+    _, undelayed = run([Request("a", 0.0, 10, 3, slo=slo)])
+    assert undelayed.metrics()["goodput_tokens"] == 3  # ...and on time without the hold
+    with pytest.raises(ValueError, match="intake_delay_s"):
+        EngineConfig(intake_delay_s=-0.01)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    arrivals=st.lists(st.integers(0, 640), min_size=1, max_size=25),
+    lengths=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 60)), min_size=25, max_size=25),
+    policy=st.sampled_from(("fcfs", "spf", "sarathi", "ewsjf")),
+    kv_blocks=st.integers(30, 80),
+)
+def test_an_intake_delay_shifts_every_request_by_exactly_that_and_decides_the_same(
+    arrivals, lengths, policy, kv_blocks
+):
+    """The engine sees the same trace later: the same steps, preemptions and drops, every token
+    `intake_delay_s` later (times on a 1/64 s grid and 1/8 s steps: exact in floating point)."""
+    requests = [
+        Request(f"r{i}", t / 64, p, o)
+        for i, (t, (p, o)) in enumerate(zip(sorted(arrivals), lengths, strict=False))
+    ]
+    runs = []
+    for delay in (0.0, 0.25):
+        config = EngineConfig(
+            token_budget=64, max_running=6, kv_capacity_tokens=kv_blocks * 16, intake_delay_s=delay
+        )
+        engine = CheckedEngine(make_policy(policy), ConstantCost(0.125), config)
+        result = engine.run(requests)
+        assert engine.violations == []
+        runs.append((delay, by_id(result), engine.step_index))
+    (_, plain, steps), (delay, delayed, delayed_steps) = runs
+    assert delayed_steps == steps
+    for request in requests:
+        before, after = plain[request.request_id], delayed[request.request_id]
+        assert after.arrival_s == before.arrival_s == request.arrival_s
+        assert (after.preemptions, after.dropped) == (before.preemptions, before.dropped)
+        if before.first_token_s is not None:
+            assert after.first_token_s == before.first_token_s + delay
+            assert after.finish_s == before.finish_s + delay

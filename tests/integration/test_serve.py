@@ -190,6 +190,7 @@ def test_serve_embeds_prompts_before_the_engine_so_the_first_decision_uses_them(
         assert predictions["delivered"] == 0  # the engine's worker embedded nothing
         embedder = status["prompt_embedder"]
         assert (embedder["embedded"], embedder["passed_through"], embedder["timed_out"]) == (requests, 0, 0)
+        assert embedder["mean_wait_s"] > 0  # the hold a replay of this server charges (--intake-delay)
         # A client cannot send a vector of its own (it could jump the queue with one).
         code, body = post_completion(
             port,
