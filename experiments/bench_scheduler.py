@@ -55,7 +55,7 @@ def make_scheduler(
         max_num_batched_tokens=8192,
         max_model_len=2048,
         enable_chunked_prefill=True,
-        async_scheduling=True,
+        async_scheduling=True,  # what a GPU engine runs; vLLM's CPU platform turns it off
         is_encoder_decoder=False,
         # Only where asked: vLLMs before `max_num_active_seqs` refuse the keyword.
         **({} if max_num_active_seqs is None else {"max_num_active_seqs": max_num_active_seqs}),
@@ -133,18 +133,22 @@ def step(scheduler: Any) -> tuple[float, float]:
 
 def bench(model_dir: Path, policy: str | None, running: int, waiting: int, steps: int) -> dict[str, float]:
     """Per-step times (ms) with `policy` (None: plain vLLM). `policy+adapter` is the time
-    `schedule()` spends outside vLLM's own `AsyncScheduler.schedule` (timed by wrapping it for the
+    `schedule()` spends outside vLLM's own `Scheduler.schedule` (timed by wrapping it for the
     run): mirroring state, the policy's `on_step`, and applying its plan."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
 
-    if policy is None:
-        cls = AsyncScheduler
+    if policy is None:  # vLLM's default for the engine: `Scheduler` where async scheduling is off
+        cls = None
     else:
         from serving_hooks.vllm_adapter import PolicyScheduler
 
         os.environ["ADAPT_POLICY"] = policy
         cls = PolicyScheduler
     blocks = (running + waiting) * (PROMPT_TOKENS + steps + 64) // BLOCK_SIZE + 64
+    if cls is None:
+        probe = make_scheduler(model_dir, Scheduler, running, blocks)
+        cls = AsyncScheduler if probe.scheduler_config.async_scheduling else Scheduler
     scheduler = make_scheduler(model_dir, cls, running, blocks)
     for request in make_requests(running, 0, 0):
         scheduler.add_request(request)
@@ -157,7 +161,7 @@ def bench(model_dir: Path, policy: str | None, running: int, waiting: int, steps
     for request in make_requests(waiting, running, 1):
         scheduler.add_request(request)
     inner: list[float] = []
-    vllm_schedule = AsyncScheduler.schedule
+    vllm_schedule = Scheduler.schedule  # AsyncScheduler and the adapter inherit it
 
     def timed_schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
@@ -168,12 +172,12 @@ def bench(model_dir: Path, policy: str | None, running: int, waiting: int, steps
 
     queues = getattr(scheduler, "prediction_queues", [])  # only a PolicyScheduler has any
     before = _delivered(scheduler)  # results before the timed steps (the running prompts went first)
-    AsyncScheduler.schedule = timed_schedule
+    Scheduler.schedule = timed_schedule
     try:
         times = [step(scheduler) for _ in range(steps)]
         predicted = None if before is None else _delivered(scheduler) - before
     finally:
-        AsyncScheduler.schedule = vllm_schedule
+        Scheduler.schedule = vllm_schedule
         scheduler.shutdown()  # its prediction worker must not go on computing through the next run
     overhead = [(total - own) * 1000 for (total, _), own in zip(times, inner, strict=True)]
     return {

@@ -44,6 +44,7 @@ import vllm
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
@@ -86,6 +87,10 @@ class PolicyScheduler(AsyncScheduler):
         if self.policy != SchedulingPolicy.FCFS or not isinstance(self.waiting, FCFSRequestQueue):
             raise ValueError("PolicyScheduler needs vLLM's FCFS scheduling policy (scheduling_policy='fcfs')")
         self.engine_token_budget = int(self.max_num_scheduled_tokens)  # what vLLM was started with
+        # An engine that runs each step's output before the next schedule (vLLM's CPU platform
+        # turns async scheduling off) gets vLLM's synchronous bookkeeping, as its default
+        # `Scheduler` would: the async placeholders cost time and change no decision there.
+        self._engine_async = bool(self.scheduler_config.async_scheduling)
         # How many requests vLLM lets run: `max_num_active_seqs` where set (it caps admissions
         # below `max_num_seqs`, the model runner's slot count); vLLMs without it admit up to that.
         self.admission_cap = int(getattr(self, "max_num_active_reqs", self.max_num_running_reqs))
@@ -501,6 +506,17 @@ class PolicyScheduler(AsyncScheduler):
         self.decisions.append(record)  # type: ignore[union-attr]
         self._undelivered.append(record)
         self._arrived_since, self._freed_since = [], []
+
+    def _update_after_schedule(self, scheduler_output: Any) -> None:
+        if self._engine_async:
+            super()._update_after_schedule(scheduler_output)
+        else:
+            Scheduler._update_after_schedule(self, scheduler_output)
+
+    def _update_request_with_output(self, request: Any, new_token_ids: list[int], *args: Any, **kwargs: Any):
+        if self._engine_async:
+            return super()._update_request_with_output(request, new_token_ids, *args, **kwargs)
+        return Scheduler._update_request_with_output(self, request, new_token_ids)
 
     def _apply_mechanics(self) -> None:
         """The serving policy's token budget is this step's (vLLM reads it in `schedule`), so a

@@ -43,6 +43,8 @@ SCHEDULER_METHODS: dict[str, str] = {
     "update_from_output": "O: tokens reach the policy as vLLM processes a step's output",
     "_free_request": "O (private): a finished request leaves the policy",
     "shutdown": "O: background prediction workers stop with the engine",
+    "_update_after_schedule": "O (private): vLLM's synchronous version where the engine is not async",
+    "_update_request_with_output": "O (private): likewise",
     "_preempt_request": "C (private): preemptions the plan asks for, by recompute",
     "finish_requests": "C: drops, as aborted requests",
 }

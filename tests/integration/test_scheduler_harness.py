@@ -486,3 +486,40 @@ def test_vllms_admission_cap_is_the_batch_cap_the_policy_and_the_replay_see(tiny
         most = max(most, len(scheduler.running))
     assert not scheduler.requests and not scheduler.policy_errors
     assert most == 3 and set(seen) == {3}
+
+
+def test_a_synchronous_engine_gets_vllms_synchronous_bookkeeping(tiny_model, monkeypatch):
+    """vLLM's CPU platform turns async scheduling off: the engine then runs each step's output
+    before the next schedule, and its default `Scheduler` keeps no output placeholders. The
+    adapter (an `AsyncScheduler`, for GPU engines) keeps vLLM's synchronous bookkeeping there:
+    step by step the same placeholders and the same requests as vLLM's `Scheduler`, not the
+    `AsyncScheduler`'s (what it kept before, at ~1.5% of a saturated CPU engine's time)."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from experiments.bench_scheduler import make_requests, make_scheduler
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    def placeholders_per_step(cls):
+        scheduler = make_scheduler(tiny_model, cls, 4, 4000)
+        assert not scheduler.scheduler_config.async_scheduling  # the CPU platform's setting
+        for request in make_requests(6, 0, seed=8, max_tokens=5):
+            scheduler.add_request(request)
+        seen = []
+        schedule = scheduler.schedule
+
+        def recording(*args, **kwargs):
+            output = schedule(*args, **kwargs)
+            seen.append(sorted((r.request_id, r.num_output_placeholders) for r in scheduler.running))
+            return output
+
+        scheduler.schedule = recording
+        _step_sizes(scheduler)
+        assert not scheduler.requests
+        return seen
+
+    monkeypatch.setenv("ADAPT_POLICY", "fcfs")
+    vllm_sync = placeholders_per_step(Scheduler)
+    assert placeholders_per_step(PolicyScheduler) == vllm_sync
+    assert all(n == 0 for step in vllm_sync for _, n in step)
+    assert any(n > 0 for step in placeholders_per_step(AsyncScheduler) for _, n in step)
