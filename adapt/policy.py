@@ -138,6 +138,30 @@ class EngineView:
     kv_block_size: int = 16
 
 
+class WaitingView(Sequence[RequestState]):
+    """`EngineView.waiting` in both engines: a read-only view of an engine's waiting requests
+    (id -> state, in the order they (re-)entered the queue), copied by no one. Both engines hand
+    the policy the same kind of object, so a policy that keeps it sees the same thing in both;
+    the engine's queue changes under it between steps."""
+
+    __slots__ = ("_waiting",)
+
+    def __init__(self, waiting: dict[str, RequestState]) -> None:
+        self._waiting = waiting
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __iter__(self):
+        return iter(self._waiting.values())
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return list(self._waiting.values())[index]
+
+    def __contains__(self, state: object) -> bool:
+        return isinstance(state, RequestState) and self._waiting.get(state.id) is state
+
+
 @dataclass
 class Plan:
     """A policy's decision for one step; the engine applies it with its own mechanics.

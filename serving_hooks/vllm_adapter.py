@@ -49,7 +49,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
 from adapt.mechanics import check_policy
-from adapt.policy import EngineView, Plan, RequestState
+from adapt.policy import EngineView, Plan, RequestState, WaitingView
 from adapt.predictions import BackgroundWorker, BatchFunction, PredictionQueue, PredictionStats
 from adapt.replay.engine import ENGINE_FILE, EngineConfig
 from adapt.requests import SLO, CompletedRequest, ValidationError
@@ -122,7 +122,10 @@ class PolicyScheduler(AsyncScheduler):
         self._last_step: tuple[float, dict[str, float]] | None = None
         self._arrivals = 0  # requests added since the last schedule call (`adapt.steplog.ARRIVALS`)
         self._policy_s = 0.0  # the last step's time in the policy and its plan (`adapt.steplog.POLICY_S`)
-        self._waiting_order: dict[str, None] = {}  # ids in the order they (re-)entered waiting
+        # The policy's waiting requests, in the order they (re-)entered the queue; it sees them
+        # through the same view the replay engine gives it.
+        self._waiting_states: dict[str, RequestState] = {}
+        self._waiting_view = WaitingView(self._waiting_states)
         self.decisions: list[dict] | None = [] if os.environ.get("ADAPT_RECORD_DECISIONS") == "1" else None
         self._arrived_since: list[list] = []
         self._freed_since: list[str] = []
@@ -167,7 +170,7 @@ class PolicyScheduler(AsyncScheduler):
 
             shared_cache().remember(state.prompt_text, embedding)
         self._states[request.request_id] = state
-        self._waiting_order[request.request_id] = None
+        self._waiting_states[request.request_id] = state
         if self.decisions is not None:
             extra = {"slo": dataclasses.asdict(slo), "prompt_text": state.prompt_text}
             if embedding is not None:
@@ -193,7 +196,7 @@ class PolicyScheduler(AsyncScheduler):
         state = self._states.pop(request.request_id, None)
         self._running_ids.discard(request.request_id)
         self._unplanned.discard(request.request_id)
-        self._waiting_order.pop(request.request_id, None)
+        self._waiting_states.pop(request.request_id, None)
         if self.decisions is not None:
             self._freed_since.append(request.request_id)
         dropped = request.request_id in self._dropped_ids
@@ -471,7 +474,7 @@ class PolicyScheduler(AsyncScheduler):
         quality = self.metrics.publish(  # type: ignore[union-attr]
             now,
             policy=self.adapt_policy,
-            waiting=[self._states[i] for i in self._waiting_order if i in self._states],
+            waiting=self._waiting_view,
             running=sum(r.request_id in self._states for r in self.running),  # not those leaving now
             kv_usage=float(self.kv_cache_manager.usage),
             live=self.live,
@@ -603,11 +606,10 @@ class PolicyScheduler(AsyncScheduler):
                 state.tokens_computed = request.num_computed_tokens
 
     def _view(self, now: float) -> EngineView:
-        waiting = [self._states[i] for i in self._waiting_order if i in self._states]
         running = [self._states[r.request_id] for r in self.running if r.request_id in self._states]
         return EngineView(
             now=now,
-            waiting=waiting,
+            waiting=self._waiting_view,
             running=running,
             kv_usage=float(self.kv_cache_manager.usage),
             token_budget=int(self.max_num_scheduled_tokens),
@@ -694,7 +696,7 @@ class PolicyScheduler(AsyncScheduler):
         admitted = [r.request_id for r in self.running if r.request_id not in self._running_ids]
         for request_id in admitted:  # in admission order, as the replay engine calls on_admit
             state = self._states.get(request_id)
-            self._waiting_order.pop(request_id, None)
+            self._waiting_states.pop(request_id, None)
             if state is not None:
                 state.phase = "prefill"
                 self._call("on_admit", state, now)
@@ -705,7 +707,7 @@ class PolicyScheduler(AsyncScheduler):
             request = self.requests.get(request_id)
             state = self._states.get(request_id)
             if state is not None and request is not None and request.status == RequestStatus.PREEMPTED:
-                self._waiting_order[request_id] = None
+                self._waiting_states[request_id] = state
                 state.phase = "preempted"
                 state.tokens_computed = 0
                 state.num_preemptions += 1

@@ -50,7 +50,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from adapt.policy import EngineView, Plan, Policy, RequestState
+from adapt.policy import EngineView, Plan, Policy, RequestState, WaitingView
 from adapt.predictions import Delayed, QueueFactory
 from adapt.replay.kv import BlockPool
 from adapt.replay.metrics import Recorder, ReplayResult
@@ -163,7 +163,7 @@ class ReplayEngine:
         self.mean_batch_time = 0.0
         self.waiting: dict[str, RequestState] = {}
         self.running: list[RequestState] = []
-        self._waiting_view = _WaitingView(self.waiting)  # every step's view of it (a live view)
+        self._waiting_view = WaitingView(self.waiting)  # every step's view of it (a live view)
         # The running requests per class, and those with a latency SLO: what a decode run records
         # of them (`Recorder.run_tokens`), kept up to date rather than counted every step.
         self._running_labels: dict[str | None, int] = defaultdict(int)
@@ -1082,24 +1082,3 @@ def _with_decodes(
         batch.decode_ctx_sum + context_sum,
         max(batch.decode_ctx_max, context_max),
     )
-
-
-class _WaitingView(Sequence[RequestState]):
-    """Read-only, copy-free view of the waiting dict in arrival order for EngineView.waiting."""
-
-    __slots__ = ("_waiting",)
-
-    def __init__(self, waiting: dict[str, RequestState]) -> None:
-        self._waiting = waiting
-
-    def __len__(self) -> int:
-        return len(self._waiting)
-
-    def __iter__(self):
-        return iter(self._waiting.values())
-
-    def __getitem__(self, index):  # type: ignore[override]
-        return list(self._waiting.values())[index]
-
-    def __contains__(self, state: object) -> bool:
-        return isinstance(state, RequestState) and self._waiting.get(state.id) is state
