@@ -13,8 +13,9 @@ finish, and the table gives it relative to vLLM's default. Without `--model` a t
 generated (DESIGN.md section 6) -- on a CPU its forward pass is cheap, so scheduling shows more
 than it would next to a real model on a GPU. Policies that cap the batch on purpose (jitserve's B)
 trade throughput for goodput; the table says how many ran at most. With `--repeats N` the
-configurations run round-robin and each policy's ratio is taken against the default *of the same
-round* (a drift in machine speed hits both), the median and the spread of the N ratios reported;
+configurations run round-robin, each round starting one configuration later than the last, and
+each policy's ratio is taken against the default *of the same round* (a drift in machine speed
+hits both), the median and the spread of the N ratios reported;
 `--json OUT` writes `{"policies": {NAME: {"tok_per_s", "ratio_to_default", "round_ratios", ...}}}`.
 "predicted" counts the model results delivered (or arrived with their request) and the table says
 where model batches failed: a model that fails costs no CPU, and the figure would then measure a
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -217,7 +219,7 @@ def main() -> None:
         configs = [DEFAULT, *(args.policies.split(",") if args.policies else servable_policies())]
         runs: dict[str, list[dict]] = {policy: [] for policy in configs}
         for repeat in range(args.repeats):  # round robin, so a drift in machine speed hits all alike
-            for policy in configs:
+            for policy in round_order(configs, repeat):
                 runs[policy].append(run(model, policy, args))
                 print(
                     f"  run {repeat + 1}: {policy} {runs[policy][-1]['tokens_per_s']:.1f} tokens/s",
@@ -248,6 +250,14 @@ def main() -> None:
             Path(args.json).write_text(json.dumps({"settings": settings, "policies": report}, indent=2))
 
 
+def round_order(configs: list[str], repeat: int) -> list[str]:
+    """Round `repeat`'s order: each round starts one configuration later than the last, so over
+    len(configs) rounds each takes every place once -- a run's place in a round (after a run that
+    left the machine busy, say) is not always the same configuration's."""
+    shift = repeat % len(configs)
+    return configs[shift:] + configs[:shift]
+
+
 def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
     """Per configuration: the median tokens/s over rounds, and its ratio to the default's run of
     the same round for every round (median and all of them)."""
@@ -258,7 +268,7 @@ def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
         middle = sorted(results, key=lambda r: r["tokens_per_s"])[len(results) // 2]
         report[policy] = {
             "tok_per_s": middle["tokens_per_s"],
-            "ratio_to_default": sorted(ratios)[len(ratios) // 2],
+            "ratio_to_default": statistics.median(ratios),
             "round_ratios": ratios,
             "most_running": middle["most_running"],
             "policy_errors": max(r["policy_errors"] for r in results),

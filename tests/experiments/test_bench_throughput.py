@@ -1,6 +1,6 @@
 """bench_throughput's summary: each policy's ratio is taken against the default of the same round."""
 
-from experiments.bench_throughput import DEFAULT, summarise
+from experiments.bench_throughput import DEFAULT, round_order, summarise
 
 
 def result(
@@ -42,3 +42,16 @@ def test_the_table_shows_what_the_model_delivered_and_its_failures():
     report = summarise(runs)
     assert report["sagesched"]["predicted"] == 0 and report["sagesched"]["prediction_errors"] == 12
     assert report[DEFAULT]["predicted"] is None and report[DEFAULT]["prediction_errors"] == 0
+
+
+def test_each_configuration_takes_every_place_in_the_rounds():
+    configs = [DEFAULT, "fcfs", "sagesched"]
+    rounds = [round_order(configs, repeat) for repeat in range(3)]
+    assert all(sorted(order) == sorted(configs) for order in rounds)
+    for place in range(3):
+        assert sorted(order[place] for order in rounds) == sorted(configs)
+
+
+def test_an_even_number_of_rounds_reports_the_middle_of_the_two_middle_ratios():
+    runs = {DEFAULT: [result(100.0)] * 4, "fcfs": [result(90.0), result(100.0), result(95.0), result(99.0)]}
+    assert summarise(runs)["fcfs"]["ratio_to_default"] == 0.97
