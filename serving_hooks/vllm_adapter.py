@@ -107,6 +107,8 @@ class PolicyScheduler(AsyncScheduler):
         self._last_schedule: float | None = None
         self._mean_batch_s = 0.0
         self._tokenizer: Any = None
+        if self.adapt_policy.needs_prompt_text:  # loaded now, not on the first request's arrival
+            self._load_tokenizer()
         self._program_starts: dict[str, float] = {}
         self.live = LiveComponents.from_environment(self.adapt_policy)  # `adapt serve`: follow the registry
         log_dir = os.environ.get("ADAPT_LOG_DIR")
@@ -183,14 +185,19 @@ class PolicyScheduler(AsyncScheduler):
 
     def _prompt_text(self, request: Any) -> str | None:
         """The prompt as text: the engine core only keeps token ids, so decode them with the
-        served model's tokenizer (loaded on first use; a few microseconds per short prompt)."""
+        served model's tokenizer (a few microseconds per short prompt)."""
         if request.prompt_token_ids is None:
             return None
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
+        tokenizer = self._load_tokenizer() if self._tokenizer is None else self._tokenizer
+        return tokenizer.decode(request.prompt_token_ids, skip_special_tokens=True)
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.vllm_config.model_config.tokenizer)
-        return self._tokenizer.decode(request.prompt_token_ids, skip_special_tokens=True)
+    def _load_tokenizer(self) -> Any:
+        """The served model's tokenizer (~0.1 s to load): at engine start for a policy that reads
+        prompts, else on first use (a policy swapped in live, the request log's prompts)."""
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(self.vllm_config.model_config.tokenizer)
+        return self._tokenizer
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any):
         state = self._states.pop(request.request_id, None)

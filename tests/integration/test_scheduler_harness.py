@@ -523,3 +523,19 @@ def test_a_synchronous_engine_gets_vllms_synchronous_bookkeeping(tiny_model, mon
     assert placeholders_per_step(PolicyScheduler) == vllm_sync
     assert all(n == 0 for step in vllm_sync for _, n in step)
     assert any(n > 0 for step in placeholders_per_step(AsyncScheduler) for _, n in step)
+
+
+def test_a_policy_that_reads_prompts_has_its_tokenizer_before_the_first_request(tiny_model, monkeypatch):
+    """Loading the served model's tokenizer takes ~0.1 s: at engine start, not on the first
+    arrival (which would wait for it inside the engine loop), and only for a policy that reads
+    prompts."""
+    from experiments.bench_scheduler import make_scheduler
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    loaded = {}
+    for policy in ("spf", "sagesched"):
+        monkeypatch.setenv("ADAPT_POLICY", policy)
+        scheduler = make_scheduler(tiny_model, PolicyScheduler, 4, 400)
+        loaded[policy] = scheduler._tokenizer is not None
+        scheduler.shutdown()
+    assert loaded == {"spf": False, "sagesched": True}
