@@ -13,8 +13,15 @@ were first scheduled on their prior (before their embedding came), and from the 
 and end-to-end latency. Embedding in the API server trades TTFT (each request waits for its
 vector) for first decisions made on the prediction. Without `--model` a tiny random model is
 generated (DESIGN.md section 6). `--json OUT` writes `{"placements": {NAME: {"share_on_prior",
-"ttft_p50", "ttft_p99", "e2e_mean", "failed", "rounds": [...]}}}`, each figure the median of the
-rounds.
+"ttft_p50", "ttft_p99", "e2e_mean", "ttft_mean", "outside_engine_s", "hold_s", "failed",
+"rounds": [...]}}}`, each figure the median of the rounds.
+
+What a replay of the API-server placement charges (`adapt replay --intake-delay S`, S the
+server's `prompt_embedder.mean_wait_s`) is checked here too: each server logs its requests
+(`--log-dir`), `outside_engine_s` is the client's mean TTFT minus the engine's (first token less
+the moment the engine got the request), and `hold_s` is the server's mean hold. If the hold is
+what the API server adds, the API-server placement's `outside_engine_s` exceeds the engine
+worker's by about `hold_s`.
 """
 
 from __future__ import annotations
@@ -30,11 +37,27 @@ from pathlib import Path
 from typing import Any
 
 PLACEMENTS = ("engine-worker", "api-server")
-FIGURES = ("share_on_prior", "ttft_p50", "ttft_p99", "e2e_mean")  # per placement, median of the rounds
+# per placement, median of the rounds
+FIGURES = ("share_on_prior", "ttft_p50", "ttft_p99", "e2e_mean", "ttft_mean", "outside_engine_s", "hold_s")
 
 
-def one_run(model: str, placement: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    """Serve, load, read the status: one placement's figures for one round."""
+def engine_ttft_mean(log_dir: Path) -> float | None:
+    """Mean TTFT of the finished requests in a server's request log, from the moment the engine got
+    each one (`CompletedRequest.arrival_s`) to its first token."""
+    ttfts = [
+        record["first_token_s"] - record["arrival_s"]
+        for path in sorted(log_dir.glob("requests-*.jsonl"))
+        for record in map(json.loads, path.read_text().splitlines())
+        if record.get("outcome") == "finished" and record.get("first_token_s") is not None
+    ]
+    return statistics.mean(ttfts) if ttfts else None
+
+
+def one_run(
+    model: str, placement: str, args: argparse.Namespace, workdir: Path, round_index: int
+) -> dict[str, Any]:
+    """Serve, load, read the status and the server's request log: one placement's figures for one
+    round."""
     from adapt.workloads import get_workload
     from experiments.bench_serve import run_load, summarise
     from experiments.quickstart_serve import free_port, stop, wait_for_status
@@ -43,12 +66,14 @@ def one_run(model: str, placement: str, args: argparse.Namespace, workdir: Path)
 
     requests = get_workload("sagesched-mix").build(args.rate, args.requests, args.seed)
     port = free_port()
+    log_dir = workdir / f"logs-{placement}-{round_index}"
     argv, env = server_command(
         model,
         "sagesched",
         port=port,
         status_file=workdir / f"status-{placement}.json",
         embed_prompts=placement == "api-server",
+        log_dir=log_dir,
         extra=VLLM_CPU_ARGS,
     )
     env["ADAPT_EMBEDDING_CACHE"] = "off"
@@ -70,13 +95,20 @@ def one_run(model: str, placement: str, args: argparse.Namespace, workdir: Path)
 
         status = wait_for_status(port, server, log_path, counted, 60)
     finally:
-        stop(server)
+        stop(server)  # its logs' buffers are written out as it stops
     predictions = status["predictions"]
+    client_ttft = [r.ttft_s for r in records if r.ok and r.ttft_s is not None]
+    ttft_mean = statistics.mean(client_ttft) if client_ttft else None
+    engine_ttft = engine_ttft_mean(log_dir)
     return {
         "share_on_prior": predictions["share_on_prior"],
         "supplied": predictions.get("supplied", 0),
         "mean_wait_s": predictions["mean_wait_s"],
         **{key: client[key] for key in ("ok", "failed", "ttft_p50", "ttft_p99", "e2e_mean")},
+        "ttft_mean": ttft_mean,
+        "engine_ttft_mean": engine_ttft,
+        "outside_engine_s": None if ttft_mean is None or engine_ttft is None else ttft_mean - engine_ttft,
+        "hold_s": (status.get("prompt_embedder") or {}).get("mean_wait_s"),
     }
 
 
@@ -115,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         rounds: dict[str, list[dict[str, Any]]] = {p: [] for p in chosen}
         for round_index in range(args.repeats):
             for placement in chosen:
-                result = one_run(model, placement, args, workdir)
+                result = one_run(model, placement, args, workdir, round_index)
                 rounds[placement].append(result)
                 print(f"round {round_index + 1}/{args.repeats} {placement}: {json.dumps(result)}", flush=True)
     placements = {
@@ -127,7 +159,10 @@ def main(argv: list[str] | None = None) -> None:
         for name, runs in rounds.items()
     }
     print(f"\nsagesched, {args.requests} requests at {args.rate} req/s, median of {args.repeats} round(s):")
-    print(f"{'placement':<15} {'on prior':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'E2E mean':>9} {'failed':>7}")
+    print(
+        f"{'placement':<15} {'on prior':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'E2E mean':>9} {'TTFT mean':>9}"
+        f" {'outside':>9} {'hold':>9} {'failed':>7}"
+    )
     for name, figures in placements.items():
         cells = [figures[k] for k in FIGURES]
         shown = " ".join(f"{v:>9.3f}" if v is not None else f"{'-':>9}" for v in cells)
