@@ -1,8 +1,8 @@
 """`adapt fidelity`: is the replayed policy the one that runs live, and does replay predict it?
 
     adapt fidelity --policy P | --policies a,b,c [--rate R] [--requests N] [--model DIR]
-                   [--kv-blocks B] [--repeat] [--calibrate fcfs|own] [--keep DIR [--reuse]]
-                   [--json OUT]
+                   [--kv-blocks B] [--repeat] [--calibrate fcfs|own] [--embed-prompts]
+                   [--keep DIR [--reuse]] [--json OUT]
 
 For each policy, real vLLM (in-process engine core, `PolicyScheduler`, async scheduling, prefix
 caching off, a KV cache of `--kv-blocks` blocks of 32 tokens: small enough that chunked prefill and
@@ -28,6 +28,14 @@ deadline on a quarter) so that SLO-aware policies have something to act on. Two 
    process on the machine stretches live steps, and the drift figure shows it. A policy with
    model calls off the step (SageSched's embeddings) is replayed with the live run's mean wait
    for them as `prediction_delay_s`.
+
+`--embed-prompts` sends every request with its prompt's MiniLM vector in its extra args, as `adapt
+serve --embed-prompts` does from the API server: the vectors are computed here before the runs
+(untimed), from the very text the engine detokenises for the policy, so the engine's cores do no
+embedding. On this 2-core CPU, MiniLM in the engine's worker takes cores from vLLM's forward pass
+and stretches live steps beyond what their batches explain (a GPU node's forward does not run on
+those cores); with the vectors arriving, what is left to predict is the scheduler itself. The
+API server's hold is not part of these runs (`adapt replay --intake-delay` charges it).
 
 `--repeat` serves each policy's requests a second time and compares the live engine with itself,
 request by request, as replay is compared with it: the noise floor below which no replay can
@@ -83,6 +91,32 @@ def workload(requests: int, rate: float, offset: int) -> list[dict[str, Any]]:
     return result
 
 
+def prompt_token_ids(rows: list[dict[str, Any]]) -> list[list[int]]:
+    """The prompt each row is served with: random token ids (a seeded stream over the rows in
+    order), as many as the row's prompt length."""
+    rng = np.random.default_rng(0)
+    return [rng.integers(5, 500, size=row["prompt"]).tolist() for row in rows]
+
+
+def with_prompt_vectors(rows: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
+    """`rows`, each request's extra args carrying its prompt's MiniLM vector (`adapt_embedding`),
+    as `adapt serve --embed-prompts` sends it. The text embedded is what the engine gives a policy
+    that reads prompts: the token ids decoded by the served model's tokenizer, special tokens
+    skipped (`PolicyScheduler._prompt_text`)."""
+    from transformers import AutoTokenizer
+
+    from predictors.embedding import embed
+    from serving_hooks.xargs import EMBEDDING_FIELD, encode_embedding
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in prompt_token_ids(rows)]
+    vectors = embed(texts)
+    return [
+        {**row, "slo": {**(row["slo"] or {}), EMBEDDING_FIELD: encode_embedding(vector)}}
+        for row, vector in zip(rows, vectors, strict=True)
+    ]
+
+
 def worker(model: str, policy: str, rows: list[dict[str, Any]], out: Path, settings: dict[str, int]) -> None:
     """Serve `rows` open-loop in this process (each added when its arrival time comes) and write
     the decision log, the replay config, the client's times and the monitor's step log."""
@@ -90,6 +124,12 @@ def worker(model: str, policy: str, rows: list[dict[str, Any]], out: Path, setti
     os.environ["ADAPT_POLICY"] = policy
     os.environ["ADAPT_LOG_DIR"] = str(out)
     os.environ["ADAPT_RECORD_DECISIONS"] = "1"
+    from serving_hooks.xargs import EMBEDDING_FIELD
+
+    if any(EMBEDDING_FIELD in (row["slo"] or {}) for row in rows):
+        # as `adapt serve --embed-prompts` runs the engine: what still needs embedding (nothing,
+        # when every request brings its vector) is embedded in a child process, not in the engine's
+        os.environ.setdefault("ADAPT_EMBEDDING_PROCESS", "1")
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -108,7 +148,7 @@ def worker(model: str, policy: str, rows: list[dict[str, Any]], out: Path, setti
     )
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
-    rng = np.random.default_rng(0)
+    prompts = prompt_token_ids(rows)
     pending = list(enumerate(rows))
     seen: dict[str, list[float | None]] = {}  # request id -> [arrival, first token, finish], client side
     started = time.monotonic()
@@ -116,9 +156,8 @@ def worker(model: str, policy: str, rows: list[dict[str, Any]], out: Path, setti
         now = time.monotonic() - started
         while pending and pending[0][1]["arrival_s"] <= now:
             index, row = pending.pop(0)
-            tokens = rng.integers(5, 500, size=row["prompt"]).tolist()
             params = SamplingParams(max_tokens=row["output"], ignore_eos=True, extra_args=row["slo"] or None)
-            engine.add_request(f"r{index}", {"prompt_token_ids": tokens}, params)
+            engine.add_request(f"r{index}", {"prompt_token_ids": prompts[index]}, params)
             # Arrived when the open-loop schedule says, not when this loop got to add it: a server
             # also only takes a request in between steps, and that wait is part of its latency.
             seen[f"r{index}"] = [row["arrival_s"], None, None]
@@ -243,10 +282,10 @@ def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
 
     real = real_requests(out)
     rows = json.loads((out / "workload.json").read_text())["rows"]
-    # The prompt text the live engine gave a policy that reads it (its token ids, detokenised),
-    # from the decision log: replay must embed the same text.
-    texts = {
-        arrival[0]: arrival[4].get("prompt_text")
+    # The prompt text the live engine gave a policy that reads it (its token ids, detokenised) and
+    # the vector a request arrived with, from the decision log: replay must use the same.
+    arrived = {
+        arrival[0]: arrival[4]
         for step in json.loads((out / "decisions.json").read_text())
         for arrival in step["arrived"]
     }
@@ -254,10 +293,13 @@ def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
     for record in real:
         row = rows[int(record["request_id"].rsplit("-", 1)[0][1:])]
         slo = slo_from_extra_args(row["slo"] or None)
+        extra = arrived.get(record["request_id"], {})
+        vector = extra.get("prompt_embedding")
         requests.append(
             Request(
                 record["request_id"], record["arrival_s"], row["prompt"], row["output"], slo=slo,
-                max_tokens=row["output"], prompt_text=texts.get(record["request_id"]),
+                max_tokens=row["output"], prompt_text=extra.get("prompt_text"),
+                prompt_embedding=None if vector is None else np.asarray(vector, dtype=np.float32),
             )
         )  # fmt: skip
     config = engine_config(out)
@@ -375,6 +417,10 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
             model = str(make_tiny_model(Path(tmp) / "tiny"))
         calibration = workload(args.requests, args.rate, CALIBRATION_OFFSET)
         predicted = workload(args.requests, args.rate, PREDICTED_OFFSET)
+        if args.embed_prompts:
+            progress(f"embedding {2 * args.requests} prompts with MiniLM (as the API server would) ...")
+            calibration = with_prompt_vectors(calibration, model)
+            predicted = with_prompt_vectors(predicted, model)
         progress(f"run A (calibration, fcfs): {args.requests} requests at {args.rate} req/s ...")
         serve(model, "fcfs", calibration, Path(tmp) / "A", settings, args.reuse)
         config = engine_config(Path(tmp) / "A")
@@ -439,7 +485,13 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
         if args.repeat:  # does the live engine rank the policies the same way twice?
             again = [r["live_repeat"][key] for r in results]
             rankings[key] |= {"live_repeat": order(again), "live_repeat_kendall_tau": tau(live, again)}
-    return {"results": results, "rankings": rankings, "drift_e2e_pct": drift, "settings": settings}
+    return {
+        "results": results,
+        "rankings": rankings,
+        "drift_e2e_pct": drift,
+        "settings": settings,
+        "embed_prompts": args.embed_prompts,
+    }
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -458,6 +510,8 @@ def print_table(report: dict[str, Any]) -> None:
             f"{100 * r['policy_share_of_step_time']:>7.1f}%{r['machine_load_1m']:>6.2f}"
         )
     print("errors over requests served by both engines; drop: requests refused by admission control")
+    if report.get("embed_prompts"):
+        print("every request arrived with its prompt's vector (--embed-prompts): no embedding in the engine")
     print("policy: share of live step time in the policy (not charged by replay); load: 1-min load average")
     if report["drift_e2e_pct"] is not None:
         print(f"machine drift (FCFS on run A's rows, again): E2E median |err| {report['drift_e2e_pct']:.1f}%")

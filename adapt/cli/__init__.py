@@ -571,6 +571,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="fcfs",
         help="fit the cost model on FCFS's run A (default) or on each policy's own run A",
     )
+    fidelity.add_argument(
+        "--embed-prompts",
+        action="store_true",
+        help="requests arrive with their prompts' MiniLM vectors, as adapt serve --embed-prompts"
+        " sends them (embedded before the runs): the engine's cores do no embedding",
+    )
     fidelity.add_argument("--model", help="model directory (default: a generated tiny model)")
     fidelity.add_argument("--keep", metavar="DIR", help="keep the live runs' logs here (default: deleted)")
     fidelity.add_argument(

@@ -111,6 +111,40 @@ def test_embeddings_that_arrive_with_requests_are_used_at_the_first_step_in_both
     assert result.agreement == 1.0, result.describe()
 
 
+def test_fidelity_with_embedded_prompts_ranks_every_request_on_minilms_vector_in_both_engines(
+    tiny_model, tmp_path, monkeypatch
+):
+    """`adapt fidelity --embed-prompts` end to end: each request arrives with MiniLM's vector of the
+    very text the engine detokenises for the policy, so the live engine embeds nothing; both the
+    lockstep and the ordinary replay rank every request on its vector at its first step."""
+    import argparse
+
+    import numpy as np
+
+    from experiments import fidelity
+    from predictors.embedding import embed
+
+    monkeypatch.setenv("ADAPT_EMBEDDING_CACHE", str(tmp_path / "embedding-cache"))
+    args = argparse.Namespace(
+        policies=["sagesched"], requests=60, rate=60.0, **SETTINGS, drift=False, repeat=False,
+        calibrate="fcfs", embed_prompts=True, model=str(tiny_model), keep=str(tmp_path), reuse=False,
+    )  # fmt: skip
+    [result] = fidelity.run(args, progress=lambda line: None)["results"]
+    assert result["decision_agreement"] == 1.0, result["first_divergence"]
+    assert result["compared_requests"] == 60
+    assert result["live"]["prior_share"] == 0.0 and result["replay"]["prior_share"] == 0.0
+    predictions = json.loads((tmp_path / "B-sagesched" / "engine.json").read_text())["predictions"]
+    assert predictions["supplied"] == predictions["submitted"] == 60
+    assert predictions["delivered"] == 0  # the engine's worker embedded nothing
+    live = json.loads((tmp_path / "B-sagesched" / "decisions.json").read_text())
+    arrived = [arrival[4] for step in live for arrival in step["arrived"]][:8]
+    np.testing.assert_allclose(
+        [extra["prompt_embedding"] for extra in arrived],
+        embed([extra["prompt_text"] for extra in arrived]),
+        atol=1e-5,
+    )
+
+
 def test_jitserve_bounds_its_requests_off_the_step_and_replay_hands_over_at_the_same_steps(
     tiny_model, tmp_path, monkeypatch
 ):
