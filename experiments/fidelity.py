@@ -37,6 +37,14 @@ and stretches live steps beyond what their batches explain (a GPU node's forward
 those cores); with the vectors arriving, what is left to predict is the scheduler itself. The
 API server's hold is not part of these runs (`adapt replay --intake-delay` charges it).
 
+**At the run's own machine speed.** A machine shared with other work runs slower in one run than in
+the next (the FCFS repeat measures it: 1.5-4.5% on a quiet day, 10-60% on a busy one), and every
+replay step inherits that error. Each policy's run is therefore also predicted at its own speed:
+one factor per run, its steps' measured time over the cost model's time for the same batches
+(`FittedCostModel.speed_factor`), the cost model scaled by it (`at_speed`). The factor reads how
+fast the machine ran, not what the policy decided (its latencies and order are still the replay's
+own), but it does absorb the policy's CPU time, so the uncorrected figures stay the headline.
+
 `--repeat` serves each policy's requests a second time and compares the live engine with itself,
 request by request, as replay is compared with it: the noise floor below which no replay can
 predict. `--calibrate own` fits each policy's cost model on its own run A (the policy serving A's
@@ -351,6 +359,14 @@ def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
     }
 
 
+ERROR_KEYS = (
+    "e2e_median_abs_pct_error",
+    "e2e_p90_abs_pct_error",
+    "ttft_median_abs_pct_error",
+    "e2e_bias_pct",
+)
+
+
 def error_summary(errors: dict[str, list[float]]) -> dict[str, float]:
     """Median and P90 absolute % error, and the signed median (bias), of per-request relative
     errors (`errors["e2e"]`, `errors["ttft"]`): replay against live, or live against its repeat."""
@@ -450,6 +466,8 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
                 serve(model, policy, predicted, Path(tmp) / f"B2-{name}", settings, args.reuse)
                 repeat = live_repeat(out, Path(tmp) / f"B2-{name}")
             agreement = conformance(out, policy)
+            speed = policy_cost.speed_factor(step_log(out))
+            at_speed = predict(out, policy_cost.at_speed(speed), policy)
             result = {
                 "policy": policy,
                 "rate": args.rate,
@@ -459,6 +477,8 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
                 "first_divergence": None if agreement.first_divergence is None else agreement.describe(),
                 **predict(out, policy_cost, policy),
                 "calibrated_on": policy if policy_cost is not cost else "fcfs",
+                "machine_speed": speed,  # the run's steps' measured time / the cost model's
+                "at_measured_speed": {key: at_speed[key] for key in (*ERROR_KEYS, "replay")},
                 "live_repeat": repeat,
                 "policy_errors": json.loads((out / "engine.json").read_text())["policy_errors"],
                 "calibration_drift_e2e_pct": drift,
@@ -482,6 +502,11 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
         live = [r["live"][key] for r in results]
         sim = [r["replay"][key] for r in results]
         rankings[key] = {"live": order(live), "replay": order(sim), "kendall_tau": tau(live, sim)}
+        at_speed = [r["at_measured_speed"]["replay"][key] for r in results]
+        rankings[key] |= {
+            "replay_at_measured_speed": order(at_speed),
+            "at_measured_speed_kendall_tau": tau(live, at_speed),
+        }
         if args.repeat:  # does the live engine rank the policies the same way twice?
             again = [r["live_repeat"][key] for r in results]
             rankings[key] |= {"live_repeat": order(again), "live_repeat_kendall_tau": tau(live, again)}
@@ -523,10 +548,26 @@ def print_table(report: dict[str, Any]) -> None:
                 f" {floor['e2e_median_abs_pct_error']:.1f}%, P90 {floor['e2e_p90_abs_pct_error']:.1f}%,"
                 f" TTFT |err| median {floor['ttft_median_abs_pct_error']:.1f}%"
             )
+    print(
+        "replay at each run's measured machine speed (its steps' measured time / the cost model's"
+        " for the same batches; the factor includes the policy's own CPU time):"
+    )
+    print(
+        f"{'policy':<12}{'speed':>7}{'E2E |err|':>11}{'E2E P90':>9}{'TTFT |err|':>11}{'E2E bias':>10}"
+        f"{'sim E2E':>9}"
+    )
+    for r in report["results"]:
+        corrected = r["at_measured_speed"]
+        print(
+            f"{r['policy']:<12}{r['machine_speed']:>7.3f}{corrected['e2e_median_abs_pct_error']:>10.1f}%"
+            f"{corrected['e2e_p90_abs_pct_error']:>8.1f}%{corrected['ttft_median_abs_pct_error']:>10.1f}%"
+            f"{corrected['e2e_bias_pct']:>+9.1f}%{corrected['replay']['e2e_mean']:>9.3f}"
+        )
     for name, ranking in report["rankings"].items():
         print(
             f"ranking by {name}: live {ranking['live']}; replay {ranking['replay']};"
-            f" tau {ranking['kendall_tau']:.2f}"
+            f" tau {ranking['kendall_tau']:.2f}; at measured speed {ranking['replay_at_measured_speed']},"
+            f" tau {ranking['at_measured_speed_kendall_tau']:.2f}"
         )
         if "live_repeat" in ranking:
             print(

@@ -85,6 +85,27 @@ class FittedCostModel(LearnedComponent):
             raise ComponentError("cost-model: not fitted")
         return _design(data) @ self.coef_
 
+    def speed_factor(self, data: dict[str, Any]) -> float:
+        """How slow the machine ran in a step log against this model: its steps' measured time over
+        the time this model gives the same batches (1.2: every step took 20% longer, e.g. another
+        process shared the cores). A ratio of sums, so long steps weigh as much as they last."""
+        predicted = float(self.predict(data).sum())
+        if not predicted > 0:
+            raise ComponentError("cost-model: no step time predicted for this log")
+        return float(np.asarray(data["duration_s"], dtype=np.float64).sum()) / predicted
+
+    def at_speed(self, factor: float) -> FittedCostModel:
+        """This model on a machine running `factor` times as slow: every step and every arrival's
+        intake takes `factor` times as long. The model is linear in its coefficients, so that is
+        the same fit with each coefficient scaled; this model is left as it is."""
+        if not hasattr(self, "coef_"):
+            raise ComponentError("cost-model: not fitted")
+        if not (np.isfinite(factor) and factor > 0):
+            raise ValueError(f"cost-model: a speed factor must be finite and > 0, got {factor}")
+        scaled = FittedCostModel(self.kv_capacity)
+        scaled.coef_ = self.coef_ * factor
+        return scaled
+
     def evaluate(self, data: dict[str, Any]) -> dict[str, float]:
         y = np.asarray(data["duration_s"], dtype=np.float64)
         pred = self.predict(data)

@@ -133,6 +133,9 @@ def test_fidelity_with_embedded_prompts_ranks_every_request_on_minilms_vector_in
     assert result["decision_agreement"] == 1.0, result["first_divergence"]
     assert result["compared_requests"] == 60
     assert result["live"]["prior_share"] == 0.0 and result["replay"]["prior_share"] == 0.0
+    # the run was also predicted at its own machine speed: the same requests, compared the same way
+    assert 0.1 < result["machine_speed"] < 10
+    assert result["at_measured_speed"]["e2e_median_abs_pct_error"] >= 0
     predictions = json.loads((tmp_path / "B-sagesched" / "engine.json").read_text())["predictions"]
     assert predictions["supplied"] == predictions["submitted"] == 60
     assert predictions["delivered"] == 0  # the engine's worker embedded nothing

@@ -43,3 +43,28 @@ def test_coefficients_saved_before_arrivals_were_logged_still_load(tmp_path):
     model.load_state(tmp_path)
     assert model.arrival_overhead_s == 0.0
     assert model.time(StepBatch(tokens=100.0, sampled=1.0)) == pytest.approx(0.003)
+
+
+def test_at_speed_scales_every_step_and_intake_and_leaves_the_model_as_it_was():
+    model = FittedCostModel().fit(step_log())
+    slow = model.at_speed(1.5)
+    batch = StepBatch(tokens=100.0, sampled=1.0)
+    assert slow.time(batch) == pytest.approx(1.5 * (0.002 + 1e-3), rel=1e-6)
+    assert slow.arrival_overhead_s == pytest.approx(1.5 * 0.003, rel=1e-6)
+    assert model.time(batch) == pytest.approx(0.002 + 1e-3, rel=1e-6)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="speed factor"):
+            model.at_speed(bad)
+
+
+def test_speed_factor_is_measured_time_over_modelled_time_for_the_same_batches():
+    model = FittedCostModel().fit(step_log())
+    log = step_log(n=50, seed=1)
+    assert model.speed_factor(log) == pytest.approx(1.0, rel=1e-6)
+    # two steps of the log, by hand: 2 ms + 10 us x tokens + 3 ms x arrivals each
+    two = {key: values[:2] for key, values in log.items()}
+    modelled = 2 * 0.002 + 1e-5 * two["tokens"].sum() + 0.003 * two[ARRIVALS].sum()
+    two["duration_s"] = np.array([modelled, 0.0])  # the first step took both steps' modelled time
+    assert model.speed_factor(two) == pytest.approx(1.0, rel=1e-6)
+    two["duration_s"] = np.array([modelled, modelled])
+    assert model.speed_factor(two) == pytest.approx(2.0, rel=1e-6)
