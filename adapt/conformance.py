@@ -47,13 +47,13 @@ def requests_from_log(decisions: Sequence[dict[str, Any]]) -> list[Request]:
                     slo=SLO(**extra["slo"]) if extra.get("slo") else SLO(),
                     prompt_text=extra.get("prompt_text"),
                     max_tokens=int(max_tokens),
-                    prompt_embedding=_embedding(extra.get("prompt_embedding")),
+                    prompt_embedding=logged_embedding(extra.get("prompt_embedding")),
                 )
             )
     return requests
 
 
-def _embedding(values: list[float] | None) -> np.ndarray | None:
+def logged_embedding(values: list[float] | None) -> np.ndarray | None:
     """A vector the live request arrived with, as its decision log lists it (float32 values, so
     the list gives back the same vector bit for bit)."""
     return None if values is None else np.asarray(values, dtype=np.float32)

@@ -72,6 +72,12 @@ from typing import Any
 
 import numpy as np
 
+ERROR_KEYS = (  # what `error_summary` gives, for replay against live or live against its repeat
+    "e2e_median_abs_pct_error",
+    "e2e_p90_abs_pct_error",
+    "ttft_median_abs_pct_error",
+    "e2e_bias_pct",
+)
 SCALE_TO_CONTEXT = 1024
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 CALIBRATION_OFFSET = 0
@@ -101,24 +107,35 @@ def workload(requests: int, rate: float, offset: int) -> list[dict[str, Any]]:
 
 def prompt_token_ids(rows: list[dict[str, Any]]) -> list[list[int]]:
     """The prompt each row is served with: random token ids (a seeded stream over the rows in
-    order), as many as the row's prompt length."""
+    order), as many as the row's prompt length. One function for the engine worker and
+    `prompt_vectors`, so that what is embedded is what is served."""
     rng = np.random.default_rng(0)
     return [rng.integers(5, 500, size=row["prompt"]).tolist() for row in rows]
 
 
-def with_prompt_vectors(rows: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
-    """`rows`, each request's extra args carrying its prompt's MiniLM vector (`adapt_embedding`),
-    as `adapt serve --embed-prompts` sends it. The text embedded is what the engine gives a policy
-    that reads prompts: the token ids decoded by the served model's tokenizer, special tokens
-    skipped (`PolicyScheduler._prompt_text`)."""
+def prompt_vectors(rows: list[dict[str, Any]], model: str, kept: Path, reuse: bool) -> np.ndarray:
+    """MiniLM's vector of each row's prompt as the engine gives it to a policy that reads prompts:
+    the token ids decoded by the served model's tokenizer, special tokens skipped
+    (`PolicyScheduler._prompt_text`). Saved to `kept`; with `reuse`, read from there: a kept run
+    is compared with its requests exactly, and MiniLM's last bits can differ with another torch,
+    device or thread count."""
+    if reuse and kept.is_file():
+        return np.load(kept)
     from transformers import AutoTokenizer
 
     from predictors.embedding import embed
-    from serving_hooks.xargs import EMBEDDING_FIELD, encode_embedding
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in prompt_token_ids(rows)]
-    vectors = embed(texts)
+    vectors = embed([tokenizer.decode(ids, skip_special_tokens=True) for ids in prompt_token_ids(rows)])
+    np.save(kept, vectors)
+    return vectors
+
+
+def with_prompt_vectors(rows: list[dict[str, Any]], vectors: np.ndarray) -> list[dict[str, Any]]:
+    """`rows`, each request's extra args carrying its prompt's vector (`adapt_embedding`), as
+    `adapt serve --embed-prompts` sends it on to the engine."""
+    from serving_hooks.xargs import EMBEDDING_FIELD, encode_embedding
+
     return [
         {**row, "slo": {**(row["slo"] or {}), EMBEDDING_FIELD: encode_embedding(vector)}}
         for row, vector in zip(rows, vectors, strict=True)
@@ -282,6 +299,7 @@ def policy_share(out: Path) -> float:
 def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
     """Replay run `out`'s requests (arrival, prompt, output, SLO) with `cost` and compare each
     request's TTFT and E2E with its client's measurement."""
+    from adapt.conformance import logged_embedding
     from adapt.predictions import Delayed, PredictionStats
     from adapt.replay.engine import ReplayEngine
     from adapt.requests import Request
@@ -302,12 +320,11 @@ def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
         row = rows[int(record["request_id"].rsplit("-", 1)[0][1:])]
         slo = slo_from_extra_args(row["slo"] or None)
         extra = arrived.get(record["request_id"], {})
-        vector = extra.get("prompt_embedding")
         requests.append(
             Request(
                 record["request_id"], record["arrival_s"], row["prompt"], row["output"], slo=slo,
                 max_tokens=row["output"], prompt_text=extra.get("prompt_text"),
-                prompt_embedding=None if vector is None else np.asarray(vector, dtype=np.float32),
+                prompt_embedding=logged_embedding(extra.get("prompt_embedding")),
             )
         )  # fmt: skip
     config = engine_config(out)
@@ -357,14 +374,6 @@ def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
         "live": summary(live, preempted_live, dropped_live, live_predictions),
         "replay": summary(sim, result.preemptions, dropped_replay, replay_predictions),
     }
-
-
-ERROR_KEYS = (
-    "e2e_median_abs_pct_error",
-    "e2e_p90_abs_pct_error",
-    "ttft_median_abs_pct_error",
-    "e2e_bias_pct",
-)
 
 
 def error_summary(errors: dict[str, list[float]]) -> dict[str, float]:
@@ -435,8 +444,10 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
         predicted = workload(args.requests, args.rate, PREDICTED_OFFSET)
         if args.embed_prompts:
             progress(f"embedding {2 * args.requests} prompts with MiniLM (as the API server would) ...")
-            calibration = with_prompt_vectors(calibration, model)
-            predicted = with_prompt_vectors(predicted, model)
+            vectors_a = prompt_vectors(calibration, model, Path(tmp) / "vectors-A.npy", args.reuse)
+            vectors_b = prompt_vectors(predicted, model, Path(tmp) / "vectors-B.npy", args.reuse)
+            calibration = with_prompt_vectors(calibration, vectors_a)
+            predicted = with_prompt_vectors(predicted, vectors_b)
         progress(f"run A (calibration, fcfs): {args.requests} requests at {args.rate} req/s ...")
         serve(model, "fcfs", calibration, Path(tmp) / "A", settings, args.reuse)
         config = engine_config(Path(tmp) / "A")
@@ -477,6 +488,7 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
                 "first_divergence": None if agreement.first_divergence is None else agreement.describe(),
                 **predict(out, policy_cost, policy),
                 "calibrated_on": policy if policy_cost is not cost else "fcfs",
+                "embed_prompts": args.embed_prompts,
                 "machine_speed": speed,  # the run's steps' measured time / the cost model's
                 "at_measured_speed": {key: at_speed[key] for key in (*ERROR_KEYS, "replay")},
                 "live_repeat": repeat,
@@ -502,10 +514,10 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
         live = [r["live"][key] for r in results]
         sim = [r["replay"][key] for r in results]
         rankings[key] = {"live": order(live), "replay": order(sim), "kendall_tau": tau(live, sim)}
-        at_speed = [r["at_measured_speed"]["replay"][key] for r in results]
+        sim_at_speed = [r["at_measured_speed"]["replay"][key] for r in results]
         rankings[key] |= {
-            "replay_at_measured_speed": order(at_speed),
-            "at_measured_speed_kendall_tau": tau(live, at_speed),
+            "replay_at_measured_speed": order(sim_at_speed),
+            "at_measured_speed_kendall_tau": tau(live, sim_at_speed),
         }
         if args.repeat:  # does the live engine rank the policies the same way twice?
             again = [r["live_repeat"][key] for r in results]
@@ -522,7 +534,8 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
 def print_table(report: dict[str, Any]) -> None:
     print(
         f"{'policy':<12}{'decisions':>10}{'steps':>7}{'E2E |err|':>11}{'E2E P90':>9}{'TTFT |err|':>11}"
-        f"{'E2E bias':>10}{'live E2E':>10}{'sim E2E':>9}{'live pre':>9}{'sim pre':>8}{'policy':>8}{'load':>6}"
+        f"{'E2E bias':>10}{'live E2E':>10}{'sim E2E':>9}{'live pre':>9}{'sim pre':>8}{'live drop':>10}"
+        f"{'sim drop':>9}{'policy':>8}{'load':>6}"
     )
     for r in report["results"]:
         print(
@@ -535,7 +548,7 @@ def print_table(report: dict[str, Any]) -> None:
             f"{100 * r['policy_share_of_step_time']:>7.1f}%{r['machine_load_1m']:>6.2f}"
         )
     print("errors over requests served by both engines; drop: requests refused by admission control")
-    if report.get("embed_prompts"):
+    if report["embed_prompts"]:
         print("every request arrived with its prompt's vector (--embed-prompts): no embedding in the engine")
     print("policy: share of live step time in the policy (not charged by replay); load: 1-min load average")
     if report["drift_e2e_pct"] is not None:

@@ -52,6 +52,9 @@ def test_at_speed_scales_every_step_and_intake_and_leaves_the_model_as_it_was():
     assert slow.time(batch) == pytest.approx(1.5 * (0.002 + 1e-3), rel=1e-6)
     assert slow.arrival_overhead_s == pytest.approx(1.5 * 0.003, rel=1e-6)
     assert model.time(batch) == pytest.approx(0.002 + 1e-3, rel=1e-6)
+    run = (4, 100, 50, 3)  # decodes, context sum, context max, steps
+    np.testing.assert_allclose(slow.decode_run_times(*run), 1.5 * model.decode_run_times(*run))
+    assert slow.kv_capacity_tokens() == model.kv_capacity_tokens()  # the engine's KV is not the CPU's
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="speed factor"):
             model.at_speed(bad)
