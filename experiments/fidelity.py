@@ -424,8 +424,6 @@ def _runs_directory(keep: str | None) -> Iterator[str]:
 
 
 def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
-    from scipy.stats import kendalltau
-
     policies = args.policies
     settings = {
         "max_num_seqs": args.max_num_seqs,
@@ -503,25 +501,7 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
             )
             results.append(result)
 
-    def order(values: list[float]) -> list[str]:
-        return [r["policy"] for _, r in sorted(zip(values, results, strict=True), key=lambda x: x[0])]
-
-    def tau(a: list[float], b: list[float]) -> float:
-        return float(kendalltau(a, b).statistic) if len(results) > 1 else 1.0
-
-    rankings = {}
-    for key in ("e2e_mean", "ttft_p50"):
-        live = [r["live"][key] for r in results]
-        sim = [r["replay"][key] for r in results]
-        rankings[key] = {"live": order(live), "replay": order(sim), "kendall_tau": tau(live, sim)}
-        sim_at_speed = [r["at_measured_speed"]["replay"][key] for r in results]
-        rankings[key] |= {
-            "replay_at_measured_speed": order(sim_at_speed),
-            "at_measured_speed_kendall_tau": tau(live, sim_at_speed),
-        }
-        if args.repeat:  # does the live engine rank the policies the same way twice?
-            again = [r["live_repeat"][key] for r in results]
-            rankings[key] |= {"live_repeat": order(again), "live_repeat_kendall_tau": tau(live, again)}
+    rankings = {key: rank(results, key, args.repeat) for key in ("e2e_mean", "ttft_p50")}
     return {
         "results": results,
         "rankings": rankings,
@@ -529,6 +509,53 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
         "settings": settings,
         "embed_prompts": args.embed_prompts,
     }
+
+
+def rank(results: list[dict[str, Any]], key: str, repeat: bool) -> dict[str, Any]:
+    """The policies ordered by `key` (lowest first) live, in replay and in replay at each run's
+    measured speed (with `repeat`, live again), and Kendall's tau of each order against live's."""
+    from scipy.stats import kendalltau
+
+    def order(values: list[float]) -> list[str]:
+        return [r["policy"] for _, r in sorted(zip(values, results, strict=True), key=lambda x: x[0])]
+
+    def tau(a: list[float], b: list[float]) -> float:
+        return float(kendalltau(a, b).statistic) if len(results) > 1 else 1.0
+
+    live = [r["live"][key] for r in results]
+    sim = [r["replay"][key] for r in results]
+    sim_at_speed = [r["at_measured_speed"]["replay"][key] for r in results]
+    ranking = {
+        "live": order(live),
+        "replay": order(sim),
+        "kendall_tau": tau(live, sim),
+        "replay_at_measured_speed": order(sim_at_speed),
+        "at_measured_speed_kendall_tau": tau(live, sim_at_speed),
+    }
+    if repeat:  # does the live engine rank the policies the same way twice?
+        again = [r["live_repeat"][key] for r in results]
+        ranking |= {"live_repeat": order(again), "live_repeat_kendall_tau": tau(live, again)}
+    return ranking
+
+
+def print_at_measured_speed(report: dict[str, Any]) -> None:
+    """The errors of the replay at each run's own machine speed (in sample: the factor comes from
+    the run's steps), beside the out-of-sample table."""
+    print(
+        "replay at each run's measured machine speed (its steps' measured time / the cost model's"
+        " for the same batches; the factor includes the policy's own CPU time):"
+    )
+    print(
+        f"{'policy':<12}{'speed':>7}{'E2E |err|':>11}{'E2E P90':>9}{'TTFT |err|':>11}{'E2E bias':>10}"
+        f"{'live E2E':>10}{'sim E2E':>9}"
+    )
+    for r in report["results"]:
+        corrected = r["at_measured_speed"]
+        print(
+            f"{r['policy']:<12}{r['machine_speed']:>7.3f}{corrected['e2e_median_abs_pct_error']:>10.1f}%"
+            f"{corrected['e2e_p90_abs_pct_error']:>8.1f}%{corrected['ttft_median_abs_pct_error']:>10.1f}%"
+            f"{corrected['e2e_bias_pct']:>+9.1f}%{r['live']['e2e_mean']:>10.3f}{corrected['replay']['e2e_mean']:>9.3f}"
+        )
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -561,21 +588,7 @@ def print_table(report: dict[str, Any]) -> None:
                 f" {floor['e2e_median_abs_pct_error']:.1f}%, P90 {floor['e2e_p90_abs_pct_error']:.1f}%,"
                 f" TTFT |err| median {floor['ttft_median_abs_pct_error']:.1f}%"
             )
-    print(
-        "replay at each run's measured machine speed (its steps' measured time / the cost model's"
-        " for the same batches; the factor includes the policy's own CPU time):"
-    )
-    print(
-        f"{'policy':<12}{'speed':>7}{'E2E |err|':>11}{'E2E P90':>9}{'TTFT |err|':>11}{'E2E bias':>10}"
-        f"{'sim E2E':>9}"
-    )
-    for r in report["results"]:
-        corrected = r["at_measured_speed"]
-        print(
-            f"{r['policy']:<12}{r['machine_speed']:>7.3f}{corrected['e2e_median_abs_pct_error']:>10.1f}%"
-            f"{corrected['e2e_p90_abs_pct_error']:>8.1f}%{corrected['ttft_median_abs_pct_error']:>10.1f}%"
-            f"{corrected['e2e_bias_pct']:>+9.1f}%{corrected['replay']['e2e_mean']:>9.3f}"
-        )
+    print_at_measured_speed(report)
     for name, ranking in report["rankings"].items():
         print(
             f"ranking by {name}: live {ranking['live']}; replay {ranking['replay']};"

@@ -60,3 +60,30 @@ def test_reuse_without_keep_is_a_usage_error(capsys: pytest.CaptureFixture[str])
 
     assert main(["fidelity", "--policy", "fcfs", "--reuse"]) == 2
     assert "--keep" in capsys.readouterr().err
+
+
+def test_rank_orders_policies_lowest_first_and_compares_each_order_with_lives() -> None:
+    def result(policy: str, live: float, replay: float, at_speed: float, again: float) -> dict:
+        return {
+            "policy": policy,
+            "live": {"e2e_mean": live},
+            "replay": {"e2e_mean": replay},
+            "at_measured_speed": {"replay": {"e2e_mean": at_speed}},
+            "live_repeat": {"e2e_mean": again},
+        }
+
+    # live a < b < c; replay swaps b and c (tau 1/3); at speed the same order (tau 1); live again reversed
+    results = [
+        result("a", 1.0, 1.0, 1.1, 3.0),
+        result("b", 2.0, 3.0, 2.1, 2.0),
+        result("c", 3.0, 2.0, 3.1, 1.0),
+    ]
+    ranking = fidelity.rank(results, "e2e_mean", repeat=True)
+    assert ranking["live"] == ["a", "b", "c"] and ranking["replay"] == ["a", "c", "b"]
+    assert ranking["kendall_tau"] == pytest.approx(1 / 3)
+    assert ranking["replay_at_measured_speed"] == ["a", "b", "c"]
+    assert ranking["at_measured_speed_kendall_tau"] == pytest.approx(1.0)
+    assert ranking["live_repeat"] == ["c", "b", "a"] and ranking["live_repeat_kendall_tau"] == pytest.approx(
+        -1.0
+    )
+    assert "live_repeat" not in fidelity.rank(results, "e2e_mean", repeat=False)
