@@ -16,6 +16,11 @@ import pytest
 pytestmark = pytest.mark.slow
 
 SETTINGS = {"max_num_seqs": 16, "token_budget": 2048, "kv_blocks": 48}
+SERVABLE = [
+    *("fcfs", "spf", "sarathi", "edf", "plas", "fastserve"),  # baselines
+    "spf:victim=newest",  # the KV-pressure victim chosen through the contract, not by the order
+    *("slai", "slai-fixed", "ewsjf", "ewsjf-online", "sagesched", "jitserve"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +40,22 @@ def _lockstep(tiny_model, tmp_path, policy):
     return live, conformance(out, policy)
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "spf", "sarathi", "slai", "ewsjf", "sagesched", "jitserve"])
+@pytest.mark.parametrize("policy", SERVABLE)
 def test_every_policy_decides_identically_in_both_engines(tiny_model, tmp_path, policy):
-    """jitserve's bandit draws from a seeded generator, so it is deterministic too."""
+    """Every servable policy (`serving_hooks.policies.servable_policies`). jitserve's bandit and
+    ewsjf-online's candidates draw from seeded generators, so they are deterministic too;
+    fastserve preempts by intent, through the same preemption path as KV pressure."""
     live, result = _lockstep(tiny_model, tmp_path, policy)
     assert sum(len(step["preempted"]) for step in live) > 0  # the run exercised KV pressure
     budget = 512 if policy == "sarathi" else SETTINGS["token_budget"]  # only sarathi declares its own
     assert max(sum(step["scheduled"].values()) for step in live) <= budget
     assert result.agreement == 1.0, result.describe()
+
+
+def test_the_lockstep_runs_cover_every_servable_policy():
+    from serving_hooks.policies import servable_policies
+
+    assert set(servable_policies()) <= {spec.split(":")[0] for spec in SERVABLE}
 
 
 def test_sagesched_embeds_off_the_step_and_replay_hands_over_at_the_same_steps(
