@@ -353,6 +353,15 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         raise UsageError("adapt fidelity: give --policy P or --policies a,b,c")
     if args.reuse and not args.keep:
         raise UsageError("adapt fidelity: --reuse re-analyses the runs kept by --keep DIR; give --keep")
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        raise UsageError(
+            f"adapt fidelity: --model {args.model}: no model directory there (no config.json); nothing"
+            " is downloaded: give a local model, or leave --model out for a generated tiny model"
+        )
+    from serving_hooks.policies import check_policy, make_policy_from_spec
+
+    for name in names:  # a bad or unservable spec fails now, not after minutes of earlier runs
+        check_policy(make_policy_from_spec(name), "vllm")
     report = execute(args, names)
     errors = sum(r["policy_errors"] for r in report["results"])
     return 1 if errors else 0

@@ -62,6 +62,26 @@ def test_reuse_without_keep_is_a_usage_error(capsys: pytest.CaptureFixture[str])
     assert "--keep" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--model", "/nonexistent"], "no model directory"),
+        (["--policies", "fcfs,nosuch"], "nosuch"),
+        (["--policies", "fcfs,sjf-oracle"], "true output lengths"),
+        (["--policy", "spf:victim=sideways"], "victim"),
+    ],
+)
+def test_bad_input_is_refused_before_any_engine_starts(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from adapt.cli import main
+
+    monkeypatch.setattr(fidelity, "serve", lambda *a, **k: pytest.fail("an engine was started"))
+    argv = argv if "--policy" in argv or "--policies" in argv else ["--policy", "fcfs", *argv]
+    assert main(["fidelity", *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
 def test_rank_orders_policies_lowest_first_and_compares_each_order_with_lives() -> None:
     def result(policy: str, live: float, replay: float, at_speed: float, again: float) -> dict:
         return {
