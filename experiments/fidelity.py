@@ -287,13 +287,13 @@ def fit_cost_model(runs: list[Path], kv_capacity: int) -> Any:
     return FittedCostModel(kv_capacity).fit(step_log(*runs))
 
 
-def policy_share(out: Path) -> float:
-    """Share of the live run's step time spent in the policy (`adapt.steplog.POLICY_S`): time the
-    replay does not charge, so an error of about this size is the policy's, not the cost model's."""
+def policy_share(steps: Any) -> float:
+    """Share of a live run's step time (its `step_log`) spent in the policy (`adapt.steplog.POLICY_S`):
+    time the replay does not charge, so an error of about this size is the policy's, not the cost
+    model's."""
     from adapt.steplog import POLICY_S
 
-    frame = step_log(out)
-    return float(frame[POLICY_S].sum() / frame["duration_s"].sum())
+    return float(steps[POLICY_S].sum() / steps["duration_s"].sum())
 
 
 def predict(out: Path, cost: Any, policy: str) -> dict[str, Any]:
@@ -475,7 +475,8 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
                 serve(model, policy, predicted, Path(tmp) / f"B2-{name}", settings, args.reuse)
                 repeat = live_repeat(out, Path(tmp) / f"B2-{name}")
             agreement = conformance(out, policy)
-            speed = policy_cost.speed_factor(step_log(out))
+            steps = step_log(out)
+            speed = policy_cost.speed_factor(steps)
             at_speed = predict(out, policy_cost.at_speed(speed), policy)
             result = {
                 "policy": policy,
@@ -493,7 +494,7 @@ def run(args: argparse.Namespace, progress=print) -> dict[str, Any]:
                 "policy_errors": json.loads((out / "engine.json").read_text())["policy_errors"],
                 "calibration_drift_e2e_pct": drift,
                 "machine_load_1m": load,
-                "policy_share_of_step_time": policy_share(out),
+                "policy_share_of_step_time": policy_share(steps),
             }
             progress(
                 f"  {policy}: decisions {agreement.identical}/{agreement.steps} identical;"
