@@ -33,6 +33,12 @@ distribution.
 Ablations from the paper: `order="mean"` (mean remaining cost), `order="static"` (Gittins without
 refresh; with the default victim the running order needs no index, so it matters only with
 `victim="priority"`), `uniform_mix=0.2` (predictions mixed 1:4 with a uniform distribution).
+
+A ceiling of our own, replay only (it reads the true output length, so vLLM refuses it as it refuses
+every oracle): `true_lengths="text"` orders the requests that carry prompt text by a point mass at
+their true length, `"no-text"` those without text, `"all"` every request. What an ordering gains
+with a perfect predictor where only text-bearing requests can be predicted better than from their
+length is the most any text predictor can buy on a workload (`experiments.sagesched_study`).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from serving_hooks.policies.baselines import FULL_KV_USAGE
 
 COSTS = ("kv", "output", "weighted")
 ORDERS = ("gittins", "mean", "static")
+TRUE_LENGTHS = ("none", "text", "no-text", "all")
 UNIFORM_MAX_TOKENS = 2048
 _ONE_BY_ONE = 8  # refreshes of up to this many requests run in Python floats (`_refresh_one`)
 MAX_FLIPS_PER_STEP = 4  # flip preemptions in one step, at most (`preempt_on_flip`)
@@ -156,6 +163,7 @@ class SageSched(PriorityPolicy):
         flip_ratio: float = 4.0,
         preempt_below_tokens: int = 512,
         victim: str = "newest",
+        true_lengths: str = "none",
     ) -> None:
         super().__init__(victim)
         if cost not in COSTS:
@@ -168,6 +176,10 @@ class SageSched(PriorityPolicy):
             raise ValueError(f"uniform_mix: expected a weight in [0, 1], got {uniform_mix!r}")
         if not memory_weight >= 0.0:  # a cost that falls as a request grows orders nothing sensibly
             raise ValueError(f"memory_weight: expected >= 0, got {memory_weight!r}")
+        if true_lengths not in TRUE_LENGTHS:
+            raise ValueError(f"true_lengths: expected one of {', '.join(TRUE_LENGTHS)}, got {true_lengths!r}")
+        self.true_lengths = true_lengths
+        self.needs_oracle = true_lengths != "none"
         self.history = resolve_history(history)
         if history_mode is not None:
             from predictors.semantic_history import MODES
@@ -241,6 +253,7 @@ class SageSched(PriorityPolicy):
             "order": self.order,
             "bucket": self.bucket,
             "uniform_mix": self.uniform_mix,
+            "true_lengths": self.true_lengths,
         }
 
     # ------------------------------------------------------------ lifecycle
@@ -317,6 +330,8 @@ class SageSched(PriorityPolicy):
         for request, distribution, embedding, text_flag, match in zip(
             batch, distributions, embeddings, has_text, matched.tolist(), strict=True
         ):
+            if self._knows_true_length(request):
+                distribution = LengthDistribution.point(float(request.oracle_output_tokens))
             if self.uniform_mix > 0:
                 high = min(request.max_tokens or UNIFORM_MAX_TOKENS, UNIFORM_MAX_TOKENS)
                 distribution = distribution.mix(LengthDistribution.uniform(1, max(2, high)), self.uniform_mix)
@@ -337,6 +352,13 @@ class SageSched(PriorityPolicy):
                 self._insert(request, request.arrival_s)
             elif request.id in new:  # (a running one re-sorts by its new key)
                 self._insert(request, request.arrival_s)
+
+    def _knows_true_length(self, request: RequestState) -> bool:
+        """Whether the `true_lengths` ceiling gives `request` its true length (see the docstring)."""
+        if self.true_lengths in ("none", "all"):
+            return self.true_lengths == "all"
+        has_text = bool(request.prompt_text) or request.prompt_embedding is not None
+        return has_text == (self.true_lengths == "text")
 
     def _refresh(self, requests: Sequence[RequestState]) -> None:
         """Recompute the index of each request at its attained service, in one vectorised pass.

@@ -460,6 +460,47 @@ def test_running_requests_keep_admission_order_unless_the_victim_is_by_priority(
     assert orders == {"newest": None, "priority": ["short", "long"]}
 
 
+def ranked_with_true_lengths(true_lengths):
+    """Three 10-token prompts (the history predicts 20 output tokens for each) that really generate
+    500, 5 and 5 tokens; only `five-text` carries text (and its vector, so no model runs). Returns
+    their admission order and the mean length each was ordered by."""
+    policy = SageSched(history=seeded_history(), true_lengths=true_lengths)
+    requests = [state("long", 10), state("five", 10, arrival=0.5), state("five-text", 10, 1.0, "a question")]
+    requests[2].prompt_embedding = basis(3)
+    for request, true in zip(requests, (500, 5, 5), strict=True):
+        request.oracle_output_tokens = true
+        policy.on_arrival(request, request.arrival_s)
+    admit = policy.on_step(EngineView(1.0, requests, [], 0.0, 2048, 8, 0.02)).admit
+    return [r.id for r in admit], {r.id: r.cache["sage_distribution"].mean for r in requests}
+
+
+def test_true_lengths_orders_by_the_true_length_where_asked_and_is_refused_live():
+    from adapt.mechanics import UnsupportedPolicy, check_policy
+
+    # On the history's prediction all three tie at 20 tokens: arrival order. With the true lengths
+    # the 500-token request goes last (KV cost 10 * 500 + 500^2 / 2 against 10 * 5 + 5^2 / 2).
+    assert ranked_with_true_lengths("none") == (
+        ["long", "five", "five-text"],
+        dict.fromkeys(("long", "five", "five-text"), 20.0),
+    )
+    assert ranked_with_true_lengths("all") == (
+        ["five", "five-text", "long"],
+        {"long": 500.0, "five": 5.0, "five-text": 5.0},
+    )
+    assert ranked_with_true_lengths("no-text") == (
+        ["five", "five-text", "long"],
+        {"long": 500.0, "five": 5.0, "five-text": 20.0},
+    )
+    assert ranked_with_true_lengths("text") == (
+        ["five-text", "long", "five"],
+        {"long": 20.0, "five": 20.0, "five-text": 5.0},
+    )
+    assert SageSched(true_lengths="text").needs_oracle and not SageSched().needs_oracle
+    with pytest.raises(UnsupportedPolicy, match="true output lengths"):
+        check_policy(make_policy("sagesched", true_lengths="all"), "vllm")
+    assert make_policy("sagesched", true_lengths="text").describe()["true_lengths"] == "text"
+
+
 def test_bad_parameters_are_rejected():
     for params in (
         {"cost": "flops"},
@@ -469,6 +510,7 @@ def test_bad_parameters_are_rejected():
         {"memory_weight": -0.5},
         {"history_mode": "x"},
         {"victim": "largest"},
+        {"true_lengths": "some"},
     ):
         with pytest.raises(ValueError):
             make_policy("sagesched", **params)
@@ -484,6 +526,7 @@ spec_variants = st.sampled_from(
         {"preempt_on_flip": True, "bucket": 3, "flip_ratio": 1.0},
         {"victim": "priority", "bucket": 4},
         {"victim": "priority", "order": "static"},
+        {"true_lengths": "all", "bucket": 6},
     ]
 )
 rows = st.lists(
