@@ -16,6 +16,9 @@ version (`--store`, default the MLflow tracking URI; a component without a champ
 first through the quickstart's pipeline on the bundled data). None of these traces carries prompt
 text, so the learned policies that read it fall back to what the trace offers; the `text` column
 says so. The headline is azure-conv's, mean TTLT; a policy that dropped requests may not rank.
+A ceiling runs beside them, shown and never ranked: SageSched given every request's true output
+length (`sagesched:true_lengths=all`, replay only), what a perfect length predictor could buy over
+the best baseline on that trace.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ TEXT_FALLBACK = {
     "sagesched": "length-only fallback: history neighbours by prompt length",
     "jitserve": "qrf-length on prompt length and tokens generated only",
 }
+# SageSched's order and victim with every request's true output length: the most any length
+# predictor could buy on a trace (an oracle: shown, never ranked)
+CEILING = "sagesched:true_lengths=all"
 # (mean over seeds, spread) of these; served and preemptions per request are derived per run.
 SHOWN = (
     ("ttlt_mean", "mean TTLT s"),
@@ -169,7 +175,8 @@ def rank(table: dict[str, dict[str, Any]], specs: dict[str, str], requests: list
     """The best non-oracle baseline by the headline, and each learned policy's rank (among the
     policies allowed to rank: no drops) and gain against it."""
     barred = {p: why for p, m in table.items() if (why := HEADLINE.barred(m, table["fcfs"]))}
-    order = sorted((p for p in table if p not in barred), key=lambda p: HEADLINE.value(table[p]))
+    contenders = (p for p in table if p not in barred and p != CEILING)
+    order = sorted(contenders, key=lambda p: HEADLINE.value(table[p]))
     baselines = [p for p in order if p in NON_ORACLE_BASELINES]
     best = baselines[0] if baselines else None
     learned = {}
@@ -182,7 +189,16 @@ def rank(table: dict[str, dict[str, Any]], specs: dict[str, str], requests: list
             "gain_vs_best_baseline": None if best is None else value / HEADLINE.value(table[best]) - 1.0,
             "text": text_use(policy, requests),
         }
-    return {"best_baseline": best, "barred": barred, "ranking": order, "learned": learned}
+    ceiling = None
+    if CEILING in table and best is not None:
+        ceiling = HEADLINE.value(table[CEILING]) / HEADLINE.value(table[best]) - 1.0
+    return {
+        "best_baseline": best,
+        "barred": barred,
+        "ranking": order,
+        "learned": learned,
+        "ceiling_gain_vs_best_baseline": ceiling,
+    }
 
 
 def format_scenario(name: str, result: dict[str, Any], seeds: list[int]) -> str:
@@ -191,23 +207,26 @@ def format_scenario(name: str, result: dict[str, Any], seeds: list[int]) -> str:
     baseline and its use of prompt text (the JSON has every metric's spread)."""
     settings = result["settings"]
     titles = [title for _, title in SHOWN[1:]]
+    width = max(len(policy) for policy in result["policies"])
     lines = [
         f"\n{name}: {settings['requests']:,} requests at {settings['rate']:g} req/s, {settings['arrivals']};"
         f" seeds {','.join(map(str, seeds))}; best baseline {result['best_baseline']}",
-        f"  {'policy':<18} {SHOWN[0][1] + ' [spread]':>24}"
+        f"  {'policy':<{width}} {SHOWN[0][1] + ' [spread]':>24}"
         + "".join(f"{t:>12}" for t in titles)
         + f"{'rank':>6}{'gain':>8}  text",
     ]
     ranking = result["ranking"]
     for policy, m in result["policies"].items():
         low, high = m["spread"][SHOWN[0][0]]
-        row = f"  {policy:<18} {f'{m[SHOWN[0][0]]:.2f} [{low:.2f}-{high:.2f}]':>24}"
+        row = f"  {policy:<{width}} {f'{m[SHOWN[0][0]]:.2f} [{low:.2f}-{high:.2f}]':>24}"
         row += "".join(f"{m[key]:>12.2f}" for key, _ in SHOWN[1:])
         row += f"{ranking.index(policy) + 1 if policy in ranking else '-':>6}"
         learned = result["learned"].get(policy)
         if learned:
             gain = learned["gain_vs_best_baseline"]
             row += f"{'-' if gain is None else f'{gain:+.1%}':>8}  {learned['text']}"
+        elif policy == CEILING and result["ceiling_gain_vs_best_baseline"] is not None:
+            row += f"{result['ceiling_gain_vs_best_baseline']:>+8.1%}  (ceiling: true lengths, not ranked)"
         if policy in result["barred"]:
             row += f"  (may not rank: {result['barred'][policy]})"
         lines.append(row)
@@ -219,7 +238,7 @@ def run_study(
 ) -> dict[str, Any]:
     """Every scenario x seed x policy as replay cells on `jobs` processes; the per-scenario result
     (settings, seed means with spread, best baseline, learned policies' rank, gain and text use)."""
-    policies = {**{p: p for p in NON_ORACLE_BASELINES}, **specs}
+    policies = {**{p: p for p in NON_ORACLE_BASELINES}, **specs, CEILING: CEILING}
     settings = engine_settings()
     cells, requests = [], {}
     for scenario in SCENARIOS:

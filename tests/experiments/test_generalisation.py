@@ -7,7 +7,7 @@ import json
 
 from adapt.requests import Request
 from experiments import generalisation
-from experiments.generalisation import SCENARIOS, text_use
+from experiments.generalisation import CEILING, SCENARIOS, text_use
 from experiments.quickstart import LEARNED, NON_ORACLE_BASELINES
 from serving_hooks.policies import POLICIES, parse_policy_spec
 
@@ -26,7 +26,11 @@ def test_every_scenario_runs_every_policy_on_one_engine_and_the_json_says_so(tmp
         settings = scenario["settings"]
         assert (settings["model"], settings["gpu"], settings["tp"]) == ("llama-2-13b", "a100-80g", 2)
         assert settings["requests"] == 25
-        assert set(scenario["policies"]) == {*NON_ORACLE_BASELINES, *LEARNED}, name
+        assert set(scenario["policies"]) == {*NON_ORACLE_BASELINES, *LEARNED, CEILING}, name
+        # the ceiling reads true lengths: shown beside the others, never ranked among them
+        assert CEILING not in scenario["ranking"]
+        ceiling, best = scenario["policies"][CEILING], scenario["policies"][scenario["best_baseline"]]
+        assert scenario["ceiling_gain_vs_best_baseline"] == ceiling["ttlt_mean"] / best["ttlt_mean"] - 1.0
         # one engine for all, but for a policy that declares its own budget (vllm-v0: 4096)
         for policy, engine in settings["engine_settings_per_policy"].items():
             own = getattr(POLICIES[parse_policy_spec(policy)[0]], "token_budget", None)
