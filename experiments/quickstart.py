@@ -113,8 +113,11 @@ OWN_POLICY = {
     "jitserve-mix": "jitserve",
 }
 LEARNED = ("ewsjf", "slai", "sagesched", "jitserve")
-# The oracle drawn next to them in the load plots: what a perfect predictor would reach.
+# A workload's oracle: its learned policy with a perfect predictor, where the policy has an oracle form.
 ORACLE = {"jitserve-mix": "jitserve-oracle"}
+# The oracle drawn in each load plot: the workload's oracle, or SageSched given every request's true
+# output length (replay only), or else shortest-job-first on the true length.
+PLOT_ORACLE = {**ORACLE, "sagesched-mix": "sagesched:true_lengths=all"}
 # Loads of the headline-versus-load plots, as multiples of each workload's rate (full run only).
 LOAD_SCALES = (0.75, 1.5)  # with the main run's 1x: three points, 30 more replays
 
@@ -477,18 +480,22 @@ def load_plots(
     out: Path,
 ) -> list[Path]:
     """Per workload, the headline versus load for the learned policy, the best baseline at the
-    quickstart's rate and an oracle: the same requests' generator at `LOAD_SCALES` times the rate
-    (the 1x points are the main run's), all as replay cells on `jobs` processes."""
+    quickstart's rate and an oracle (`PLOT_ORACLE`): the same requests' generator at `LOAD_SCALES`
+    times the rate (the 1x points are the main run's, or replayed here for a policy it did not
+    run), all as replay cells on `jobs` processes."""
     cells = []
     for workload, data in everything.items():
         spec, (rate, num) = WORKLOADS[workload], SIZES[workload][False]
         shown = dict.fromkeys(
             (
                 *front_page_pair(workload, data["policies"], barred[workload]),
-                ORACLE.get(workload, "sjf-oracle"),
+                PLOT_ORACLE.get(workload, "sjf-oracle"),
             )
         )
-        for scale in LOAD_SCALES:
+        not_in_main_run = [p for p in shown if p not in data["policies"]]
+        for scale, policies in (*((s, list(shown)) for s in LOAD_SCALES), (1.0, not_in_main_run)):
+            if not policies:
+                continue
             setup = ReplaySetup(
                 spec.build(rate * scale, num, 0),
                 spec.info(rate * scale, num, 0),
@@ -496,7 +503,7 @@ def load_plots(
                 spec.gpu,
                 spec.tp,
             )
-            for policy in shown:
+            for policy in policies:
                 build = PolicySpec(specs.get(policy, policy))
                 label = f"{workload}@{rate * scale:g}:{policy}"
                 cells.append(ReplayCell((workload, scale, policy), label, setup, build, spec.engine_config()))
@@ -511,7 +518,9 @@ def load_plots(
         headline, rate = HEADLINES[workload], SIZES[workload][False][0]
         fig, ax = figure()
         for policy, points in by_policy.items():
-            points[1.0] = headline.value(everything[workload]["policies"][policy])
+            main_run = everything[workload]["policies"]
+            if policy in main_run:
+                points[1.0] = headline.value(main_run[policy])
             xs = sorted(p for p in points if points[p] is not None)
             ax.plot([x * rate for x in xs], [points[x] / headline.scale for x in xs], "o-", label=policy)
         ax.set_xlabel("arrival rate (req/s)")

@@ -105,3 +105,17 @@ def test_load_plots_draw_the_learned_policy_the_baseline_and_the_oracle(tmp_path
     everything = {"slai-tiers": {"engine": {"token_budget": 512}, "policies": metrics}}
     paths = quickstart.load_plots(everything, {"slai-tiers": {}}, {}, jobs=1, out=tmp_path)
     assert [p.name for p in paths] == ["slai-tiers_vs_load.png"] and paths[0].stat().st_size > 0
+    # an oracle the main run did not serve gets its 1x point replayed here
+    monkeypatch.setattr(quickstart, "PLOT_ORACLE", {"slai-tiers": "sagesched:true_lengths=all"})
+    replayed = []
+    real_cells = quickstart.replay_cells
+
+    def recording(cells, jobs):
+        replayed.extend(cells)
+        return real_cells(cells, jobs=jobs)
+
+    monkeypatch.setattr(quickstart, "replay_cells", recording)
+    quickstart.load_plots(everything, {"slai-tiers": {}}, {}, jobs=1, out=tmp_path)
+    keys = sorted(cell.key for cell in replayed)
+    assert ("slai-tiers", 1.0, "sagesched:true_lengths=all") in keys
+    assert not any(scale == 1.0 and policy != "sagesched:true_lengths=all" for _, scale, policy in keys)
