@@ -14,6 +14,9 @@ over seeds:
 - slai-tiers: slai's median TTFT is >= 30% below sarathi's with both tiers' P99 TBT within SLO.
 A policy that dropped requests is not eligible for a latency headline (goodput counts drops as
 failures already). Prints one table per workload and scale, and whether the target was met.
+Where the learned policy has a form that reads true lengths (`CEILING`: SageSched given every
+request's true output length), that form runs too, never ranked: how much a perfect predictor
+would gain over the best baseline, and how much of that the learned policy reaches.
 """
 
 from __future__ import annotations
@@ -56,6 +59,10 @@ class Target:
         return ORACLE.get(self.workload)
 
 
+# The learned policy with every request's true output length (replay only): the most its
+# predictions could buy. Shown with the verdict, never a contender.
+CEILING = {"sagesched-mix": "sagesched:true_lengths=all"}
+
 TARGETS = (
     Target("ewsjf-mixed", {"meta": "ewsjf-meta-policy"}),
     Target("sagesched-mix", {"history": "semantic-history"}),
@@ -87,10 +94,11 @@ def mean_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def verdict(target: Target, table: dict[str, dict[str, Any]]) -> dict[str, Any]:
     headline = target.headline
     values = {name: headline.value(m) for name, m in table.items()}
+    ceiling = CEILING.get(target.workload)
     allowed = {
         name
         for name, m in table.items()
-        if headline.barred(m, table["fcfs"]) is None and name != target.oracle
+        if headline.barred(m, table["fcfs"]) is None and name not in (target.oracle, ceiling)
     }
     pick = min if headline.lower_is_better else max
     contenders = {name: values[name] for name in allowed}
@@ -112,6 +120,13 @@ def verdict(target: Target, table: dict[str, dict[str, Any]]) -> dict[str, Any]:
     if target.oracle:
         result["of_oracle"] = learned / values[target.oracle] if values[target.oracle] else None
         met = met and (result["of_oracle"] or 0) >= 0.85
+    if ceiling in table and best_baseline is not None:
+        baseline, bound = values[best_baseline], values[ceiling]
+        result["ceiling"] = bound
+        result["ceiling_gain"] = bound / baseline - 1.0
+        # the share of the ceiling's lead over the best baseline the learned policy has
+        lead = baseline - bound
+        result["ceiling_share_reached"] = (baseline - learned) / lead if lead else None
     if target.workload == "slai-tiers":
         result["vs_sarathi"] = learned / values["sarathi"] - 1.0
         met = target.policy in allowed and result["vs_sarathi"] <= -0.30
@@ -140,6 +155,8 @@ def main() -> None:
         policies[target.policy] = learned_spec(registry, target)
         if target.oracle:
             policies[target.oracle] = target.oracle
+        if target.workload in CEILING:
+            policies[CEILING[target.workload]] = CEILING[target.workload]
         num = args.requests or spec.num_requests
         for scale in scales:
             rate = spec.rate * scale
@@ -165,11 +182,13 @@ def main() -> None:
             rate = WORKLOADS[target.workload].rate * scale
             headline = target.headline
             print(f"\n{target.workload} at {rate:g} req/s (x{scale}), seeds {args.seeds}: {headline.title}")
+            width = max(map(len, table))
             for name, m in table.items():
                 served = m["completed"] / m["num_requests"]
                 why = headline.barred(m, table["fcfs"])
                 flag = "" if why is None else f"  (not eligible: {why})"
-                print(f"  {name:<18} {headline.value(m) / headline.scale:>10.3f}   served {served:.0%}{flag}")
+                value = headline.value(m) / headline.scale
+                print(f"  {name:<{width}} {value:>10.3f}   served {served:.0%}{flag}")
             shown = ", ".join(
                 f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in outcome.items()
             )
