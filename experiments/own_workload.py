@@ -10,7 +10,8 @@ over seeds:
 - ewsjf-mixed: ewsjf has the lowest short-request mean TTFT among the policies whose long-request
   P99 TTFT stays within 1.2x FCFS's, and no fewer tokens/s than FCFS;
 - sagesched-mix: sagesched has the lowest mean TTLT of the non-oracle policies;
-- jitserve-mix: jitserve has the highest token goodput, and >= 0.85 of jitserve-oracle's;
+- jitserve-mix: jitserve has the highest token goodput, and >= 0.85 of jitserve-oracle's (>= 0.80
+  at 3x the rate and beyond: `--workloads jitserve-mix --scales 3`);
 - slai-tiers: slai's median TTFT is >= 30% below sarathi's with both tiers' P99 TBT within SLO.
 A policy that dropped requests is not eligible for a latency headline (goodput counts drops as
 failures already). Prints one table per workload and scale, and whether the target was met.
@@ -91,7 +92,13 @@ def mean_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def verdict(target: Target, table: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def oracle_share_target(scale: float) -> float:
+    """The share of its oracle's goodput jitserve must reach (issue 19): 0.85 up to the default
+    rate's 1.5x, 0.80 at 3x it and beyond, where even the oracle drops most requests."""
+    return 0.80 if scale >= 3.0 else 0.85
+
+
+def verdict(target: Target, table: dict[str, dict[str, Any]], scale: float = 1.0) -> dict[str, Any]:
     headline = target.headline
     values = {name: headline.value(m) for name, m in table.items()}
     ceiling = CEILING.get(target.workload)
@@ -119,7 +126,8 @@ def verdict(target: Target, table: dict[str, dict[str, Any]]) -> dict[str, Any]:
         met = met and result["tps_vs_fcfs"] >= 0.0
     if target.oracle:
         result["of_oracle"] = learned / values[target.oracle] if values[target.oracle] else None
-        met = met and (result["of_oracle"] or 0) >= 0.85
+        result["of_oracle_target"] = oracle_share_target(scale)
+        met = met and (result["of_oracle"] or 0) >= result["of_oracle_target"]
     if ceiling in table and best_baseline is not None:
         baseline, bound = values[best_baseline], values[ceiling]
         result["ceiling"] = bound
@@ -178,7 +186,7 @@ def main() -> None:
     for target in targets:
         for scale in scales:
             table = {name: mean_metrics(per_seed) for name, per_seed in runs[target.workload, scale].items()}
-            outcome = verdict(target, table)
+            outcome = verdict(target, table, scale)
             rate = WORKLOADS[target.workload].rate * scale
             headline = target.headline
             print(f"\n{target.workload} at {rate:g} req/s (x{scale}), seeds {args.seeds}: {headline.title}")
