@@ -44,7 +44,7 @@ from adapt.traces import load_trace
 from adapt.workloads import WORKLOADS, bundled
 from adapt.workloads.builders import trace_requests
 from experiments.own_workload import TARGETS, learned_spec, mean_metrics
-from experiments.quickstart import HEADLINES, LEARNED, NON_ORACLE_BASELINES, TRAINING
+from experiments.quickstart import HEADLINES, LEARNED, NON_ORACLE_BASELINES, SAGESCHED_CEILING, TRAINING
 from serving_hooks.policies import PolicySpec
 
 ENGINE = WORKLOADS["azure-conv"]  # one engine for every scenario and policy
@@ -58,7 +58,7 @@ TEXT_FALLBACK = {
 }
 # SageSched's order and victim with every request's true output length: the most any length
 # predictor could buy on a trace (an oracle: shown, never ranked)
-CEILING = "sagesched:true_lengths=all"
+CEILING = SAGESCHED_CEILING
 # (mean over seeds, spread) of these; served and preemptions per request are derived per run.
 SHOWN = (
     ("ttlt_mean", "mean TTLT s"),

@@ -36,7 +36,7 @@ from adapt.registry import CHAMPION, Registry
 from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.runner import ReplaySetup
 from adapt.workloads import WORKLOADS
-from experiments.quickstart import HEADLINES, NON_ORACLE_BASELINES, ORACLE, OWN_POLICY, Headline
+from experiments.quickstart import CEILING, HEADLINES, NON_ORACLE_BASELINES, ORACLE, OWN_POLICY, Headline
 from serving_hooks.policies import PolicySpec
 
 
@@ -59,10 +59,11 @@ class Target:
     def oracle(self) -> str | None:
         return ORACLE.get(self.workload)
 
+    @property
+    def ceiling(self) -> str | None:
+        """The learned policy reading true lengths: shown with the verdict, never a contender."""
+        return CEILING.get(self.workload)
 
-# The learned policy with every request's true output length (replay only): the most its
-# predictions could buy. Shown with the verdict, never a contender.
-CEILING = {"sagesched-mix": "sagesched:true_lengths=all"}
 
 TARGETS = (
     Target("ewsjf-mixed", {"meta": "ewsjf-meta-policy"}),
@@ -101,7 +102,7 @@ def oracle_share_target(scale: float) -> float:
 def verdict(target: Target, table: dict[str, dict[str, Any]], scale: float = 1.0) -> dict[str, Any]:
     headline = target.headline
     values = {name: headline.value(m) for name, m in table.items()}
-    ceiling = CEILING.get(target.workload)
+    ceiling = target.ceiling
     allowed = {
         name
         for name, m in table.items()
@@ -163,8 +164,8 @@ def main() -> None:
         policies[target.policy] = learned_spec(registry, target)
         if target.oracle:
             policies[target.oracle] = target.oracle
-        if target.workload in CEILING:
-            policies[CEILING[target.workload]] = CEILING[target.workload]
+        if target.ceiling:
+            policies[target.ceiling] = target.ceiling
         num = args.requests or spec.num_requests
         for scale in scales:
             rate = spec.rate * scale
