@@ -268,5 +268,8 @@ class Policy:
         return FOREVER
 
     def describe(self) -> dict[str, Any]:
-        """Parameters worth logging with a replay run."""
+        """The parameters and state worth recording, as plain JSON values: which component
+        versions and settings the policy runs. A replay logs them with its MLflow run (params
+        `policy.NAME`) and its JSON, and a live server publishes them in its status
+        (`policy_state`), so two runs of one policy name can be told apart."""
         return {"policy": self.name}

@@ -7,22 +7,28 @@ and step logs and its engine's limits, `adapt retrain --every S --only cost-mode
 in its own process (at low CPU priority: on this machine it shares two cores with the server)
 refits the server's cost model and the layout on them, gates the layout by replaying the logged
 requests on the server's own engine, and promotes; the server's slot hot-swaps the new champion
-between steps. Two arms see the same open-loop
-request schedule, the `drift-chat-to-summaries` scenario (`adapt.workloads.drift`) shrunk to the
-tiny model's context (prompts a quarter, outputs an eighth of the trace's):
+between steps. Every arm sees the same open-loop request schedule, the `drift-chat-to-summaries`
+scenario (`adapt.workloads.drift`) shrunk to the tiny model's context (prompts a quarter, outputs
+an eighth of the trace's):
 
 - `stale`: `ewsjf` with a champion layout fitted on pre-shift chat traffic; nothing retrains;
 - `loop`: the same server and champion, with `adapt retrain --every` running beside it;
 - `oracle`: the same server with a layout fitted on post-shift traffic (another seed) from the
-  start: what the loop should recover to.
+  start: what the loop should recover to;
+- `online`: `ewsjf-online` from the stale champion, nothing retrained: EWSJF's own online tuner
+  trying refitted layouts and scoring weights against the champion on the live traffic (paired
+  windows, `serving_hooks.policies.ewsjf_online`); its adoptions are read from the status's
+  `policy_state`.
 
 The client measures every request (`experiments.bench_serve.run_load`, exact prompt lengths as
 token ids); the headline is the scenario's, short-request mean TTFT, per window of arrivals
 (`experiments.drift_windows`). The status endpoint is polled every second, so the table shows
-when the new layout went live, and every request's HTTP outcome is kept: a promotion must fail
-none. Both arms run on one machine one after the other; other work on it shows as noise.
+when the new layout went live (a promoted version, or an online adoption), and every request's
+HTTP outcome is kept: a promotion must fail none. The arms run on one machine one after the
+other; other work on it shows as noise.
 
-    python -m experiments.live_loop [--fast] [--arms stale,loop,oracle] [--json OUT] [--keep DIR]
+    python -m experiments.live_loop [--fast] [--arms stale,loop,oracle,online] [--json OUT]
+        [--keep DIR]
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -54,7 +61,8 @@ OUTPUT_SCALE = 8
 MAX_OUTPUT = 128
 CONTEXT = 1280
 SHIFT_SHARE = 1 / 3
-ARMS = ("stale", "loop", "oracle")
+ARMS = ("stale", "loop", "oracle", "online")
+POLICY = {"online": "ewsjf-online"}  # what each arm serves; every other arm, plain ewsjf
 VLLM_ARGS = (
     "--max-model-len",
     str(CONTEXT),
@@ -106,11 +114,12 @@ def champion_lengths(arm: str, size: Size, seed: int) -> np.ndarray:
 
 
 class StatusLog:
-    """The component version serving, polled once a second from `GET /v1/adapt/status`."""
+    """The component version serving and the policy's online adoptions (`ewsjf-online`'s, from
+    the status's `policy_state`), polled once a second from `GET /v1/adapt/status`."""
 
     def __init__(self, port: int) -> None:
         self.port = port
-        self.samples: list[tuple[float, int | None]] = []
+        self.samples: list[tuple[float, int | None, int]] = []  # (at_s, version, adoptions)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -119,10 +128,13 @@ class StatusLog:
 
         while not self._stop.wait(1.0):
             try:
-                version = adapt_status(self.port)["components"].get(COMPONENT)
+                status = adapt_status(self.port)
             except OSError:
                 continue
-            self.samples.append((time.monotonic() - self.started, version))
+            adoptions = (status.get("policy_state") or {}).get("adoptions", 0)
+            self.samples.append(
+                (time.monotonic() - self.started, status["components"].get(COMPONENT), adoptions)
+            )
 
     def __enter__(self) -> StatusLog:
         self.started = time.monotonic()
@@ -134,12 +146,14 @@ class StatusLog:
         self._thread.join(timeout=5)
 
     def swaps(self) -> list[dict[str, Any]]:
-        """When each new version was first seen serving (seconds from the load's start)."""
-        changes, last = [], None
-        for at_s, version in self.samples:
-            if version != last and last is not None:
+        """When each new version, or each new online adoption, was first seen serving (seconds
+        from the load's start)."""
+        changes: list[dict[str, Any]] = []
+        for (_, version_before, adopted_before), (at_s, version, adopted) in itertools.pairwise(self.samples):
+            if version != version_before:
                 changes.append({"at_s": round(at_s, 1), "version": version})
-            last = version
+            if adopted != adopted_before:
+                changes.append({"at_s": round(at_s, 1), "adoption": adopted})
         return changes
 
 
@@ -180,7 +194,7 @@ def run_arm(arm: str, root: Path, model: str, requests: list[Request], size: Siz
     port, logs = free_port(), root / arm / "logs"
     argv, env = server_command(
         model,
-        "ewsjf",
+        POLICY.get(arm, "ewsjf"),
         port=port,
         watch_interval_s=1.0,
         status_file=root / arm / "status.json",
@@ -246,7 +260,7 @@ def summarise(arm: dict, requests: list[Request], size: Size) -> dict[str, Any]:
         dtype=np.float64,
     )
     shift_s = SHIFT_SHARE * size.num_requests / size.rate
-    # The loop's answer to the shift: the first version to go live after it.
+    # The arm's answer to the shift: the first version (or online adoption) to go live after it.
     promoted = next((swap["at_s"] for swap in arm["swaps"] if swap["at_s"] >= shift_s), None)
     headlines = {}
     for key, (_, label) in HEADLINES.items():
@@ -274,7 +288,7 @@ def print_table(report: dict[str, Any]) -> None:
             cells = "  ".join(f"{arm['headlines'][key]['windows'][k]:8.3f}" for arm in arms.values())
             print(f"{k * size['window_s']:5.0f} s  {cells}")
     for name, arm in arms.items():
-        swaps = ", ".join(f"v{s['version']} at {s['at_s']:.0f} s" for s in arm["swaps"]) or "none"
+        swaps = ", ".join(_swap(s) for s in arm["swaps"]) or "none"
         pooled = "; ".join(
             f"{key} before shift {h['before_shift']:.3f}, after {h['after_shift']:.3f}"
             + (
@@ -286,6 +300,11 @@ def print_table(report: dict[str, Any]) -> None:
             for key, h in arm["headlines"].items()
         )
         print(f"{name}: {pooled}; failed {arm['failed']}/{arm['requests']}; swaps: {swaps}")
+
+
+def _swap(swap: dict[str, Any]) -> str:
+    what = f"v{swap['version']}" if "version" in swap else f"adoption {swap['adoption']}"
+    return f"{what} at {swap['at_s']:.0f} s"
 
 
 def main(argv: list[str] | None = None) -> None:

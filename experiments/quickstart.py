@@ -401,7 +401,7 @@ def run_quickstart(
         metrics = {p: result.metrics() for p, result in results.items()}
         if mlflow:
             for policy, values in metrics.items():
-                log_to_mlflow("quickstart", setup.workload, policy, values)
+                log_to_mlflow("quickstart", setup.workload, policy, values, results[policy].policy_params)
         headline = HEADLINES[workload]
         leaderboard[workload] = {p: headline.value(m) for p, m in metrics.items()}
         dropped[workload] = {

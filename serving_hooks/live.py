@@ -4,13 +4,13 @@ between scheduling steps, and a status file the HTTP side serves as `GET /v1/ada
 `adapt serve` runs the scheduler in vLLM's engine-core process and the OpenAI API in another, so
 the two share the status through a small JSON file (`ADAPT_STATUS_FILE`), replaced atomically
 (write + rename) whenever a version, a swap count, a refusal or (with metrics on) the online
-prediction quality and its drift alarms change. Slots poll the registry in
-their own threads (`adapt.hotswap.Slot`); the scheduler thread only compares versions and hands a
-new component to the policy (`Policy.use_component`), so a step never waits for the registry (at
-most for a slot's status write). A version is applied at the engine's next step, and an idle engine
-takes none: the status says which versions the slots have loaded (`loaded`, the `policy-config`
-slot's too) beside those in use (`components`, `policy_config`), and a slot rewrites it when it
-loads one, so a promotion shows at once, idle or not.
+prediction quality, its drift alarms or the policy's own state (`policy_state`) change. Slots poll
+the registry in their own threads (`adapt.hotswap.Slot`); the scheduler thread only compares
+versions and hands a new component to the policy (`Policy.use_component`), so a step never waits
+for the registry (at most for a slot's status write). A version is applied at the engine's next
+step, and an idle engine takes none: the status says which versions the slots have loaded
+(`loaded`, the `policy-config` slot's too) beside those in use (`components`, `policy_config`),
+and a slot rewrites it when it loads one, so a promotion shows at once, idle or not.
 
 With `ADAPT_FOLLOW_POLICY_CONFIG=1` (`adapt serve --follow-policy-config`) one more slot follows
 the `policy-config` champion: the whole policy is what that version names (the `--policy` given to
@@ -61,6 +61,7 @@ class LiveComponents:
         self.policy_swaps = 0
         self.quality: dict[str, dict[str, Any]] = {}
         self.predictions: dict[str, Any] | None = None
+        self.policy_state: dict[str, Any] = {}
         self.config_slot = (
             Slot(self.registry, "policy-config", interval_s=interval_s, on_swap=self._publish)
             if follow_config
@@ -140,16 +141,23 @@ class LiveComponents:
             "quality": self.quality,
             "drift_alarms": sorted(name for name, q in self.quality.items() if q.get("drift_alarm")),
             "predictions": self.predictions,
+            "policy_state": self.policy_state,
         }
 
     def report_quality(
-        self, quality: dict[str, dict[str, Any]], predictions: dict[str, Any] | None = None
+        self,
+        quality: dict[str, dict[str, Any]],
+        predictions: dict[str, Any] | None = None,
+        policy_state: dict[str, Any] | None = None,
     ) -> None:
-        """The online prediction quality per component (`serving_hooks.metrics`) and what the
-        policy's off-step predictions did (`adapt.predictions.PredictionStats.summary`), published
-        with the status; the file is rewritten only when a figure changed, at most once a publish."""
+        """The online prediction quality per component (`serving_hooks.metrics`), what the policy's
+        off-step predictions did (`adapt.predictions.PredictionStats.summary`) and the policy's own
+        state (`Policy.describe()`: e.g. `ewsjf-online`'s adoptions, SageSched's history size),
+        published with the status; the file is rewritten only when a figure changed, at most once a
+        publish. Called from the scheduler thread, so the policy is read between its steps."""
         self.quality = quality
         self.predictions = predictions
+        self.policy_state = policy_state or {}
         self._publish()
 
     def _publish(self) -> None:
@@ -157,7 +165,7 @@ class LiveComponents:
             status = self.status()
             if status == self._last_status or self.status_file is None:
                 return
-            write_text_atomic(self.status_file, json.dumps(status))
+            write_text_atomic(self.status_file, json.dumps(status, default=str))
             self._last_status = status
 
     def stop(self) -> None:

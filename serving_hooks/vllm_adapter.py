@@ -488,7 +488,7 @@ class PolicyScheduler(AsyncScheduler):
             predictions=self.prediction_summary(),
         )
         if self.live is not None:
-            self.live.report_quality(quality, self.prediction_summary())
+            self.live.report_quality(quality, self.prediction_summary(), self.adapt_policy.describe())
 
     def prediction_summary(self) -> dict[str, Any] | None:
         """What the serving policy's off-step model calls did (None: it makes none)."""

@@ -257,7 +257,7 @@ def run_replay_command(args: argparse.Namespace) -> int:
         if policy in resolved:  # what the registered version ran, in the JSON and the MLflow run
             results[policy]["policy_config"] = resolved[policy]
         if not args.no_mlflow:
-            log_to_mlflow(args.experiment, setup.workload, policy, results[policy])
+            log_to_mlflow(args.experiment, setup.workload, policy, results[policy], result.policy_params)
     print(format_table(results))
     for policy, metrics in results.items():
         if metrics["dropped"]:
@@ -266,6 +266,16 @@ def run_replay_command(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(
-            json.dumps({"workload": setup.workload, "policies": results}, indent=2) + "\n"
+            json.dumps(
+                {
+                    "workload": setup.workload,
+                    "policies": results,
+                    # what each ran: component versions and settings (`Policy.describe()`)
+                    "policy_params": {p: r.policy_params for p, r in zip(policies, replayed, strict=True)},
+                },
+                indent=2,
+                default=str,
+            )
+            + "\n"
         )
     return 0

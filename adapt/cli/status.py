@@ -3,7 +3,8 @@
 
 One screen from two reads of the server: `GET /v1/adapt/status` (policy, component versions --
 and a promoted version loaded but not yet applied, which an idle engine applies with its next
-request -- swaps, drift alarms; written by the engine core, `serving_hooks.live`) and
+request -- swaps, drift alarms, the policy's own state; written by the engine core,
+`serving_hooks.live`) and
 `GET /metrics` (the `adapt_*` series, parsed with prometheus_client's own parser): SLO
 attainment by class, the online prediction quality next to the held-out figure, step times, queue
 and errors. Counters are totals since the server started, as Prometheus holds them; rates are
@@ -110,6 +111,11 @@ def render(status: dict[str, Any] | None, samples: Samples, now: float | None = 
         pending = loaded.get(name, version)
         staged = f"  (v{pending} loaded: live at the next step)" if pending != version else ""
         lines.append(f"  {name:<20} v{version if version is not None else '-'}{counts}{since}{staged}")
+    # The policy's own state (`Policy.describe()`), its plain figures: e.g. ewsjf-online's adoptions
+    state = ((status or {}).get("policy_state")) or {}
+    shown = [f"{k}={v}" for k, v in state.items() if k != "policy" and not isinstance(v, dict | list)]
+    if shown:
+        lines.append("state       " + ", ".join(shown))
     if not any(name.startswith("adapt_") for name in samples):
         lines.append("(no adapt_* metrics: the server runs with --no-metrics or is not adapt serve)")
         return "\n".join(lines)

@@ -1016,9 +1016,11 @@ class ReplayEngine:
         return self.result(time.perf_counter() - wall_start)
 
     def result(self, sim_wall_s: float) -> ReplayResult:
-        """What this replica recorded, with the engine settings it ran under."""
+        """What this replica recorded, with the engine settings and the policy parameters it ran
+        under."""
         result = self.recorder.result(sim_wall_s)
         result.engine_settings = {"token_budget": self.token_budget, "max_running": self.config.max_running}
+        result.policy_params = self.policy.describe()
         return result
 
 

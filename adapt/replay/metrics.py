@@ -215,6 +215,10 @@ class ReplayResult:
     # What the engine ran under (token budget, max running): a comparison is fair only when these
     # match across policies, or differ where a policy declares its own (sarathi's 512).
     engine_settings: dict[str, Any] = field(default_factory=dict)
+    # The policy's own parameters as the run ended (`Policy.describe()`): which component versions
+    # and settings it ran, logged with the run so that two replays of one policy name can be told
+    # apart in MLflow. Kept out of `metrics()`: they describe the run, they are not its outcome.
+    policy_params: dict[str, Any] = field(default_factory=dict)
 
     @property
     def records(self) -> list[RequestRecord]:
@@ -261,6 +265,7 @@ class ReplayResult:
             kv_timeline=results[0].kv_timeline,
             tbt_samples=None if samples is None else dict(samples),
             engine_settings=results[0].engine_settings,
+            policy_params=results[0].policy_params,
         )
 
     def write_request_log(self, path: str | Path) -> Path:

@@ -69,8 +69,16 @@ def replay_policy(
     return result
 
 
-def log_to_mlflow(experiment: str, workload: dict[str, Any], policy: str, metrics: dict[str, Any]) -> str:
-    """One MLflow run per (workload, policy): params, flat numeric metrics, the metrics JSON."""
+def log_to_mlflow(
+    experiment: str,
+    workload: dict[str, Any],
+    policy: str,
+    metrics: dict[str, Any],
+    policy_params: dict[str, Any] | None = None,
+) -> str:
+    """One MLflow run per (workload, policy): params (the workload's, the policy's name and its
+    parameters, `ReplayResult.policy_params`, as `policy.NAME`), flat numeric metrics, the metrics
+    JSON."""
     from adapt import tracking
 
     client = tracking.client()
@@ -83,6 +91,9 @@ def log_to_mlflow(experiment: str, workload: dict[str, Any], policy: str, metric
     params["policy"] = policy
     if isinstance(metrics.get("policy_config"), str):  # a registered policy-config: what it ran
         params["policy_config"] = metrics["policy_config"]
+    for key, value in (policy_params or {}).items():
+        if key != "policy":  # its name, logged as `policy` above
+            params[f"policy.{key}"] = value if isinstance(value, str) else json.dumps(value, default=str)
     from mlflow.entities import Metric, Param
 
     flat = {k: v for k, v in metrics.items() if isinstance(v, int | float) and v is not None}
@@ -97,7 +108,11 @@ def log_to_mlflow(experiment: str, workload: dict[str, Any], policy: str, metric
     )
     client.log_text(
         run_id,
-        json.dumps({"workload": workload, "policy": policy, "metrics": metrics}, indent=2),
+        json.dumps(
+            {"workload": workload, "policy": policy, "policy_params": policy_params, "metrics": metrics},
+            indent=2,
+            default=str,
+        ),
         "replay.json",
     )
     client.set_terminated(run_id)

@@ -270,7 +270,13 @@ class EWSJF(Policy):
         return terms
 
     def describe(self) -> dict[str, Any]:
-        return {"policy": self.name, **self.meta.get_params(), "queues": len(self.queues)}
+        return {
+            "policy": self.name,
+            **self.meta.get_params(),
+            "queues": len(self.queues),
+            # the registered version the layout came from (a copy adopted online keeps none)
+            "meta_version": self.meta.metadata.get("registry_version", "in-memory"),
+        }
 
 
 # A hand-set layout for bimodal short/long workloads, used only when no fitted component is given

@@ -154,6 +154,8 @@ class OnlineEWSJF(EWSJF):
         """Serve `meta` (a copy: the champion object is never changed) as the incumbent and forget
         every window and candidate measured against the previous one."""
         self.incumbent = _copy(meta, meta.queues_)
+        if "registry_version" in meta.metadata:  # a champion: the status names the version it serves
+            self.incumbent.metadata["registry_version"] = meta.metadata["registry_version"]
         self._install(self.incumbent)
         self._incumbent_windows: deque[Window] = deque(maxlen=3)  # the latest, for the noise
         self._pending: Candidate | None = None  # all its windows served; its last neighbour open
@@ -269,6 +271,8 @@ class OnlineEWSJF(EWSJF):
             "pairs": self.pairs,
             "evaluations": len(self.evaluations),
             "adoptions": len(self.adoptions),
+            # the latest adoption (engine time, kind, layout, verdict): what an operator watches for
+            "last_adoption": self.adoptions[-1] if self.adoptions else None,
         }
 
 

@@ -51,6 +51,11 @@ def test_replay_workload_writes_the_documented_json(tmp_path):
         assert set(metrics) >= REQUIRED
         assert set(metrics["by_class"]) <= {"paying", "free"}
         assert metrics["completed"] == 60
+    # what each ran, beside what it scored: sarathi's own 512-token budget, fcfs the engine's
+    assert data["policy_params"] == {
+        "fcfs": {"policy": "fcfs"},
+        "sarathi": {"policy": "sarathi", "token_budget": 512, "order": "fcfs"},
+    }
 
 
 def test_replay_trace_without_timestamps_needs_rate(tmp_path, shared_traces, capsys):
@@ -92,7 +97,7 @@ def test_replay_logs_one_mlflow_run_per_policy(tmp_path):
                 "--workload",
                 "ewsjf-mixed",
                 "--policies",
-                "fcfs,spf",
+                "fcfs,spf,ewsjf",
                 "--num-requests",
                 "50",
                 "--quiet",
@@ -106,9 +111,13 @@ def test_replay_logs_one_mlflow_run_per_policy(tmp_path):
 
     client = MlflowClient(tracking.tracking_uri())
     experiment = client.get_experiment_by_name("t")
-    runs = client.search_runs([experiment.experiment_id])
-    assert sorted(r.data.params["policy"] for r in runs) == ["fcfs", "spf"]
-    assert all("short.ttft_mean" in r.data.metrics for r in runs)
+    runs = {r.data.params["policy"]: r for r in client.search_runs([experiment.experiment_id])}
+    assert sorted(runs) == ["ewsjf", "fcfs", "spf"]
+    assert all("short.ttft_mean" in r.data.metrics for r in runs.values())
+    # the policy's parameters, so that two runs of one name can be told apart: EWSJF's layout
+    ewsjf = runs["ewsjf"].data.params
+    assert ewsjf["policy.queues"] == "4" and ewsjf["policy.meta_version"] == "in-memory"
+    assert "policy.policy" not in ewsjf
 
 
 @pytest.mark.slow

@@ -142,6 +142,17 @@ def test_a_version_loaded_but_not_yet_applied_is_shown_beside_the_serving_one():
     assert "loaded" not in lines["qrf-length"]
 
 
+def test_the_policys_own_state_shows_its_plain_figures():
+    """ewsjf-online adopts layouts inside the engine, with no registry version to show for it:
+    the status's `policy_state` is where an operator sees it."""
+    from adapt.cli.status import render
+
+    state = {"policy": "ewsjf-online", "queues": 11, "adoptions": 2, "last_adoption": {"kind": "layout"}}
+    lines = render({"policy": "ewsjf-online", "components": {}, "policy_state": state}, {}, now=0.0)
+    assert "state       queues=11, adoptions=2" in lines.splitlines()
+    assert "state" not in render({"policy": "fcfs", "components": {}}, {}, now=0.0)
+
+
 @pytest.mark.parametrize("code", [503, 404])
 def test_a_server_without_a_status_yet_still_shows_its_metrics(code, capsys):
     """503: the engine has not written its first status; 404: the server does not serve the route."""

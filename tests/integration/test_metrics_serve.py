@@ -158,6 +158,9 @@ def test_metrics_count_a_known_load(tmp_path, monkeypatch, capsys):
         assert all(0.0 <= v <= 1.0 for v in coverage.values() if not math.isnan(v))
         status = adapt_status(port)
         assert status["quality"]["online-quantile"]["coverage"] == round(coverage["online-quantile"], 3)
+        # The policy's own parameters ride along (`Policy.describe()`): the graph version it serves.
+        assert status["policy_state"]["policy"] == "jitserve"
+        assert status["policy_state"]["patterns"] == second
         assert status["drift_alarms"] == []
 
         assert main(["status", f"http://127.0.0.1:{port}"]) == 0

@@ -82,10 +82,16 @@ def test_a_better_layout_refit_is_adopted():
     """Every candidate a layout refitted on the recent lengths, which serves better than the
     champion's single queue: the refit is adopted, queues and all."""
     champion = _meta(((1, 4096),))
+    champion.metadata["registry_version"] = 3
     policy = OnlineEWSJF(champion, window=40, pairs=3, layout_every=1)
+    assert policy.describe()["meta_version"] == 3  # serving a copy of the champion, v3
     _drive(policy, 40 * 7 * 4, lambda policy: 1.0 if len(policy.meta.queues_) > 1 else 0.8)
     assert policy.adoptions and policy.adoptions[0]["kind"] == "layout"
     assert len(policy.incumbent.queues_) > 1 and len(policy.queues) > 1
+    # what a live server's status shows of it (`policy_state`)
+    state = policy.describe()
+    assert state["adoptions"] == len(policy.adoptions) and state["last_adoption"] == policy.adoptions[-1]
+    assert state["meta_version"] == "in-memory"  # adopted online: no registered version serves
 
 
 lengths = st.lists(st.integers(1, 5000), min_size=1, max_size=120)
@@ -124,6 +130,7 @@ def test_every_arrival_is_served_in_replay_across_layout_switches(prompts, seed)
     result = engine.run(requests)
     assert engine.violations == []
     assert result.metrics()["completed"] == len(requests)
+    assert result.policy_params == policy.describe()  # what the run logs with its MLflow run
 
 
 def test_a_hot_swapped_champion_becomes_the_incumbent_and_restarts_the_comparison():
