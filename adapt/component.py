@@ -196,6 +196,14 @@ ENTRY_POINT_GROUP = "adapt.components"
 _REGISTERED: dict[str, type[LearnedComponent]] = {}
 
 
+def registry_version(component: LearnedComponent | None) -> int | str | None:
+    """The registry version `component` was loaded as, as a policy's `describe()` reports it:
+    "in-memory" for one fitted in this process and never loaded from the registry, None for none."""
+    if component is None:
+        return None
+    return component.metadata.get("registry_version", "in-memory")
+
+
 def register_component(cls: type[LearnedComponent]) -> type[LearnedComponent]:
     """Make a component class loadable by its `name` in this process (a class decorator), for
     components that are not installed under the `adapt.components` entry-point group."""

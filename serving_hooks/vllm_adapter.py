@@ -477,7 +477,8 @@ class PolicyScheduler(AsyncScheduler):
 
     def _publish_metrics(self, now: float) -> None:
         """The gauges (every `SchedulerMetrics.publish_interval_s`), and the online prediction
-        quality into the status file."""
+        quality, the predictions' summary and the policy's state into the status file."""
+        predictions = self.prediction_summary()
         quality = self.metrics.publish(  # type: ignore[union-attr]
             now,
             policy=self.adapt_policy,
@@ -485,10 +486,10 @@ class PolicyScheduler(AsyncScheduler):
             running=sum(r.request_id in self._states for r in self.running),  # not those leaving now
             kv_usage=float(self.kv_cache_manager.usage),
             live=self.live,
-            predictions=self.prediction_summary(),
+            predictions=predictions,
         )
         if self.live is not None:
-            self.live.report_quality(quality, self.prediction_summary(), self.adapt_policy.describe())
+            self.live.report_quality(quality, predictions, self.adapt_policy.describe())
 
     def prediction_summary(self) -> dict[str, Any] | None:
         """What the serving policy's off-step model calls did (None: it makes none)."""

@@ -252,8 +252,10 @@ def run_replay_command(args: argparse.Namespace) -> int:
     ]
     replayed = replay_cells(cells, jobs=args.jobs, progress=not args.quiet, ray=args.ray)
     results: dict[str, dict[str, Any]] = {}
+    policy_params: dict[str, dict[str, Any]] = {}  # what each ran: component versions, settings
     for policy, result in zip(policies, replayed, strict=True):
         results[policy] = result.metrics()
+        policy_params[policy] = result.policy_params
         if policy in resolved:  # what the registered version ran, in the JSON and the MLflow run
             results[policy]["policy_config"] = resolved[policy]
         if not args.no_mlflow:
@@ -270,8 +272,7 @@ def run_replay_command(args: argparse.Namespace) -> int:
                 {
                     "workload": setup.workload,
                     "policies": results,
-                    # what each ran: component versions and settings (`Policy.describe()`)
-                    "policy_params": {p: r.policy_params for p, r in zip(policies, replayed, strict=True)},
+                    "policy_params": policy_params,
                 },
                 indent=2,
                 default=str,

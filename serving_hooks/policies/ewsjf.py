@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from sortedcontainers import SortedList
 
+from adapt.component import registry_version
 from adapt.policy import FOREVER, EngineView, Horizon, Plan, Policy, RequestState
 from predictors.ewsjf_meta import EwsjfMetaPolicy, QueueSpec, layout_group_terms
 
@@ -275,7 +276,7 @@ class EWSJF(Policy):
             **self.meta.get_params(),
             "queues": len(self.queues),
             # the registered version the layout came from (a copy adopted online keeps none)
-            "meta_version": self.meta.metadata.get("registry_version", "in-memory"),
+            "meta_version": registry_version(self.meta),
         }
 
 

@@ -65,6 +65,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from sortedcontainers import SortedList
 
+from adapt.component import registry_version
 from adapt.policy import EngineView, Horizon, Plan, Policy, RequestState
 from adapt.predictions import Delayed, PredictionQueue, QueueFactory
 from serving_hooks.policies.gmax import KINDS, RequestTable, estimates, select_batch
@@ -613,8 +614,8 @@ class JITServe(Policy):
     def describe(self) -> dict[str, Any]:
         return {
             "policy": self.name,
-            "qrf": _version(self.qrf),
-            "patterns": _version(self.patterns),
+            "qrf": registry_version(self.qrf),
+            "patterns": registry_version(self.patterns),
             "frame_steps": self.frame_steps,
             "batch_size": self.batch_size,
             "cutoffs": list(self.cutoffs),
@@ -686,9 +687,3 @@ class LengthBounds:
                 ((id(qrf), quantile, row), float(b)) for row, b in zip(rows, predicted, strict=True)
             )
         return [bounds[id(qrf), quantile, row] for qrf, quantile, row in payloads]
-
-
-def _version(component: Any) -> Any:
-    if component is None:
-        return None
-    return component.metadata.get("registry_version", "in-memory")
