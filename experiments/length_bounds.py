@@ -2,7 +2,7 @@
 JITServe can run on, trained and scored alike on held-out real prompts.
 
     .venv/bin/python -m experiments.length_bounds [--data FILE] [--rate 3.0] [--requests 1500]
-                                                  [--seeds 0] [--no-replay]
+                                                  [--seeds 0] [--no-replay] [--json OUT]
 
 `--data`: a prompt/response file (default: the bundled AlpacaEval slice, lengths only; the full
 `../shared/data/prompts/alpaca_eval_outputs.jsonl.gz` also has response texts, which adds a
@@ -11,14 +11,19 @@ Prints, per predictor: fit time; coverage of the 0.95 bound, mean over-estimatio
 remaining) and mean bound after 0/50/100/200 generated tokens; the cost of one bound (a new
 prompt, and a refresh whose prompt embedding is cached) and per request in a batch of 500; then
 `jitserve`'s token goodput on `jitserve-mix` with each bound (and with none: the online quantile).
+`--json OUT` writes the same figures: `{"data", "train", "held_out", "predictors": {LABEL: {"fit_s",
+"new_prompt_ms", "refresh_ms", "per_request_ms", "coverage_at_G", "overestimate_at_G",
+"bound_mean_at_G", ...}}, "goodput": {LABEL: tokens} | null}`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -93,34 +98,28 @@ def replay_goodput(bounds: dict[str, Any], rate: float, requests: int, seeds: li
     return {label: float(np.mean(values)) for label, values in goodput.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(bundled("alpaca_eval_lengths.jsonl.gz")))
     parser.add_argument("--rate", type=float, default=3.0, help="jitserve-mix job rate for the replay")
     parser.add_argument("--requests", type=int, default=1500, help="jobs per replay")
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--no-replay", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON")
+    args = parser.parse_args(argv)
 
     from adapt.traces import split_by_instruction
 
     train, test = split_by_instruction(load_trace(args.data), 0.3)
     print(f"{args.data}: {len(train):,} training responses, {len(test):,} held out", flush=True)
     fitted = fit_predictors(train)
-    head = " | ".join(f"after {g}" for g in POINTS)
-    lines = [f"| predictor | fit s | coverage {head} | over-estimation {head} | mean bound {head} |"]
-    lines.append("|---|---|---|---|---|")
-    costs = ["| predictor | new prompt ms | refresh ms | per request of 500 ms |", "|---|---|---|---|"]
+    results: dict[str, dict[str, float]] = {}
     for label, (model, seconds) in fitted.items():
-        metrics = model.evaluate(test)
-        cells = [
-            " / ".join(f"{metrics[f'{k}_at_{g}']:.{d}f}" for g in POINTS)
-            for k, d in (("coverage", 3), ("overestimate", 1), ("bound_mean", 0))
-        ]
-        lines.append(f"| {label} | {seconds:.1f} | " + " | ".join(cells) + " |")
-        fresh, refresh, batch = latency_ms(model, test)
-        costs.append(f"| {label} | {fresh:.2f} | {refresh:.3f} | {batch:.4f} |")
-    print("\n".join(["", *lines, "", *costs]))
+        quality = {key: float(value) for key, value in model.evaluate(test).items()}
+        costs = zip(("new_prompt_ms", "refresh_ms", "per_request_ms"), latency_ms(model, test), strict=True)
+        results[label] = {"fit_s": seconds, **dict(costs), **quality}
+    print("\n".join(["", *tables(results)]))
+    goodput = None
     if not args.no_replay:
         seeds = [int(s) for s in args.seeds.split(",")]
         bounds = {label: model for label, (model, _) in fitted.items()}
@@ -131,6 +130,29 @@ def main() -> None:
         )
         for label, value in goodput.items():
             print(f"  {label:<36} {value / 1e6:.3f} M tokens")
+    if args.json:
+        report = {"data": args.data, "train": len(train), "held_out": len(test), "predictors": results}
+        Path(args.json).write_text(json.dumps({**report, "goodput": goodput}, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+def tables(results: dict[str, dict[str, float]]) -> list[str]:
+    """The printed tables: quality after each point of generation, then what a bound costs."""
+    head = "after " + "/".join(str(g) for g in POINTS)  # one column per figure, its points in the cell
+    lines = [f"| predictor | fit s | coverage {head} | over-estimation {head} | mean bound {head} |"]
+    lines.append("|---|---|---|---|---|")
+    costs = ["| predictor | new prompt ms | refresh ms | per request of 500 ms |", "|---|---|---|---|"]
+    for label, figures in results.items():
+        cells = [
+            " / ".join(f"{figures[f'{k}_at_{g}']:.{d}f}" for g in POINTS)
+            for k, d in (("coverage", 3), ("overestimate", 1), ("bound_mean", 0))
+        ]
+        lines.append(f"| {label} | {figures['fit_s']:.1f} | " + " | ".join(cells) + " |")
+        costs.append(
+            f"| {label} | {figures['new_prompt_ms']:.2f} | {figures['refresh_ms']:.3f} |"
+            f" {figures['per_request_ms']:.4f} |"
+        )
+    return [*lines, "", *costs]
 
 
 if __name__ == "__main__":
