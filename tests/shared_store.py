@@ -1,9 +1,10 @@
 """A real shared store for tests: PostgreSQL (the `pgserver` wheel: server binaries that pip
 installs, no system service) behind a real `mlflow server` with served artifacts, on loopback.
 
-This is the set-up the README's "Beyond one machine" section describes, started per test session:
-an MLflow tracking server whose backend store is PostgreSQL, and the PostgreSQL URL itself for
-Optuna's RDB storage (a study shared by several tuning workers).
+This is the set-up the README's "Sharing one MLflow store and one Optuna study across machines"
+section describes, started per test session: an MLflow tracking server whose backend store is
+PostgreSQL, and the PostgreSQL URL itself for Optuna's RDB storage (a study shared by several
+tuning workers).
 """
 
 from __future__ import annotations
