@@ -1,5 +1,5 @@
 """`experiments.bench_embed_placement`: its arguments are checked before any server starts (the
-measurement itself serves two real servers per round; its figures are in the README)."""
+measurement itself serves two real servers per round; its figures are in docs/benchmarks.md)."""
 
 import json
 
