@@ -131,8 +131,14 @@ def main(argv: list[str] | None = None) -> None:
         for label, value in goodput.items():
             print(f"  {label:<36} {value / 1e6:.3f} M tokens")
     if args.json:
-        report = {"data": args.data, "train": len(train), "held_out": len(test), "predictors": results}
-        Path(args.json).write_text(json.dumps({**report, "goodput": goodput}, indent=2) + "\n")
+        report = {
+            "data": args.data,
+            "train": len(train),
+            "held_out": len(test),
+            "predictors": results,
+            "goodput": goodput,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
 
 
