@@ -15,7 +15,9 @@ was read already, a step or a request logged twice, counts once):
 `ewsjf-meta-policy` (its queue layout is refit on the logged prompt lengths, keeping Theta, and
 gated on a replay of the logged requests),
 `prompts*.jsonl[.gz]` prompt/response files for `semantic-history`, `qrf-length` and
-`neural-length`, and
+`neural-length` -- and, for these three, the request logs themselves when the server logged prompt
+texts (`adapt serve --log-dir DIR --log-prompts`): each finished request is a prompt with the
+length it really had, in the served model's tokens, which is what the live policy counts -- and
 `programs*.jsonl` compound-program graphs for `pattern-graph`.
 Components tuned on replay (`slai-offset`, EWSJF's Theta) are retrained by `adapt tune`.
 
@@ -167,33 +169,66 @@ def logged_requests(logs: list[Trace], most: int = REPLAY_MOST) -> list[Request]
     ]
 
 
-def _prompt_responses(data_dir: Path) -> Trace | None:
-    """Every `prompts*.jsonl[.gz]` (alpaca format: instruction, output) as one trace, or None."""
-    files = _files(data_dir, ("prompts*.jsonl", "prompts*.jsonl.gz"))
-    if not files:
-        return None
-    traces = [load_trace(f) for f in files]
-    columns = {key: [v for t in traces for v in t.columns.get(key, [])] for key in traces[0].columns}
-    return Trace(
-        "+".join(f.name for f in files),
+@dataclass
+class PromptData:
+    """What a prompt component is refitted on, and where it came from (for the result's detail)."""
+
+    trace: Trace | None
+    prompt_files: int
+    request_logs: int  # request logs with prompt texts, each logged request counted once
+    logs_without_text: int  # request logs of a server run without --log-prompts (not usable)
+
+    def describe(self) -> str:
+        parts = [f"{self.prompt_files} prompt file(s)", f"{self.request_logs} request log(s) with prompts"]
+        if self.logs_without_text:
+            parts.append(f"{self.logs_without_text} without prompts skipped (serve with --log-prompts)")
+        return ", ".join(parts)
+
+
+def _prompt_responses(data_dir: Path) -> PromptData:
+    """Every `prompts*.jsonl[.gz]` (alpaca format: instruction, output) and every request log whose
+    finished requests carry their prompt text, as one trace (None when there is neither).
+
+    A request log holds a prompt text on every line or on none (`--log-prompts` is per server
+    run, and a restarted server starts a new file); aborted and dropped requests are not read
+    (their lengths are not the answers' lengths). Only columns every source has are kept."""
+    prompt_files = _files(data_dir, ("prompts*.jsonl", "prompts*.jsonl.gz"))
+    logs = _unique_requests([load_trace(f, "requestlog") for f in _files(data_dir, ("requests*.jsonl",))])
+    with_text = [log for log in logs if log.prompt_text is not None and len(log)]
+    without_text = sum(1 for log in logs if log.prompt_text is None and len(log))
+    traces = [load_trace(f) for f in prompt_files] + with_text
+    for path, trace in zip(prompt_files, traces, strict=False):
+        if trace.prompt_text is None:
+            raise ValueError(f"{path}: a prompts file needs prompt texts (alpaca: instruction, output)")
+    if not traces:
+        return PromptData(None, 0, 0, without_text)
+    shared = set.intersection(*(set(t.columns) for t in traces))
+    trace = Trace(
+        f"{len(prompt_files)} prompt file(s) and {len(with_text)} request log(s) in {data_dir}",
         np.concatenate([t.prompt_tokens for t in traces]),
         np.concatenate([t.output_tokens for t in traces]),
-        prompt_text=[text for t in traces for text in (t.prompt_text or [])] or None,
-        columns={k: v for k, v in columns.items() if len(v) == sum(len(t) for t in traces)},
+        prompt_text=[text for t in traces for text in t.prompt_text],  # type: ignore[union-attr]
+        columns={key: [v for t in traces for v in t.columns[key]] for key in sorted(shared)},
     )
+    return PromptData(trace, len(prompt_files), len(with_text), without_text)
 
 
 def prompt_retrainer(name: str, train: Callable[..., TrainOutcome], metric: str) -> Retrainer:
-    """Refit a component trained on prompt/response files from `prompts*.jsonl[.gz]`."""
+    """Refit a component trained on prompts and their answers' lengths: from `prompts*.jsonl[.gz]`
+    and from request logs written with prompt texts (see `_prompt_responses`)."""
 
     def retrain(registry: Registry, data_dir: Path, margin: float) -> RetrainResult:
-        trace = _prompt_responses(data_dir)
-        if trace is None:
-            return RetrainResult(name, "no data", detail=f"no prompts*.jsonl[.gz] in {data_dir}")
+        data = _prompt_responses(data_dir)
+        if data.trace is None:
+            detail = f"no prompts*.jsonl[.gz] and no request log with prompt texts in {data_dir}"
+            if data.logs_without_text:
+                detail += f" ({data.logs_without_text} request log(s) without them: serve with --log-prompts)"
+            return RetrainResult(name, "no data", detail=detail)
         outcome = train(
-            registry, trace, promote_if_better=True, margin=margin, skip_unchanged=True, replay=True
+            registry, data.trace, promote_if_better=True, margin=margin, skip_unchanged=True, replay=True
         )
-        return _result(name, outcome, f"held-out {metric} {outcome.metrics.get(metric, float('nan')):.4g}")
+        score = outcome.metrics.get(metric, float("nan"))
+        return _result(name, outcome, f"held-out {metric} {score:.4g}; from {data.describe()}")
 
     return retrain
 

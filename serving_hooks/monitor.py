@@ -2,7 +2,8 @@
 
 Both are JSONL files in one directory (`ADAPT_LOG_DIR`, set by `adapt serve --log-dir`), named so
 `adapt retrain --data-dir` picks them up: `requests-<n>.jsonl` (one `CompletedRequest` per finished,
-aborted or dropped request; prompt text only with `ADAPT_LOG_PROMPTS=1`) and `steps-<n>.jsonl`
+aborted or dropped request; prompt text only with `ADAPT_LOG_PROMPTS=1`, which lets the prompt
+components be refitted from the log alone) and `steps-<n>.jsonl`
 (the `adapt.steplog` columns of every scheduling step plus its start and measured duration).
 
 Durability: records are buffered and handed to the OS every `flush_every` records or

@@ -516,7 +516,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--policy", required=True, help="policy spec, e.g. jitserve or sarathi:order=spf")
     serve.add_argument("--watch-interval", type=POSITIVE, default=5.0, help="registry poll interval (s)")
     serve.add_argument("--log-dir", help="write requests-*.jsonl and steps-*.jsonl here (for adapt retrain)")
-    serve.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log")
+    serve.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="include prompt text in the request log (adapt retrain then refits the prompt components)",
+    )
     serve.add_argument(
         "--follow-policy-config",
         action="store_true",

@@ -216,3 +216,90 @@ def test_a_bad_engine_file_fails_the_layout_retrain_with_its_path(tmp_path):
     (data / ENGINE_FILE).write_text("{")
     with pytest.raises(ValueError, match=r"engine\.json: not JSON"):
         retrain_ewsjf_layout(registry, data, margin=0.0)
+
+
+def _alpaca_rows(generator: str, instructions: int) -> list[dict]:
+    import gzip
+    import json
+
+    from adapt.workloads import bundled
+
+    with gzip.open(bundled("alpaca_eval_lengths.jsonl.gz"), "rt") as handle:
+        rows = [json.loads(line) for line in handle]
+    keep = set(sorted({r["instruction"] for r in rows})[:instructions])
+    return [r for r in rows if r["instruction"] in keep and r["generator"] == generator]
+
+
+def _served(rows: list[dict], with_prompts: bool, start_s: float) -> list[dict]:
+    """The request log a server writes for these prompts, answered at their logged lengths
+    (`adapt serve --log-dir [--log-prompts]`) from `start_s` on, one aborted request among them."""
+    from adapt.requests import CompletedRequest
+
+    records = [
+        CompletedRequest(
+            f"req-{start_s:.0f}-{i}",  # a server's ids are unique across its runs
+            arrival_s=start_s + i,
+            prompt_tokens=max(1, len(r["instruction"].split())),
+            output_tokens=r["output_tokens"],
+            first_token_s=start_s + i + 0.5,
+            finish_s=start_s + i + 9.0,
+            prompt_text=r["instruction"] if with_prompts else None,
+        )
+        for i, r in enumerate(rows)
+    ]
+    aborted = CompletedRequest(
+        "req-aborted",
+        0.0,
+        5,
+        3,
+        0.2,
+        None,
+        outcome="aborted",
+        prompt_text="cut short" if with_prompts else None,
+    )
+    return [r.to_dict() for r in [*records, aborted]]
+
+
+def test_prompt_components_retrain_from_the_servers_own_request_logs(tmp_path):
+    """A server that logs prompt texts (`--log-prompts`) feeds `qrf-length` (and semantic-history,
+    neural-length) without any prompts file: each finished request is a prompt and the length its
+    answer really had. The champion was fitted on a terse model's answers (phi-2, median 67
+    tokens); the server now answers as a verbose one does (Yi-34B-Chat, median 490), so the refit's
+    held-out coverage beats the champion's on the same requests. A log written without prompt
+    texts is skipped and said so; aborted requests are not answers and are not read."""
+    import json
+
+    from adapt.traces import load_trace
+    from pipelines.catalogue import entry
+    from pipelines.jitserve import train_qrf_length
+
+    def write(path, records):
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    registry = Registry(f"sqlite:///{tmp_path / 'r.db'}", cache_dir=tmp_path / "c")
+    terse = tmp_path / "terse.jsonl"
+    write(terse, _alpaca_rows("phi-2", 200))
+    train_qrf_length(registry, load_trace(terse), promote_if_better=True)
+    data = tmp_path / "logs"
+    data.mkdir()
+    write(data / "requests-000001.jsonl", _served(_alpaca_rows("Yi-34B-Chat", 200), False, 0.0))
+    retrain = entry("qrf-length").retrain
+    result = retrain(registry, data, 0.0)
+    assert (
+        result.status == "no data"
+        and "1 request log(s) without them: serve with --log-prompts" in result.detail
+    )
+
+    verbose = _alpaca_rows("Yi-34B-Chat", 200)
+    write(data / "requests-000002.jsonl", _served(verbose, True, 1000.0))
+    result = retrain(registry, data, 0.0)
+    assert result.status == "registered" and result.version == 2, result
+    assert "from 0 prompt file(s), 1 request log(s) with prompts, 1 without prompts skipped" in result.detail
+    window = registry.load("qrf-length", version=2).metadata["data_window"]
+    assert window["train_rows"] + window["test_rows"] == len(verbose)  # the aborted one left out
+    candidate = registry.version_metrics("qrf-length", 2)
+    champion_on_same_rows = registry.load("qrf-length", version=1).evaluate(
+        load_trace(data / "requests-000002.jsonl", "requestlog")
+    )
+    assert candidate["coverage_at_0"] > champion_on_same_rows["coverage_at_0"] + 0.2
+    assert retrain(registry, data, 0.0).status == "unchanged"  # the same logs again: nothing new
