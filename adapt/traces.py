@@ -19,7 +19,9 @@ Supported formats (auto-detected from the extension and the header/first record)
 - `alpaca`: AlpacaEval-style prompt/response JSON or JSONL (`instruction`, `output` or a counted
   `output_tokens`, optional `generator`, `category`); token counts come from a named tokenizer (see
   `adapt.tokenizer`).
-- `requestlog`: this project's own request logs (JSONL of `CompletedRequest` records).
+- `requestlog`: this project's own request logs (JSONL of `CompletedRequest` records). Like every
+  trace its arrivals start at 0; column `logged_arrival_s` keeps them as logged, on the server's
+  clock, so logs of one server read together keep their requests apart in time.
 """
 
 from __future__ import annotations
@@ -507,6 +509,7 @@ def _load_requestlog(path: Path) -> Trace:
             "ttft_s": [r.ttft_s for r in records],
             "ttlt_s": [r.ttlt_s for r in records],
             "request_id": [r.request_id for r in records],
+            "logged_arrival_s": [r.arrival_s for r in records],
         },
     )
 

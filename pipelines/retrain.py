@@ -139,11 +139,12 @@ def served_engine(registry: Registry, data_dir: Path) -> tuple[tuple[CostModel, 
 
 def _unique_requests(logs: list[Trace]) -> list[Trace]:
     """Each logged request once, however many logs hold it. Ids are unique per engine only, so a
-    request is known by its id, arrival and output length together."""
+    request is known by its id, arrival (as logged) and output length together."""
     seen: set[tuple] = set()
     unique = []
     for log in logs:
-        keys = zip(log.columns["request_id"], log.arrival_s.tolist(), log.output_tokens.tolist(), strict=True)
+        arrivals = log.columns["logged_arrival_s"]
+        keys = zip(log.columns["request_id"], arrivals, log.output_tokens.tolist(), strict=True)
         fresh = []
         for row, key in enumerate(keys):
             if key not in seen:
@@ -156,8 +157,10 @@ def _unique_requests(logs: list[Trace]) -> list[Trace]:
 def logged_requests(logs: list[Trace], most: int = REPLAY_MOST) -> list[Request]:
     """The most recent `most` finished requests of request logs, as requests to replay: their
     logged arrivals (shifted to start at 0) and true lengths -- the traffic a gate should judge
-    a scheduling component on."""
-    arrivals = np.concatenate([log.arrival_s for log in logs])
+    a scheduling component on. Arrivals are taken as logged, on the server's clock: each log's own
+    (which start at 0) would lay the logs of consecutive windows on top of each other, and the gate
+    would judge at their summed rate."""
+    arrivals = np.concatenate([np.asarray(log.columns["logged_arrival_s"], dtype=np.float64) for log in logs])
     prompts = np.concatenate([log.prompt_tokens for log in logs])
     outputs = np.concatenate([log.output_tokens for log in logs])
     keep = np.argsort(arrivals, kind="stable")[-most:]

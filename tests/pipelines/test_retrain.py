@@ -303,3 +303,24 @@ def test_prompt_components_retrain_from_the_servers_own_request_logs(tmp_path):
     )
     assert candidate["coverage_at_0"] > champion_on_same_rows["coverage_at_0"] + 0.2
     assert retrain(registry, data, 0.0).status == "unchanged"  # the same logs again: nothing new
+
+
+def test_the_gate_replays_consecutive_logs_one_after_the_other(tmp_path):
+    """Every loaded trace starts at 0, but two logs of one server are two stretches of time: the
+    gate's replay keeps them apart (laid on top of each other, it would judge a layout at twice
+    the rate the server saw). The same request in two logs is one request."""
+    from adapt.replay.metrics import write_request_log
+    from adapt.traces import load_trace
+    from pipelines.retrain import _unique_requests, logged_requests
+
+    spec = WORKLOADS["ewsjf-mixed"]
+    engine = ReplayEngine(make_policy("fcfs"), roofline(spec.model, spec.gpu, tp=spec.tp), EngineConfig())
+    records = sorted(engine.run(spec.build(10.0, 400, seed=3)).records, key=lambda r: r.arrival_s)
+    write_request_log(records[:200], tmp_path / "requests-1.jsonl")
+    write_request_log(records[150:], tmp_path / "requests-2.jsonl")  # 50 requests in both
+    logs = _unique_requests([load_trace(tmp_path / f"requests-{n}.jsonl", "requestlog") for n in (1, 2)])
+    assert sum(len(log) for log in logs) == 400
+    replayed = logged_requests(logs)
+    expected = [r.arrival_s - records[0].arrival_s for r in records]
+    assert [r.arrival_s for r in replayed] == pytest.approx(expected)
+    assert [r.output_tokens for r in replayed] == [r.output_tokens for r in records]
