@@ -4,9 +4,11 @@ For each drift scenario (`adapt.workloads.drift`) and seed, one long replay per 
 identical requests, each arm with its own MLflow registry (sqlite in a temp directory):
 
 - `stale`: the champion fitted on pre-shift traffic, never retrained;
-- `loop`: the same champion, then every `window_s` simulated seconds the served requests are
-  logged in `adapt serve`'s request-log format, `adapt retrain`'s code refits on the newest logs,
-  its gate decides, and promotions are hot-swapped between steps (`pipelines.replay_loop`); once,
+- `loop`: the same champion, then every `window_s` simulated seconds the served requests and the
+  engine's steps are logged as `adapt serve --log-dir` logs them, `adapt retrain`'s code refits the
+  cost model and the layout on the newest logs (its gate replaying the logged requests on the
+  served engine, timed by that cost model), and promotions are hot-swapped between steps
+  (`pipelines.replay_loop`); once,
   a window after the shift, a deliberately bad candidate -- a layout fitted on corrupted prompt
   lengths (each replaced by 8192 / length: long and short swapped) -- goes through the same gate,
   which must refuse it;
@@ -53,7 +55,7 @@ from experiments.drift_windows import mean_after, mean_before, recovery_s, windo
 from pipelines.catalogue import retrainers
 from pipelines.ewsjf import train_ewsjf_meta
 from pipelines.replay_loop import Decision, RetrainLoop
-from pipelines.retrain import logged_requests
+from pipelines.retrain import logged_requests, served_engine
 from predictors.ewsjf_meta import EwsjfMetaPolicy
 from serving_hooks.policies.ewsjf import EWSJF
 
@@ -104,7 +106,8 @@ def bad_candidate_hook(
     registry: Registry, at_s: float, margin: float
 ) -> Callable[[float, Path], list[Decision]]:
     """Put one bad candidate through the gate at the first checkpoint at or after `at_s`, gated
-    on a replay of the clean logged requests of that checkpoint's window."""
+    on a replay of the clean logged requests of that checkpoint's window, on the engine the layout
+    retrain's gate uses there."""
     done = False
 
     def hook(now: float, data_dir: Path) -> list[Decision]:
@@ -115,12 +118,14 @@ def bad_candidate_hook(
         done = True
         logs = [load_trace(f, "requestlog") for f in files]
         lengths = np.concatenate([log.prompt_tokens for log in logs]).astype(np.float64)
+        engine, _ = served_engine(registry, data_dir)  # as the loop's own layout retrain judges
         outcome = train_ewsjf_meta(
             registry,
             lengths=corrupted(lengths),
             promote_if_better=True,
             margin=margin,
             replay_requests=logged_requests(logs),
+            replay_engine=engine,
         )
         ours = outcome.metrics.get("replay_ttft_mean", math.nan)
         theirs = (outcome.champion_metrics or {}).get("replay_ttft_mean", math.nan)
@@ -139,9 +144,10 @@ def _registry(root: Path, arm: str, seed: int) -> Registry:
     return registry
 
 
-def _engine(spec: WorkloadSpec, registry: Registry) -> ReplayEngine:
+def _engine(spec: WorkloadSpec, registry: Registry, record_steps: bool = False) -> ReplayEngine:
     cost = roofline(spec.model, spec.gpu, tp=spec.tp)
-    return ReplayEngine(EWSJF(registry.champion(COMPONENT)), cost, spec.engine_config())
+    config = spec.engine_config(record_steps=record_steps)
+    return ReplayEngine(EWSJF(registry.champion(COMPONENT)), cost, config)
 
 
 def _oracle_layout(
@@ -202,7 +208,7 @@ def run_cell(name: str, seed: int, size: Size, root: Path, margin: float = 0.0) 
 
     loop_registry = _registry(root, "loop", seed)
     loop = RetrainLoop(
-        _engine(spec, loop_registry),
+        _engine(spec, loop_registry, record_steps=True),  # its gate replays on this engine
         loop_registry,
         root / "loop-logs",
         retrainers(),

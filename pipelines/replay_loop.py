@@ -3,9 +3,15 @@
 Every `every_s` seconds of simulated time, between two engine steps (`adapt.replay.checkpoints`):
 
 1. the requests that left the engine since the last checkpoint are written as a request log,
-   `requests-<n>.jsonl` in `log_dir`, in the format `adapt serve --log-dir` writes;
+   `requests-<n>.jsonl` in `log_dir`, in the format `adapt serve --log-dir` writes -- and, when the
+   engine records its steps (`EngineConfig(record_steps=True)`), its steps as `steps-<n>.csv` and
+   its limits as `engine.json`, as a server writes them too;
 2. `adapt retrain`'s own code (`pipelines.retrain.retrain_once`, the catalogue's retrainers for the
-   components the policy uses) refits on the newest `history` logs, and its gate decides;
+   components the policy uses, and `cost-model` when steps are logged) refits on the newest
+   `history` logs, and its gate decides. With the step logs, a gate that replays the logged
+   requests (the EWSJF layout's) replays them on the engine that served them, timed by the cost
+   model just refitted from its steps, as it does for a live server; without them, on the gate's
+   default engine, whose speed and size need not be the served engine's;
 3. the policy's slots (`adapt.hotswap.PolicySlots`) follow the champion alias, so a promoted
    version is swapped into the running policy before the next step, as `adapt serve` does.
 
@@ -17,6 +23,7 @@ with the retrain's decisions.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,7 +32,7 @@ from pathlib import Path
 from adapt.hotswap import PolicySlots
 from adapt.registry import Registry
 from adapt.replay.checkpoints import checkpoint_times, run_with_checkpoints
-from adapt.replay.engine import ReplayEngine
+from adapt.replay.engine import ENGINE_FILE, ReplayEngine
 from adapt.replay.metrics import ReplayResult, write_request_log
 from adapt.requests import Request
 from pipelines.retrain import Retrainer, RetrainResult, retrain_once
@@ -68,7 +75,8 @@ class RetrainLoop:
         self.registry = registry
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        used = set(engine.policy.components.values())
+        self.logs_steps = engine.config.record_steps
+        used = set(engine.policy.components.values()) | ({"cost-model"} if self.logs_steps else set())
         self.retrainers = {name: r for name, r in retrainers.items() if name in used}
         self.history = history
         self.margin = margin
@@ -77,7 +85,11 @@ class RetrainLoop:
         self.decisions: list[Decision] = []
         self.swaps: list[tuple[float, str, int]] = []  # (at_s, component, version) that went live
         self._logged = 0
-        self._logs: list[Path] = []
+        self._steps_logged = 0
+        self._logs: list[list[Path]] = []  # per checkpoint: its request log and step log
+        if self.logs_steps:  # the limits the gate's replay should use; it need not record steps
+            limits = dataclasses.replace(engine.config, record_steps=False)
+            (self.log_dir / ENGINE_FILE).write_text(limits.to_json())
         self.apply(0.0)  # the champion serves from the start
 
     def apply(self, at_s: float) -> dict[str, int]:
@@ -90,9 +102,13 @@ class RetrainLoop:
         """Log, retrain, gate, swap (see module doc)."""
         records = self.engine.recorder.closed_since(self._logged)
         self._logged += len(records)
+        logs = []
         if records:
-            path = self.log_dir / f"requests-{len(self._logs):06d}.jsonl"
-            self._logs.append(write_request_log(records, path))
+            logs.append(write_request_log(records, self.log_dir / f"requests-{len(self._logs):06d}.jsonl"))
+        if self.logs_steps:
+            logs.extend(self._write_steps(self.log_dir / f"steps-{len(self._logs):06d}.csv"))
+        if logs:
+            self._logs.append(logs)
         data_dir = self._window(at_s)
         decisions = self.before_retrain(at_s, data_dir) if self.before_retrain else []
         with contextlib.redirect_stderr(io.StringIO()):  # retrain's per-component progress lines
@@ -103,12 +119,26 @@ class RetrainLoop:
             decision.swapped = swapped.get(decision.component) == decision.version
         self.decisions.extend(decisions)
 
+    def _write_steps(self, path: Path) -> list[Path]:
+        """The steps run since the last checkpoint as a step log (none: no file)."""
+        import pandas as pd
+
+        steps = pd.DataFrame(self.engine.recorder.step_log()).iloc[self._steps_logged :]
+        self._steps_logged += len(steps)
+        if steps.empty:
+            return []
+        steps.to_csv(path, index=False)
+        return [path]
+
     def _window(self, at_s: float) -> Path:
-        """A data directory holding (links to) the newest `history` request logs."""
+        """A data directory holding (links to) the newest `history` checkpoints' logs, and the
+        engine's limits when it logs its steps."""
         window = self.log_dir / f"window-{at_s:09.1f}"
         window.mkdir()
-        for log in self._logs[-self.history :]:
+        for log in [path for logs in self._logs[-self.history :] for path in logs]:
             (window / log.name).symlink_to(log.resolve())
+        if self.logs_steps:
+            (window / ENGINE_FILE).symlink_to((self.log_dir / ENGINE_FILE).resolve())
         return window
 
     def run(self, requests: Sequence[Request], every_s: float, until_s: float) -> ReplayResult:

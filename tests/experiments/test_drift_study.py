@@ -20,15 +20,25 @@ def test_the_stale_layout_degrades_the_loop_recovers_and_the_bad_candidate_is_re
     bad = [d for d in cell["decisions"] if d["source"] == "bad-candidate"]
     assert len(bad) == 1 and bad[0]["version"] is not None and not bad[0]["promoted"]
     assert cell["bad_candidate_refused"]
-    # the loop promoted after the shift, and every promotion went live between steps
-    promoted = [d for d in cell["decisions"] if d["promoted"]]
+    # the loop promoted layouts after the shift, and every one went live between steps
+    promoted = [d for d in cell["decisions"] if d["promoted"] and d["component"] == "ewsjf-meta-policy"]
     assert promoted and all(d["swapped"] for d in promoted)
     assert any(d["at_s"] >= cell["shift_s"] for d in promoted)
     assert {v for _, _, v in cell["swaps"]} >= {d["version"] for d in promoted}
-    # the request logs the retrains read are in serve's format
+    # the logs the retrains read are serve's: requests, steps and the engine's limits; the layout's
+    # gate replayed on that engine, timed by the cost model refitted from those steps
     logs = sorted((tmp_path / "loop-logs").glob("requests-*.jsonl"))
     record = json.loads(logs[0].read_text().splitlines()[0])
     assert {"request_id", "arrival_s", "prompt_tokens", "output_tokens", "outcome"} <= set(record)
+    assert (
+        sorted((tmp_path / "loop-logs").glob("steps-*.csv"))
+        and (tmp_path / "loop-logs" / "engine.json").is_file()
+    )
+    assert any(d["component"] == "cost-model" and d["status"] == "registered" for d in cell["decisions"])
+    layouts = [
+        d for d in cell["decisions"] if d["component"] == "ewsjf-meta-policy" and d["source"] == "retrain"
+    ]
+    assert all("on the server's engine (cost-model v" in d["detail"] for d in layouts)
 
 
 def test_the_study_command_writes_the_json_and_the_plot(tmp_path, monkeypatch):
