@@ -1,0 +1,191 @@
+"""Does a stale length bound cost JITServe goodput? (issue 26: which learned part a drift stales)
+
+The drift a length predictor meets most often in practice is a model upgrade: the same prompts,
+answered at other lengths. AlpacaEval has exactly that, for real: the answers of 24 models to the
+same 678 instructions. Here the server's model changes from `--old` to `--new` (default: GPT-4
+0613 -> GPT-4 1106-preview, median answer 252 -> 471 WordPiece tokens), and `jitserve` serves the
+new model's traffic with
+
+- `stale`: a `qrf-length` fitted on the old model's answers (what a champion would be);
+- `fresh`: the same forest fitted on the new model's answers (what a retrain would promote);
+- `online quantile`: no learned bound (JITServe's fallback: a running quantile of finished lengths);
+- `oracle`: `jitserve-oracle`, the true lengths (an upper reference).
+
+Both forests are fitted on the training instructions (`split_by_instruction`) and judged on the
+held-out ones: their bound's coverage of the new answers, and jitserve's token goodput on
+`jitserve-mix` (its engine settings, the pattern graph fitted as `jitserve_study` does) whose
+latency and deadline requests are held-out instructions answered at the new model's lengths.
+If `stale` loses little to `fresh`, a drift scenario for this part would show nothing a retrain
+loop could win back, whatever the loop does.
+
+    .venv/bin/python -m experiments.bound_staleness [--old G,...] [--new G,...] [--rates 2.0,3.0]
+                                                    [--requests 1500] [--seeds 1,2,3] [--json OUT]
+
+`--json OUT`: `{"old", "new", "coverage": {"stale", "fresh"}, "cells": [{"rate", "seed",
+"goodput": {ARM: tokens}, "served": {ARM: share}}], "mean": {RATE: {ARM: tokens}},
+"stale_over_fresh": {RATE: [per seed]}}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adapt.replay.cost import roofline
+from adapt.replay.engine import ReplayEngine
+from adapt.requests import Request
+from adapt.traces import Trace, load_trace, split_by_instruction
+from adapt.workloads import WORKLOADS, bundled, jitserve_mix
+from experiments.jitserve_study import fit_components
+from predictors.qrf_length import QrfLength
+from serving_hooks.policies import make_policy
+
+OLD = ("gpt4_0613",)
+NEW = ("gpt4_1106_preview",)
+ARMS = ("stale", "fresh", "online quantile", "oracle")
+
+
+def answered_by(trace: Trace, generators: tuple[str, ...]) -> Trace:
+    """The rows of `trace` answered by one of `generators` (a name the data lacks is an error)."""
+    names = np.asarray(trace.columns["generator"])
+    missing = sorted(set(generators) - set(names.tolist()))
+    if missing:
+        raise ValueError(
+            f"no answers from {', '.join(missing)}; the data has {', '.join(sorted(set(names)))}"
+        )
+    return trace.take(np.flatnonzero(np.isin(names, generators)))
+
+
+def with_new_answers(requests: list[Request], answers: Trace, seed: int) -> list[Request]:
+    """`requests` with each latency and deadline request's prompt and length drawn from `answers`
+    (compound calls keep theirs): the same arrivals, the new model's traffic."""
+    rng = np.random.default_rng(seed)
+    changed = []
+    for request in requests:
+        if request.label in ("latency", "deadline"):
+            row = int(rng.integers(0, len(answers)))
+            request = dataclasses.replace(
+                request,
+                prompt_tokens=int(answers.prompt_tokens[row]),
+                output_tokens=int(answers.output_tokens[row]),
+                prompt_text=answers.prompt_text[row],  # type: ignore[index]
+            )
+        changed.append(request)
+    return changed
+
+
+def policies(stale: Any, fresh: Any, patterns: Any) -> dict[str, Any]:
+    return {
+        "stale": make_policy("jitserve", qrf=stale, patterns=patterns),
+        "fresh": make_policy("jitserve", qrf=fresh, patterns=patterns),
+        "online quantile": make_policy("jitserve", patterns=patterns),
+        "oracle": make_policy("jitserve-oracle"),
+    }
+
+
+def run(
+    old: tuple[str, ...], new: tuple[str, ...], rates: list[float], requests: int, seeds: list[int]
+) -> dict[str, Any]:
+    train, test = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
+    started = time.perf_counter()
+    stale = QrfLength(generated_features=0).fit(answered_by(train, old))
+    fresh = QrfLength(generated_features=0).fit(answered_by(train, new))
+    _, patterns = fit_components()
+    new_answers = answered_by(test, new)
+    coverage = {
+        "stale": float(stale.evaluate(new_answers)["coverage_at_0"]),
+        "fresh": float(fresh.evaluate(new_answers)["coverage_at_0"]),
+    }
+    print(
+        f"forests fitted in {time.perf_counter() - started:.0f} s; coverage of the new answers on"
+        f" arrival (q = 0.95): stale {coverage['stale']:.3f}, fresh {coverage['fresh']:.3f}",
+        file=sys.stderr,
+        flush=True,
+    )
+    spec = WORKLOADS["jitserve-mix"]
+    cost = roofline(spec.model, spec.gpu, tp=spec.tp)
+    cells = []
+    for rate in rates:
+        for seed in seeds:
+            workload = with_new_answers(jitserve_mix(rate, requests, seed), new_answers, seed)
+            goodput, served = {}, {}
+            for arm, policy in policies(stale, fresh, patterns).items():
+                metrics = ReplayEngine(policy, cost, spec.engine_config()).run(workload).metrics()
+                goodput[arm] = int(metrics["goodput_tokens"])
+                served[arm] = 1.0 - metrics["dropped"] / metrics["num_requests"]
+            cells.append({"rate": rate, "seed": seed, "goodput": goodput, "served": served})
+            print(
+                f"rate {rate} seed {seed}: "
+                + ", ".join(f"{arm} {goodput[arm] / 1e6:.3f} M" for arm in ARMS)
+                + f"; stale / fresh {goodput['stale'] / goodput['fresh']:.3f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    mean = {
+        str(rate): {
+            arm: float(np.mean([c["goodput"][arm] for c in cells if c["rate"] == rate])) for arm in ARMS
+        }
+        for rate in rates
+    }
+    ratios = {
+        str(rate): [c["goodput"]["stale"] / c["goodput"]["fresh"] for c in cells if c["rate"] == rate]
+        for rate in rates
+    }
+    return {
+        "old": list(old),
+        "new": list(new),
+        "coverage": coverage,
+        "cells": cells,
+        "mean": mean,
+        "stale_over_fresh": ratios,
+    }
+
+
+def table(report: dict[str, Any]) -> str:
+    """Mean token goodput per rate (M tokens), and stale over fresh per seed."""
+    rows = [
+        f"| job rate | {' | '.join(ARMS)} | stale / fresh per seed |",
+        "|---" * (len(ARMS) + 2) + "|",
+    ]
+    for rate, means in report["mean"].items():
+        ratios = ", ".join(f"{r:.3f}" for r in report["stale_over_fresh"][rate])
+        rows.append(f"| {rate} | " + " | ".join(f"{means[arm] / 1e6:.3f}" for arm in ARMS) + f" | {ratios} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", default=",".join(OLD), help="generators of the model before the upgrade")
+    parser.add_argument("--new", default=",".join(NEW), help="generators of the model after it")
+    parser.add_argument("--rates", default="2.0,3.0", help="jitserve-mix job rates (its default is 2.0)")
+    parser.add_argument("--requests", type=int, default=1500, help="jobs per replay")
+    parser.add_argument("--seeds", default="1,2,3")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    report = run(
+        tuple(args.old.split(",")),
+        tuple(args.new.split(",")),
+        [float(r) for r in args.rates.split(",")],
+        args.requests,
+        [int(s) for s in args.seeds.split(",")],
+    )
+    print(f"old {', '.join(report['old'])} -> new {', '.join(report['new'])}")
+    coverage = report["coverage"]
+    print(f"coverage of the new answers: stale {coverage['stale']:.3f}, fresh {coverage['fresh']:.3f}")
+    print(table(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""`experiments.bound_staleness`: the model-upgrade drift for JITServe's length bound, on real answers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from adapt.traces import load_trace, split_by_instruction
+from adapt.workloads import bundled, jitserve_mix
+from experiments import bound_staleness
+
+
+def test_the_new_models_traffic_keeps_arrivals_and_programs_and_takes_its_lengths():
+    _, test = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
+    verbose = bound_staleness.answered_by(test, ("Yi-34B-Chat",))
+    assert set(verbose.columns["generator"]) == {"Yi-34B-Chat"}
+    before = jitserve_mix(2.0, 120, seed=4)
+    after = bound_staleness.with_new_answers(before, verbose, seed=4)
+    assert [r.arrival_s for r in after] == [r.arrival_s for r in before]
+    lengths = set(zip(verbose.prompt_text, verbose.output_tokens.tolist(), strict=True))
+    for old, new in zip(before, after, strict=True):
+        if new.label in ("latency", "deadline"):
+            assert (new.prompt_text, new.output_tokens) in lengths
+            assert new.slo == old.slo and new.request_id == old.request_id
+        else:  # a compound program's calls are not AlpacaEval answers
+            assert new == old
+    with pytest.raises(ValueError, match="no answers from gpt-9"):
+        bound_staleness.answered_by(test, ("gpt-9",))
+
+
+@pytest.mark.slow
+def test_a_small_run_reports_coverage_and_goodput_per_arm(tmp_path, capsys):
+    """The forest fitted on the old model's answers covers the new, longer ones worse than the
+    refit does (real AlpacaEval lengths: gpt4_0613 answers about half as long as gpt4_1106_preview)."""
+    out = tmp_path / "staleness.json"
+    argv = ["--rates", "2.0", "--requests", "120", "--seeds", "5", "--json", str(out)]
+    assert bound_staleness.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["coverage"]["stale"] < report["coverage"]["fresh"] - 0.2
+    (cell,) = report["cells"]
+    assert set(cell["goodput"]) == set(bound_staleness.ARMS)
+    assert all(0.0 < share <= 1.0 for share in cell["served"].values())
+    ratio = cell["goodput"]["stale"] / cell["goodput"]["fresh"]
+    assert report["stale_over_fresh"]["2.0"] == [ratio]
+    assert np.isclose(report["mean"]["2.0"]["oracle"], cell["goodput"]["oracle"])
+    assert f"| 2.0 | {cell['goodput']['stale'] / 1e6:.3f} |" in capsys.readouterr().out
