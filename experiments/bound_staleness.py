@@ -43,7 +43,7 @@ from adapt.replay.engine import ReplayEngine
 from adapt.requests import Request
 from adapt.traces import Trace, load_trace, split_by_instruction
 from adapt.workloads import WORKLOADS, bundled, jitserve_mix
-from experiments.jitserve_study import fit_components
+from experiments.jitserve_study import fit_pattern_graph
 from predictors.qrf_length import QrfLength
 from serving_hooks.policies import make_policy
 
@@ -97,7 +97,7 @@ def run(
     started = time.perf_counter()
     stale = QrfLength(generated_features=0).fit(answered_by(train, old))
     fresh = QrfLength(generated_features=0).fit(answered_by(train, new))
-    _, patterns = fit_components()
+    patterns = fit_pattern_graph()
     new_answers = answered_by(test, new)
     coverage = {
         "stale": float(stale.evaluate(new_answers)["coverage_at_0"]),

@@ -39,16 +39,22 @@ from serving_hooks.policies import make_policy
 NON_ORACLE = ("fcfs", "sarathi", "edf", "edf (512-token budget)", "plas", "ltr+qrf", "jitserve")
 
 
-def fit_components() -> tuple[Any, Any]:
-    from adapt.traces import split_by_instruction
+def fit_pattern_graph() -> Any:
+    """The pattern graph `adapt train pattern-graph` fits by default (generated programs)."""
     from adapt.workloads.compound import generate_graphs
     from pipelines.jitserve import GENERATED_TRAIN
     from predictors.pattern_graph import PatternGraph
+
+    return PatternGraph().fit(generate_graphs(*GENERATED_TRAIN))
+
+
+def fit_components() -> tuple[Any, Any]:
+    from adapt.traces import split_by_instruction
     from predictors.qrf_length import QrfLength
 
     train, _ = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
     qrf = QrfLength(generated_features=0).fit(train)
-    return qrf, PatternGraph().fit(generate_graphs(*GENERATED_TRAIN))
+    return qrf, fit_pattern_graph()
 
 
 def load_components(spec: str) -> tuple[Any, Any]:

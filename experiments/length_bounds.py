@@ -81,10 +81,10 @@ def replay_goodput(bounds: dict[str, Any], rate: float, requests: int, seeds: li
     from adapt.replay.cost import roofline
     from adapt.replay.engine import ReplayEngine
     from adapt.workloads import WORKLOADS, jitserve_mix
-    from experiments.jitserve_study import fit_components
+    from experiments.jitserve_study import fit_pattern_graph
     from serving_hooks.policies import make_policy
 
-    _, patterns = fit_components()
+    patterns = fit_pattern_graph()
     spec = WORKLOADS["jitserve-mix"]
     cost = roofline(spec.model, spec.gpu, tp=spec.tp)
     goodput: dict[str, list[float]] = {}
