@@ -199,10 +199,11 @@ def _prompt_responses(data_dir: Path) -> PromptData:
     logs = _unique_requests([load_trace(f, "requestlog") for f in _files(data_dir, ("requests*.jsonl",))])
     with_text = [log for log in logs if log.prompt_text is not None and len(log)]
     without_text = sum(1 for log in logs if log.prompt_text is None and len(log))
-    traces = [load_trace(f) for f in prompt_files] + with_text
-    for path, trace in zip(prompt_files, traces, strict=False):
+    prompt_traces = [load_trace(f) for f in prompt_files]
+    for path, trace in zip(prompt_files, prompt_traces, strict=True):
         if trace.prompt_text is None:
             raise ValueError(f"{path}: a prompts file needs prompt texts (alpaca: instruction, output)")
+    traces = prompt_traces + with_text
     if not traces:
         return PromptData(None, 0, 0, without_text)
     shared = set.intersection(*(set(t.columns) for t in traces))
