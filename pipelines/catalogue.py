@@ -137,7 +137,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
             PROMPTS_HELP,
             _prompt_trainer(jitserve.train_qrf_length),
             evaluate=jitserve.evaluate_qrf_length,
-            retrain=retrain.prompt_retrainer("qrf-length", jitserve.train_qrf_length, "coverage_error"),
+            retrain=retrain.prompt_retrainer("qrf-length", jitserve.train_qrf_length, "pinball_loss"),
         ),
         CatalogueEntry(
             "neural-length",
@@ -146,7 +146,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
             _prompt_trainer(neural_length.train_neural_length),
             evaluate=neural_length.evaluate_neural_length,
             retrain=retrain.prompt_retrainer(
-                "neural-length", neural_length.train_neural_length, "coverage_error"
+                "neural-length", neural_length.train_neural_length, "pinball_loss"
             ),
         ),
         CatalogueEntry(

@@ -2,7 +2,8 @@
 
 `adapt train qrf-length`: split a prompt/response file by instruction (30% held out), fit the
 forest (with its split-conformal calibration), score coverage and over-estimation on the held-out
-instructions, register, and promote when `coverage_error` beats the champion's on the same rows.
+instructions, register, and promote when `pinball_loss` (the quantile loss, which rewards a bound
+that is tight as well as calibrated) beats the champion's on the same rows.
 The bundled AlpacaEval slice has response lengths but not texts, so on it the bound is refined on
 the generated-token count alone (`generated_features=0`), which is also all the replay can offer.
 
@@ -45,7 +46,7 @@ def train_qrf_length(
     replay: bool = False,
     **params: Any,
 ) -> TrainOutcome:
-    """Gate: held-out coverage error; replay metric: jitserve's token goodput with this bound."""
+    """Gate: held-out pinball loss; replay metric: jitserve's token goodput with this bound."""
     trace = load_prompt_responses(data, "qrf-length")
     if not _has_response_text(trace):
         params.setdefault("generated_features", 0)
@@ -58,7 +59,7 @@ def train_qrf_length(
 
     spec = PipelineSpec(
         "qrf-length",
-        "coverage_error",
+        "pinball_loss",
         lower_is_better=True,
         build=QrfLength,
         split=instruction_window(trace, data, test_share),

@@ -1,9 +1,10 @@
 """`adapt train neural-length` and `adapt evaluate neural-length`.
 
-Same data, split and gate as `qrf-length` (instructions split 70/30, coverage error of the 0.95
-bound on the held-out instructions), so the two bound predictors are directly comparable. The
-network's per-epoch pinball losses go to the version's own MLflow run through Lightning's
-`MLFlowLogger`: the run is opened before training and the registered version is logged into it.
+Same data, split and gate as `qrf-length` (instructions split 70/30, the 0.95 bound's pinball
+loss on the held-out instructions, its coverage within the band), so the two bound predictors are
+directly comparable. The network's per-epoch pinball losses go to the version's own MLflow run
+through Lightning's `MLFlowLogger`: the run is opened before training and the registered version is
+logged into it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def train_neural_length(
     replay: bool = False,
     **params: Any,
 ) -> TrainOutcome:
-    """Gate: held-out coverage error; replay metric: jitserve's token goodput with this bound."""
+    """Gate: held-out pinball loss; replay metric: jitserve's token goodput with this bound."""
     trace = load_prompt_responses(data, "neural-length")
 
     def fit(candidate: NeuralLength, train: Trace, registry: Registry) -> str:
@@ -43,7 +44,7 @@ def train_neural_length(
 
     spec = PipelineSpec(
         "neural-length",
-        "coverage_error",
+        "pinball_loss",
         lower_is_better=True,
         build=NeuralLength,
         split=instruction_window(trace, data, test_share),

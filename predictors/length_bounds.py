@@ -9,8 +9,10 @@ forest and a quantile network is on equal terms:
 - calibration: a split-conformal factor per refinement point, measured on instructions held out
   of the fit (`calibration_rows`, `conformal_scales`, `apply_scales`), because a model's own high
   quantile under-covers on prompts it has not seen;
-- scoring: coverage, mean over-estimation and mean bound after 0/50/100/200 tokens, and
-  `coverage_error`, the largest miss of the target quantile (`coverage_metrics`);
+- scoring: coverage, mean over-estimation and mean bound after 0/50/100/200 tokens,
+  `coverage_error`, the largest miss of the target quantile, and `pinball_loss`, the quantile loss
+  the gate compares (`coverage_metrics`): coverage error alone is no score to rank bounds by,
+  since a bound ten times too high covers everything and misses a 0.95 quantile by only 0.05;
 - evidence: both refuse to fit on fewer than `LEAST_PROMPTS` distinct prompts, and the gate refuses
   a bound whose held-out coverage misses its quantile by more than `COVERAGE_BAND`
   (`check_coverage`): a "0.95 bound" covering 60% of requests is not one.
@@ -85,7 +87,17 @@ def coverage_metrics(
     remaining: np.ndarray, bound: np.ndarray, generated: np.ndarray, quantile: float
 ) -> dict[str, float]:
     """Coverage (share of remaining <= bound), mean over-estimation (bound / remaining) and mean
-    bound at each of EVAL_POINTS; `coverage_error` is the largest |coverage - quantile|."""
+    bound at each of EVAL_POINTS; `coverage_error` is the largest |coverage - quantile|, and
+    `pinball_loss` the mean quantile (pinball) loss at `quantile` over every row.
+
+    The pinball loss is what the gate ranks two bounds by: it is a proper scoring rule for a
+    quantile (its expectation is least at the true one), so it rewards a bound that is both
+    calibrated and tight. Coverage error is not: when the served model's answers got half as long
+    (AlpacaEval, GPT-4 1106-preview -> 0613), the stale bound covered every held-out answer and
+    missed 0.95 by 0.05, a refit on the new answers by 0.077, so a gate on coverage error kept the
+    stale one; their pinball losses are 31.0 and 18.6 (`tests/pipelines/test_retrain.py`)."""
+    from sklearn.metrics import mean_pinball_loss  # scoring only: a serving process never needs it
+
     metrics: dict[str, float] = {}
     for g in EVAL_POINTS:
         mask = generated == g
@@ -96,6 +108,7 @@ def coverage_metrics(
     metrics["coverage_error"] = max(
         abs(metrics[f"coverage_at_{g}"] - quantile) for g in EVAL_POINTS if f"coverage_at_{g}" in metrics
     )
+    metrics["pinball_loss"] = float(mean_pinball_loss(remaining, bound, alpha=quantile))
     return metrics
 
 

@@ -48,7 +48,7 @@ class NeuralLength(BoundEvidence, LearnedComponent):
     """Upper bound (quantile `quantile`) on the remaining output length (see module docstring)."""
 
     name = "neural-length"
-    primary_metric = "coverage_error"
+    primary_metric = "pinball_loss"
     lower_is_better = True
 
     def __init__(

@@ -58,7 +58,7 @@ class QrfLength(BoundEvidence, LearnedComponent):
     """Upper bound (quantile `quantile`) on the remaining output length (see module docstring)."""
 
     name = "qrf-length"
-    primary_metric = "coverage_error"
+    primary_metric = "pinball_loss"
     lower_is_better = True
 
     def __init__(
@@ -194,7 +194,7 @@ class QrfLength(BoundEvidence, LearnedComponent):
 
     def evaluate(self, data: Any) -> dict[str, float]:
         """Coverage and over-estimation after 0, 50, 100 and 200 generated tokens
-        (`length_bounds.coverage_metrics`); `coverage_error` is the gate's metric."""
+        (`length_bounds.coverage_metrics`); `pinball_loss` is the gate's metric."""
         X, y, points = self._training_rows(data, EVAL_POINTS)
         return coverage_metrics(y, self._bound(X), points, self.quantile)
 

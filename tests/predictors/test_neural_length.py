@@ -60,6 +60,19 @@ def test_coverage_metrics_by_hand():
     assert metrics["coverage_at_0"] == 0.5
     assert metrics["overestimate_at_0"] == pytest.approx((2.0 + 2 / 3) / 2)
     assert metrics["coverage_error"] == pytest.approx(0.45)
+    # 0.95 quantile loss: 0.05 * (20 - 10) over, 0.95 * (30 - 20) under, mean (0.5 + 9.5) / 2
+    assert metrics["pinball_loss"] == pytest.approx(5.0)
+
+
+def test_the_gate_metric_prefers_a_tight_bound_to_one_ten_times_too_high():
+    """Remaining lengths 1..20: a bound of 200 covers all (misses 0.95 by 0.05); a bound of 17
+    covers 0.85 (misses by 0.10), so coverage error would keep the useless one. Pinball loss:
+    0.05 * (200 - 10.5) = 9.475 against (0.05 * (0 + ... + 16) + 0.95 * (1 + 2 + 3)) / 20 = 0.625."""
+    remaining, at_0 = np.arange(1.0, 21.0), np.zeros(20, dtype=int)
+    high = coverage_metrics(remaining, np.full(20, 200.0), at_0, 0.95)
+    tight = coverage_metrics(remaining, np.full(20, 17.0), at_0, 0.95)
+    assert high["coverage_error"] == pytest.approx(0.05) and tight["coverage_error"] == pytest.approx(0.10)
+    assert high["pinball_loss"] == pytest.approx(9.475) and tight["pinball_loss"] == pytest.approx(0.625)
 
 
 @pytest.mark.parametrize(
