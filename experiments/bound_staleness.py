@@ -29,7 +29,6 @@ loop could win back, whatever the loop does.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -40,7 +39,6 @@ import numpy as np
 
 from adapt.replay.cost import roofline
 from adapt.replay.engine import ReplayEngine
-from adapt.requests import Request
 from adapt.traces import Trace, load_trace, split_by_instruction
 from adapt.workloads import WORKLOADS, bundled, jitserve_mix
 from experiments.jitserve_study import fit_pattern_graph
@@ -61,24 +59,6 @@ def answered_by(trace: Trace, generators: tuple[str, ...]) -> Trace:
             f"no answers from {', '.join(missing)}; the data has {', '.join(sorted(set(names)))}"
         )
     return trace.take(np.flatnonzero(np.isin(names, generators)))
-
-
-def with_new_answers(requests: list[Request], answers: Trace, seed: int) -> list[Request]:
-    """`requests` with each latency and deadline request's prompt and length drawn from `answers`
-    (compound calls keep theirs): the same arrivals, the new model's traffic."""
-    rng = np.random.default_rng(seed)
-    changed = []
-    for request in requests:
-        if request.label in ("latency", "deadline"):
-            row = int(rng.integers(0, len(answers)))
-            request = dataclasses.replace(
-                request,
-                prompt_tokens=int(answers.prompt_tokens[row]),
-                output_tokens=int(answers.output_tokens[row]),
-                prompt_text=answers.prompt_text[row],  # type: ignore[index]
-            )
-        changed.append(request)
-    return changed
 
 
 def policies(stale: Any, fresh: Any, patterns: Any) -> dict[str, Any]:
@@ -114,7 +94,7 @@ def run(
     cells = []
     for rate in rates:
         for seed in seeds:
-            workload = with_new_answers(jitserve_mix(rate, requests, seed), new_answers, seed)
+            workload = jitserve_mix(rate, requests, seed, answers=new_answers)  # the new model's traffic
             goodput, served = {}, {}
             for arm, policy in policies(stale, fresh, patterns).items():
                 metrics = ReplayEngine(policy, cost, spec.engine_config()).run(workload).metrics()

@@ -46,8 +46,9 @@ class PipelineSpec:
     `fit(candidate, train, registry)` returns the MLflow run it logged into while training (or
     None); by default `candidate.fit(train)`. `evaluate_champion` returns None when the champion
     cannot be scored on this data (then the candidate is compared with nothing). `training_hash`
-    lets an unchanged window be skipped before fitting. `replay(registry, component)` returns
-    `replay_metric` for the policy the component drives. `least_test`: the least held-out data,
+    lets an unchanged window be skipped before fitting. `replay(registry, component, held_out)`
+    returns `replay_metric` for the policy the component drives (`held_out`: the split's test part,
+    for a check that builds its workload from the data). `least_test`: the least held-out data,
     in the component's `data_unit`, whose scores the gate may trust.
     """
 
@@ -60,7 +61,7 @@ class PipelineSpec:
     evaluate_champion: Callable[[Any, Any], dict[str, float] | None] | None = None
     fit: Callable[[Any, Any, Registry], str | None] | None = None
     training_hash: Callable[[Any], str] | None = None
-    replay: Callable[[Registry, Any], float] | None = None
+    replay: Callable[[Registry, Any, Any], float] | None = None
     replay_metric: str = ""
     replay_lower_is_better: bool = False
     least_test: int = 1
@@ -124,9 +125,9 @@ def run_pipeline(
     replay_holds = True
     if replay and spec.replay is not None:
         with steps.step(f"replay ({spec.replay_metric})"):
-            metrics[spec.replay_metric] = spec.replay(registry, candidate)
+            metrics[spec.replay_metric] = spec.replay(registry, candidate, split.test)
             if champion_metrics is not None:
-                champion_metrics[spec.replay_metric] = spec.replay(registry, champion)
+                champion_metrics[spec.replay_metric] = spec.replay(registry, champion, split.test)
         if champion_metrics is not None:
             ours, theirs = metrics[spec.replay_metric], champion_metrics[spec.replay_metric]
             lower = spec.replay_lower_is_better

@@ -178,6 +178,7 @@ def jitserve_mix(
     seed: int,
     shares: tuple[float, float, float] = (1.0, 1.0, 1.0),
     arrivals: str = "azure",
+    answers: Trace | None = None,
 ) -> list[Request]:
     """JITServe's three request patterns, 1:1:1 by default (paper section 6.1):
 
@@ -190,7 +191,9 @@ def jitserve_mix(
 
     `num_requests` counts jobs (a compound job expands into its calls). Job arrivals follow the
     real Azure conversation trace's timestamps time-scaled to `rate` (`arrivals="azure"`), or a
-    Poisson process (`arrivals="poisson"`)."""
+    Poisson process (`arrivals="poisson"`). `answers`, when given, replaces AlpacaEval as what the
+    latency and deadline requests draw their prompts and lengths from (it needs prompt texts):
+    the same mix and SLOs over another model's answers, or a server's own logged traffic."""
     from adapt.traces import split_by_instruction
     from adapt.workloads.compound import generate_programs, program_requests
 
@@ -204,7 +207,10 @@ def jitserve_mix(
         times = poisson_arrivals(num_requests, rate, rng)
     else:
         raise ValueError(f"arrivals: expected azure or poisson, got {arrivals!r}")
-    _, alpaca = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
+    if answers is None:
+        _, answers = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
+    elif answers.prompt_text is None or not len(answers):
+        raise ValueError(f"answers: {answers.name} needs at least one prompt with its text")
     kinds = rng.choice(3, size=num_requests, p=np.asarray(shares) / sum(shares))
     programs = iter(generate_programs(int((kinds == 2).sum()), seed=seed + 7919))
     requests: list[Request] = []
@@ -214,15 +220,15 @@ def jitserve_mix(
             requests.extend(program_requests(program_id, stages, float(at)))
             continue
         label = "latency" if kind == 0 else "deadline"
-        row = int(rng.integers(0, len(alpaca)))
+        row = int(rng.integers(0, len(answers)))
         requests.append(
             Request(
                 f"r{i}",
                 float(at),
-                int(alpaca.prompt_tokens[row]),
-                int(alpaca.output_tokens[row]),
+                int(answers.prompt_tokens[row]),
+                int(answers.output_tokens[row]),
                 slo=JITSERVE_SLOS[label],
-                prompt_text=alpaca.prompt_text[row],  # type: ignore[index]
+                prompt_text=answers.prompt_text[row],  # type: ignore[index]
                 label=label,
             )
         )

@@ -8,24 +8,14 @@ import numpy as np
 import pytest
 
 from adapt.traces import load_trace, split_by_instruction
-from adapt.workloads import bundled, jitserve_mix
+from adapt.workloads import bundled
 from experiments import bound_staleness
 
 
-def test_the_new_models_traffic_keeps_arrivals_and_programs_and_takes_its_lengths():
+def test_answered_by_keeps_one_models_answers_and_names_a_missing_one():
     _, test = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
     verbose = bound_staleness.answered_by(test, ("Yi-34B-Chat",))
-    assert set(verbose.columns["generator"]) == {"Yi-34B-Chat"}
-    before = jitserve_mix(2.0, 120, seed=4)
-    after = bound_staleness.with_new_answers(before, verbose, seed=4)
-    assert [r.arrival_s for r in after] == [r.arrival_s for r in before]
-    lengths = set(zip(verbose.prompt_text, verbose.output_tokens.tolist(), strict=True))
-    for old, new in zip(before, after, strict=True):
-        if new.label in ("latency", "deadline"):
-            assert (new.prompt_text, new.output_tokens) in lengths
-            assert new.slo == old.slo and new.request_id == old.request_id
-        else:  # a compound program's calls are not AlpacaEval answers
-            assert new == old
+    assert len(verbose) and set(verbose.columns["generator"]) == {"Yi-34B-Chat"}
     with pytest.raises(ValueError, match="no answers from gpt-9"):
         bound_staleness.answered_by(test, ("gpt-9",))
 

@@ -305,6 +305,60 @@ def test_prompt_components_retrain_from_the_servers_own_request_logs(tmp_path):
     assert retrain(registry, data, 0.0).status == "unchanged"  # the same logs again: nothing new
 
 
+def test_a_bound_gone_too_high_is_replaced_when_the_answers_get_shorter(tmp_path):
+    """The served model changes to one whose answers are about half as long (AlpacaEval: GPT-4
+    1106-preview, median 471 tokens -> GPT-4 0613, 252). The stale bound now covers every answer
+    -- it misses its 0.95 quantile by 0.05, no more than a refit does, so a gate on coverage error
+    kept it -- while it is far too high, which costs JITServe goodput. The gate ranks by pinball
+    loss, and its replay check draws the mix's prompts and lengths from the held-out requests of
+    the logs, not from the bundled data: the refit is promoted."""
+    import json
+
+    from adapt.traces import load_trace, split_by_instruction
+    from pipelines.catalogue import entry
+    from pipelines.jitserve import train_qrf_length
+
+    registry = Registry(f"sqlite:///{tmp_path / 'r.db'}", cache_dir=tmp_path / "c")
+    verbose = tmp_path / "verbose.jsonl"
+    verbose.write_text("".join(json.dumps(r) + "\n" for r in _alpaca_rows("gpt4_1106_preview", 200)))
+    train_qrf_length(registry, load_trace(verbose), promote_if_better=True)
+    data = tmp_path / "logs"
+    data.mkdir()
+    served = _served(_alpaca_rows("gpt4_0613", 200), True, 0.0)
+    (data / "requests-000001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in served))
+    result = entry("qrf-length").retrain(registry, data, 0.0)
+    assert result.status == "registered" and result.promoted, result
+    _, held_out = split_by_instruction(load_trace(data / "requests-000001.jsonl", "requestlog"))
+    stale, fresh = (registry.load("qrf-length", version=v).evaluate(held_out) for v in (1, 2))
+    assert stale["coverage_at_0"] == 1.0 and stale["bound_mean_at_0"] > 1.5 * fresh["bound_mean_at_0"]
+    assert stale["coverage_error"] <= fresh["coverage_error"]  # why the old gate kept the stale bound
+    assert fresh["pinball_loss"] < 0.8 * stale["pinball_loss"]
+    candidate = registry.version_metrics("qrf-length", 2)
+    assert candidate["replay_goodput_tokens"] > 0
+
+
+def test_a_bounds_replay_check_serves_the_held_out_traffic_not_the_bundled_mix(tmp_path):
+    """The replay check of a length bound draws jitserve-mix's latency and deadline requests from
+    the held-out data it is given: the same bound, replayed on a terse and on a verbose model's
+    answers, meets two different loads."""
+    from adapt.traces import Trace
+    from pipelines.replay_checks import jitserve_goodput
+
+    registry = Registry(f"sqlite:///{tmp_path / 'r.db'}", cache_dir=tmp_path / "c")
+
+    def answers(generator: str) -> Trace:
+        rows = _alpaca_rows(generator, 60)
+        texts = [r["instruction"] for r in rows]
+        lengths = [r["output_tokens"] for r in rows]
+        return Trace(
+            generator, np.array([len(t.split()) for t in texts]), np.array(lengths), prompt_text=texts
+        )
+
+    replay = jitserve_goodput("qrf")
+    terse, verbose = (replay(registry, None, answers(g)) for g in ("phi-2", "Yi-34B-Chat"))
+    assert terse > 0 and verbose > 0 and terse != verbose
+
+
 def test_the_gate_replays_consecutive_logs_one_after_the_other(tmp_path):
     """Every loaded trace starts at 0, but two logs of one server are two stretches of time: the
     gate's replay keeps them apart (laid on top of each other, it would judge a layout at twice

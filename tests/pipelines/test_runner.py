@@ -62,10 +62,11 @@ def test_a_failing_step_registers_nothing_and_keeps_the_champion(registry):
 
 def replay_scores(candidate: float, champion: float):
     """A replay check returning `candidate` on its first call and `champion` on its second (the
-    runner replays the candidate first)."""
+    runner replays the candidate first), each given the split's held-out part."""
     calls = []
 
-    def replay(registry, model):
+    def replay(registry, model, held_out):
+        assert held_out is not None
         calls.append(model)
         return candidate if len(calls) == 1 else champion
 

@@ -598,6 +598,34 @@ def test_jitserve_mix_workload_shape():
     assert any(r.program.parent_ids and r.program.after_parents_s > 0 for r in requests if r.program)
 
 
+def test_jitserve_mix_over_other_answers_keeps_arrivals_slos_and_programs():
+    """`answers=`: the same mix (arrivals, classes, SLOs, compound programs) whose latency and
+    deadline requests are another model's answers (here Yi-34B-Chat's on held-out instructions)."""
+    import dataclasses
+
+    from adapt.traces import load_trace, split_by_instruction
+    from adapt.workloads import bundled, jitserve_mix
+
+    _, test = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
+    verbose = test.take(np.flatnonzero(np.asarray(test.columns["generator"]) == "Yi-34B-Chat"))
+    before, after = jitserve_mix(2.0, 120, seed=4), jitserve_mix(2.0, 120, seed=4, answers=verbose)
+    pairs = set(zip(verbose.prompt_text, verbose.output_tokens.tolist(), strict=True))
+    for old, new in zip(before, after, strict=True):
+        assert (new.request_id, new.arrival_s, new.label, new.slo) == (
+            old.request_id,
+            old.arrival_s,
+            old.label,
+            old.slo,
+        )
+        if new.program is None:
+            assert (new.prompt_text, new.output_tokens) in pairs
+        else:  # a compound program's calls are not AlpacaEval answers
+            assert new == old
+    lengths_only = dataclasses.replace(verbose, prompt_text=None)
+    with pytest.raises(ValueError, match="needs at least one prompt with its text"):
+        jitserve_mix(2.0, 10, seed=4, answers=lengths_only)
+
+
 # ------------------------------------------------------------ compiled QRF
 def test_compiled_forest_equals_quantile_forest():
     from quantile_forest import RandomForestQuantileRegressor
