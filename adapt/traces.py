@@ -510,6 +510,7 @@ def _load_requestlog(path: Path) -> Trace:
             "ttlt_s": [r.ttlt_s for r in records],
             "request_id": [r.request_id for r in records],
             "logged_arrival_s": [r.arrival_s for r in records],
+            "logged_prompt_text": texts,  # per row (None: not logged); `prompt_text` needs every row's
         },
     )
 

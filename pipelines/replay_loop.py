@@ -3,7 +3,8 @@
 Every `every_s` seconds of simulated time, between two engine steps (`adapt.replay.checkpoints`):
 
 1. the requests that left the engine since the last checkpoint are written as a request log,
-   `requests-<n>.jsonl` in `log_dir`, in the format `adapt serve --log-dir` writes -- and, when the
+   `requests-<n>.jsonl` in `log_dir`, in the format `adapt serve --log-dir` writes (with each
+   request's prompt text when `log_prompts`, as `--log-prompts` writes it) -- and, when the
    engine records its steps (`EngineConfig(record_steps=True)`), its steps as `steps-<n>.csv` and
    its limits as `engine.json`, as a server writes them too;
 2. `adapt retrain`'s own code (`pipelines.retrain.retrain_once`, the catalogue's retrainers for the
@@ -68,6 +69,7 @@ class RetrainLoop:
         history: int = 2,
         margin: float = 0.0,
         before_retrain: BeforeRetrain | None = None,
+        log_prompts: bool = False,
     ) -> None:
         if history < 1:
             raise ValueError(f"history: must be >= 1 log, got {history}")
@@ -81,6 +83,8 @@ class RetrainLoop:
         self.history = history
         self.margin = margin
         self.before_retrain = before_retrain
+        self.log_prompts = log_prompts
+        self._prompt_texts: dict[str, str] = {}  # request id -> prompt text, when `log_prompts`
         self.slots = PolicySlots(registry, engine.policy)
         self.decisions: list[Decision] = []
         self.swaps: list[tuple[float, str, int]] = []  # (at_s, component, version) that went live
@@ -104,7 +108,8 @@ class RetrainLoop:
         self._logged += len(records)
         logs = []
         if records:
-            logs.append(write_request_log(records, self.log_dir / f"requests-{len(self._logs):06d}.jsonl"))
+            path = self.log_dir / f"requests-{len(self._logs):06d}.jsonl"
+            logs.append(write_request_log(records, path, self._prompt_texts))
         if self.logs_steps:
             logs.extend(self._write_steps(self.log_dir / f"steps-{len(self._logs):06d}.csv"))
         if logs:
@@ -143,6 +148,8 @@ class RetrainLoop:
 
     def run(self, requests: Sequence[Request], every_s: float, until_s: float) -> ReplayResult:
         """Replay `requests` with a checkpoint every `every_s` seconds up to `until_s`."""
+        if self.log_prompts:
+            self._prompt_texts = {r.request_id: r.prompt_text for r in requests if r.prompt_text is not None}
         times = checkpoint_times(every_s, until_s)
         return run_with_checkpoints(self.engine, requests, times, self.checkpoint)
 

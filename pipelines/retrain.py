@@ -31,7 +31,7 @@ import hashlib
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -188,17 +188,26 @@ class PromptData:
         return ", ".join(parts)
 
 
-def _prompt_responses(data_dir: Path) -> PromptData:
-    """Every `prompts*.jsonl[.gz]` (alpaca format: instruction, output) and every request log whose
-    finished requests carry their prompt text, as one trace (None when there is neither).
+def _answered_prompts(log: Trace) -> Trace:
+    """The finished requests of a request log whose prompt text was logged, as prompt/answer pairs.
+    A server run with `--log-prompts` logs every prompt; a log can also hold requests without one
+    (a replay's compound calls, which have no text), and those are no pairs to learn from."""
+    texts = log.columns["logged_prompt_text"]
+    rows = [row for row, text in enumerate(texts) if text is not None]
+    return replace(log.take(rows), prompt_text=[texts[row] for row in rows])
 
-    A request log holds a prompt text on every line or on none (`--log-prompts` is per server
-    run, and a restarted server starts a new file); aborted and dropped requests are not read
-    (their lengths are not the answers' lengths). Only columns every source has are kept."""
+
+def prompt_responses(data_dir: Path) -> PromptData:
+    """Every `prompts*.jsonl[.gz]` (alpaca format: instruction, output) and every request log's
+    finished requests that carry their prompt text, as one trace (None when there are none).
+
+    Aborted and dropped requests are not read (their lengths are not the answers' lengths). Only
+    columns every source has are kept."""
     prompt_files = _files(data_dir, ("prompts*.jsonl", "prompts*.jsonl.gz"))
     logs = _unique_requests([load_trace(f, "requestlog") for f in _files(data_dir, ("requests*.jsonl",))])
-    with_text = [log for log in logs if log.prompt_text is not None and len(log)]
-    without_text = sum(1 for log in logs if log.prompt_text is None and len(log))
+    answered = [_answered_prompts(log) for log in logs]
+    with_text = [pairs for pairs in answered if len(pairs)]
+    without_text = sum(1 for log, pairs in zip(logs, answered, strict=True) if len(log) and not len(pairs))
     prompt_traces = [load_trace(f) for f in prompt_files]
     for path, trace in zip(prompt_files, prompt_traces, strict=True):
         if trace.prompt_text is None:
@@ -219,10 +228,10 @@ def _prompt_responses(data_dir: Path) -> PromptData:
 
 def prompt_retrainer(name: str, train: Callable[..., TrainOutcome], metric: str) -> Retrainer:
     """Refit a component trained on prompts and their answers' lengths: from `prompts*.jsonl[.gz]`
-    and from request logs written with prompt texts (see `_prompt_responses`)."""
+    and from request logs written with prompt texts (see `prompt_responses`)."""
 
     def retrain(registry: Registry, data_dir: Path, margin: float) -> RetrainResult:
-        data = _prompt_responses(data_dir)
+        data = prompt_responses(data_dir)
         if data.trace is None:
             detail = f"no prompts*.jsonl[.gz] and no request log with prompt texts in {data_dir}"
             if data.logs_without_text:

@@ -298,8 +298,9 @@ class ReplayResult:
         return merged.quantile
 
 
-def completed_request(r: RequestRecord) -> CompletedRequest:
-    """A replayed request as the record a serving engine's request log holds for it."""
+def completed_request(r: RequestRecord, prompt_text: str | None = None) -> CompletedRequest:
+    """A replayed request as the record a serving engine's request log holds for it (with its
+    prompt's text, as `adapt serve --log-prompts` logs it, when given)."""
     return CompletedRequest(
         request_id=r.request_id,
         arrival_s=r.arrival_s,
@@ -310,15 +311,21 @@ def completed_request(r: RequestRecord) -> CompletedRequest:
         outcome="dropped" if r.dropped is not None else "finished",
         label=r.label,
         preemptions=r.preemptions,
+        prompt_text=prompt_text,
     )
 
 
-def write_request_log(records: Iterable[RequestRecord], path: str | Path) -> Path:
-    """`records` as a request log (JSONL of `CompletedRequest`), as `adapt serve --log-dir` writes."""
+def write_request_log(
+    records: Iterable[RequestRecord], path: str | Path, prompt_texts: Mapping[str, str] | None = None
+) -> Path:
+    """`records` as a request log (JSONL of `CompletedRequest`), as `adapt serve --log-dir` writes;
+    with `prompt_texts` (request id -> text; the replay's records keep no texts), as `--log-prompts`
+    writes it."""
     path = Path(path)
+    texts = prompt_texts or {}
     with open(path, "w") as handle:
         for r in records:
-            handle.write(json.dumps(completed_request(r).to_dict()) + "\n")
+            handle.write(json.dumps(completed_request(r, texts.get(r.request_id)).to_dict()) + "\n")
     return path
 
 
@@ -389,6 +396,22 @@ def _attainment(table: RecordTable) -> np.ndarray:
     return served & attained
 
 
+def goodput_tokens(table: RecordTable) -> np.ndarray:
+    """Per request, the tokens it counts toward token goodput: a latency-SLO request's on-time
+    tokens (if served), any other request's prompt and output tokens if it attained its SLO."""
+    return _goodput(table, _attainment(table))
+
+
+def _goodput(table: RecordTable, attained: np.ndarray) -> np.ndarray:
+    is_latency = table.column("slo_kind") == _code(table, "slo_kind", "latency")
+    served = table.column("dropped") < 0
+    return np.where(
+        is_latency,
+        np.where(served, table.column("ontime_tokens"), 0),
+        np.where(attained, table.column("prompt_tokens") + table.column("output_tokens"), 0),
+    )
+
+
 def _drop_causes(table: RecordTable, mask: np.ndarray) -> dict[str, int]:
     """Drops counted by cause. A dependant's reason names its parent (`parent p.s0 dropped`); those
     are counted together as `parent dropped`."""
@@ -412,15 +435,11 @@ def _aggregate(
     first = table.column("first_token_s")
     ttft = (first - arrival)[done & ~np.isnan(first)]
     ttlt = (finish - arrival)[done]
-    attained = _attainment(table) & rows
+    every_attained = _attainment(table)
+    attained = every_attained & rows
     output = table.column("output_tokens")
-    is_latency = table.column("slo_kind") == _code(table, "slo_kind", "latency")
     served = table.column("dropped") < 0
-    good = np.where(
-        is_latency,
-        np.where(served, table.column("ontime_tokens"), 0),
-        np.where(attained, table.column("prompt_tokens") + output, 0),
-    )
+    good = _goodput(table, every_attained)
     num = int(rows.sum())
     completed = int(done.sum())
     return {

@@ -67,6 +67,22 @@ def test_deadline_goodput_is_all_or_nothing():
     assert result.metrics()["goodput_tokens"] == 0
 
 
+def test_goodput_per_request_by_hand_and_summed_as_the_metric():
+    """`goodput_tokens`: per request what the goodput metric sums -- a latency request's on-time
+    tokens (3), a deadline request's prompt and output if it met its deadline (13), else 0."""
+    from adapt.replay.metrics import goodput_tokens
+
+    requests = [
+        Request("lat", 0.0, 10, 3, slo=SLO(kind="latency", ttft_s=5.0, tbt_s=5.0)),
+        Request("met", 0.0, 10, 3, slo=SLO(kind="deadline", deadline_s=5.0)),
+        Request("missed", 0.0, 10, 3, slo=SLO(kind="deadline", deadline_s=0.05)),
+    ]
+    _, result = run(requests)
+    per_request = dict(zip(result.table.request_ids, goodput_tokens(result.table).tolist(), strict=True))
+    assert per_request == {"lat": 3, "met": 13, "missed": 0}
+    assert sum(per_request.values()) == result.metrics()["goodput_tokens"]
+
+
 def test_compound_program_counts_only_if_last_stage_in_time():
     from adapt.requests import ProgramRef
 

@@ -359,6 +359,26 @@ def test_a_bounds_replay_check_serves_the_held_out_traffic_not_the_bundled_mix(t
     assert terse > 0 and verbose > 0 and terse != verbose
 
 
+def test_a_request_log_is_read_for_the_prompts_whose_text_it_logged(tmp_path):
+    """A replay logs a text only for requests that have one (a compound program's calls have
+    none): those finished requests are prompt/answer pairs; the rest of the log is not read as such."""
+    from adapt.replay.metrics import write_request_log
+    from pipelines.retrain import prompt_responses
+
+    spec = WORKLOADS["jitserve-mix"]
+    requests = spec.build(2.0, 60, seed=3)
+    engine = ReplayEngine(make_policy("fcfs"), roofline(spec.model, spec.gpu, tp=spec.tp), EngineConfig())
+    records = engine.run(requests).records
+    texts = {r.request_id: r.prompt_text for r in requests if r.prompt_text is not None}
+    write_request_log(records, tmp_path / "requests-1.jsonl", texts)
+    data = prompt_responses(tmp_path)
+    pairs = [r for r in records if r.dropped is None and r.request_id in texts]
+    assert any(r.request_id not in texts for r in records)  # compound calls, logged without text
+    assert (data.request_logs, data.logs_without_text, len(data.trace)) == (1, 0, len(pairs))
+    assert sorted(data.trace.prompt_text) == sorted(texts[r.request_id] for r in pairs)
+    assert sorted(data.trace.output_tokens.tolist()) == sorted(r.output_tokens for r in pairs)
+
+
 def test_the_gate_replays_consecutive_logs_one_after_the_other(tmp_path):
     """Every loaded trace starts at 0, but two logs of one server are two stretches of time: the
     gate's replay keeps them apart (laid on top of each other, it would judge a layout at twice
