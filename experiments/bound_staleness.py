@@ -39,26 +39,15 @@ import numpy as np
 
 from adapt.replay.cost import roofline
 from adapt.replay.engine import ReplayEngine
-from adapt.traces import Trace, load_trace, split_by_instruction
-from adapt.workloads import WORKLOADS, bundled, jitserve_mix
+from adapt.workloads import WORKLOADS, jitserve_mix
+from adapt.workloads.drift import TERSE_MODEL, VERBOSE_MODEL, model_answers
 from experiments.jitserve_study import fit_pattern_graph
 from predictors.qrf_length import QrfLength
 from serving_hooks.policies import make_policy
 
-OLD = ("gpt4_0613",)
-NEW = ("gpt4_1106_preview",)
+OLD = TERSE_MODEL  # the default drift: answers get longer (`--old`/`--new` swapped: shorter)
+NEW = VERBOSE_MODEL
 ARMS = ("stale", "fresh", "online quantile", "oracle")
-
-
-def answered_by(trace: Trace, generators: tuple[str, ...]) -> Trace:
-    """The rows of `trace` answered by one of `generators` (a name the data lacks is an error)."""
-    names = np.asarray(trace.columns["generator"])
-    missing = sorted(set(generators) - set(names.tolist()))
-    if missing:
-        raise ValueError(
-            f"no answers from {', '.join(missing)}; the data has {', '.join(sorted(set(names)))}"
-        )
-    return trace.take(np.flatnonzero(np.isin(names, generators)))
 
 
 def policies(stale: Any, fresh: Any, patterns: Any) -> dict[str, Any]:
@@ -73,12 +62,11 @@ def policies(stale: Any, fresh: Any, patterns: Any) -> dict[str, Any]:
 def run(
     old: tuple[str, ...], new: tuple[str, ...], rates: list[float], requests: int, seeds: list[int]
 ) -> dict[str, Any]:
-    train, test = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
     started = time.perf_counter()
-    stale = QrfLength(generated_features=0).fit(answered_by(train, old))
-    fresh = QrfLength(generated_features=0).fit(answered_by(train, new))
+    stale = QrfLength(generated_features=0).fit(model_answers(old, "train"))
+    fresh = QrfLength(generated_features=0).fit(model_answers(new, "train"))
     patterns = fit_pattern_graph()
-    new_answers = answered_by(test, new)
+    new_answers = model_answers(new, "test")
     coverage = {
         "stale": float(stale.evaluate(new_answers)["coverage_at_0"]),
         "fresh": float(fresh.evaluate(new_answers)["coverage_at_0"]),

@@ -2,7 +2,7 @@
 
 A learned scheduler part is fitted to the traffic it has seen; these workloads change that traffic
 at a known time so the cost of a stale part, and what retraining buys back, can be measured
-(`experiments.drift_study`). Both scenarios here stale EWSJF's queue layout (`ewsjf-meta-policy`),
+(`experiments.drift_study`). The first two stale EWSJF's queue layout (`ewsjf-meta-policy`),
 which Refine-and-Prune fits to the prompt lengths of the request log:
 
 - `drift-chat-to-summaries` (abrupt): a chat service (ShareGPT rows with 32-512-token prompts)
@@ -14,10 +14,21 @@ which Refine-and-Prune fits to the prompt lengths of the request log:
 - `drift-chat-to-summaries-gradual`: the same shift, the long share ramping up linearly over
   `ramp_s` seconds instead of at once (a client migrating its traffic).
 
+The third stales JITServe's length bound (`qrf-length`), fitted to prompts and the lengths of
+their answers:
+
+- `drift-shorter-answers`: JITServe's mix (`jitserve_mix`) whose latency and deadline requests
+  are, from the shift on, answered by another model: the same AlpacaEval instructions answered
+  by GPT-4 0613 (median 252 tokens) instead of GPT-4 1106-preview (median 471). A bound
+  fitted on the first model's answers now covers every answer and is about twice too high, so
+  GMAX reserves time for tokens that never come (`experiments.bound_staleness` measured what that
+  costs: 8% of token goodput at 3 jobs/s, nothing when answers get longer instead).
+
 Each is a pure function of (rate, number of requests, seed) like every named workload; the shift
 is placed at `shift_share` of the expected duration (num_requests / rate), so a scenario scales
 with its size. `pre_shift_lengths` draws prompt lengths of the traffic before the shift from
-another seed: what a champion serving it was trained on.
+another seed, and `model_answers` a model's answers to AlpacaEval's instructions: what a
+champion serving the traffic before the shift was trained on.
 """
 
 from __future__ import annotations
@@ -27,13 +38,15 @@ from pathlib import Path
 import numpy as np
 
 from adapt.requests import Request
-from adapt.traces import Trace, load_trace
+from adapt.traces import Trace, load_trace, split_by_instruction
 from adapt.workloads.builders import build_requests, poisson_arrivals
 
 _DATA = Path(__file__).parent / "data"
 SHORT_RANGE = (32, 512)  # ShareGPT chat prompts, as in ewsjf-mixed
 LONG_RANGE = (1024, 4096)  # arXiv summarisation prompts, as in ewsjf-mixed
 MAX_OUTPUT = 1024
+VERBOSE_MODEL = ("gpt4_1106_preview",)  # AlpacaEval generators: answers before the model change
+TERSE_MODEL = ("gpt4_0613",)  # and after it
 
 
 def _rows(file: str, low: int, high: int) -> Trace:
@@ -93,3 +106,50 @@ def pre_shift_lengths(count: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     short = _rows("sharegpt_lengths.csv.gz", *SHORT_RANGE)
     return short.prompt_tokens[rng.integers(0, len(short), size=count)].astype(np.float64)
+
+
+def answered_by(trace: Trace, generators: tuple[str, ...]) -> Trace:
+    """The rows of an AlpacaEval trace answered by one of `generators` (a name the data lacks is
+    an error, with the names it has)."""
+    names = np.asarray(trace.columns["generator"])
+    missing = sorted(set(generators) - set(names.tolist()))
+    if missing:
+        raise ValueError(
+            f"no answers from {', '.join(missing)}; the data has {', '.join(sorted(set(names)))}"
+        )
+    return trace.take(np.flatnonzero(np.isin(names, generators)))
+
+
+def model_answers(generators: tuple[str, ...], part: str = "all") -> Trace:
+    """A model's AlpacaEval answers: to every instruction (`"all"`), to the training ones
+    (`"train"`, `split_by_instruction`) or to the held-out ones (`"test"`)."""
+    trace = load_trace(_DATA / "alpaca_eval_lengths.jsonl.gz")
+    if part != "all":
+        train, test = split_by_instruction(trace)
+        trace = {"train": train, "test": test}[part]
+    return answered_by(trace, generators)
+
+
+def shorter_answers(
+    rate: float,
+    num_requests: int,
+    seed: int,
+    *,
+    shift_share: float = 1 / 3,
+    before: tuple[str, ...] = VERBOSE_MODEL,
+    after: tuple[str, ...] = TERSE_MODEL,
+) -> list[Request]:
+    """`jitserve_mix` whose latency and deadline requests are answered by `before`'s model until
+    the shift and by `after`'s from then on (see module doc); the arrivals, classes, SLOs and
+    compound programs are the mix's own throughout. The prompts are every AlpacaEval instruction,
+    not only the held-out ones `jitserve-mix` serves: a retrain splits its logs by instruction
+    (`instruction_split`), and logs of held-out instructions alone would leave it none to fit on."""
+    from adapt.workloads import jitserve_mix  # the package imports this module
+
+    old = jitserve_mix(rate, num_requests, seed, answers=model_answers(before))
+    new = jitserve_mix(rate, num_requests, seed, answers=model_answers(after))
+    shift_s = shift_time(rate, num_requests, shift_share)
+    return [
+        was if was.program is not None or was.arrival_s < shift_s else now
+        for was, now in zip(old, new, strict=True)
+    ]

@@ -33,3 +33,31 @@ def test_abrupt_and_gradual_scenarios():
     assert [r.prompt_tokens for r in abrupt.build(12.0, 300, 3)] == [
         r.prompt_tokens for r in abrupt.build(12.0, 300, 3)
     ]
+
+
+def test_the_answers_get_shorter_at_the_shift_and_nothing_else_changes():
+    """`drift-shorter-answers`: jitserve-mix's arrivals, classes, SLOs and programs throughout;
+    its latency and deadline requests answered by GPT-4 1106-preview before the shift and by
+    GPT-4 0613 (answers about half as long) from it on, over every AlpacaEval instruction."""
+    from adapt.workloads import jitserve_mix
+    from adapt.workloads.drift import TERSE_MODEL, VERBOSE_MODEL, model_answers
+
+    spec = WORKLOADS["drift-shorter-answers"]
+    requests = spec.build(3.0, 450, 2)
+    shift_s = shift_time(3.0, 450, 1 / 3)
+    mix = jitserve_mix(3.0, 450, 2)
+    assert [(r.request_id, r.arrival_s, r.label, r.slo) for r in requests] == [
+        (r.request_id, r.arrival_s, r.label, r.slo) for r in mix
+    ]
+    answers = {
+        name: set(zip(t.prompt_text, t.output_tokens.tolist(), strict=True))
+        for name, t in (("verbose", model_answers(VERBOSE_MODEL)), ("terse", model_answers(TERSE_MODEL)))
+    }
+    served = [r for r in requests if r.program is None]
+    before = [r for r in served if r.arrival_s < shift_s]
+    after = [r for r in served if r.arrival_s >= shift_s]
+    assert before and after
+    assert all((r.prompt_text, r.output_tokens) in answers["verbose"] for r in before)
+    assert all((r.prompt_text, r.output_tokens) in answers["terse"] for r in after)
+    assert np.median([r.output_tokens for r in after]) < 0.75 * np.median([r.output_tokens for r in before])
+    assert all(r == m for r, m in zip(requests, mix, strict=True) if r.program is not None)
