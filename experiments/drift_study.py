@@ -1,25 +1,24 @@
 """Drift study: does the retraining loop win back what a stale learned part loses after a shift?
 
-For each drift scenario (`adapt.workloads.drift`) and seed, one long replay per arm, all on the
-identical requests, each arm with its own MLflow registry (sqlite in a temp directory):
+For each drift scenario (`adapt.workloads.drift`; what each stales and how that part is fitted:
+`experiments.drift_scenarios`) and seed, one long replay per arm, all on the identical requests,
+each arm with its own MLflow registry (sqlite in a temp directory):
 
 - `stale`: the champion fitted on pre-shift traffic, never retrained;
-- `loop`: the same champion, then every `window_s` simulated seconds the served requests and the
-  engine's steps are logged as `adapt serve --log-dir` logs them, `adapt retrain`'s code refits the
-  cost model and the layout on the newest logs (its gate replaying the logged requests on the
-  served engine, timed by that cost model), and promotions are hot-swapped between steps
-  (`pipelines.replay_loop`); once,
-  a window after the shift, a deliberately bad candidate -- a layout fitted on corrupted prompt
-  lengths (each replaced by 8192 / length: long and short swapped) -- goes through the same gate,
-  which must refuse it;
-- `oracle`: the champion until the shift; at the shift, a layout retrained on post-shift traffic
-  is swapped in: of several fits on post-shift prompt lengths (and the champion), the one that
-  serves this run's post-shift requests best, with hindsight (`_oracle_layout`).
+- `loop`: the same champion, then every `window_s` simulated seconds the served requests (and,
+  where the gate needs them, the engine's steps or the prompts' texts) are logged as `adapt serve
+  --log-dir` logs them, `adapt retrain`'s code refits the policy's components on the newest logs
+  and its gate decides, and promotions are hot-swapped between steps (`pipelines.replay_loop`);
+  once, a window after the shift, a deliberately bad candidate -- fitted on lengths garbled (each
+  replaced by 8192 / length: long and short swapped) -- goes through the same gate, judged on the
+  clean logged data, which must refuse it;
+- `oracle`: the champion until the shift; at the shift, a version retrained on post-shift traffic
+  with hindsight is swapped in (the scenario's `oracle`).
 
-The headline is the scenario policy's (EWSJF: short-request mean TTFT), per window of arrivals and
-pooled over the windows after the shift; recovery is the time from the shift to the first window
-within 5% of the oracle, and sustained recovery to the first window from which every later one is
-(`experiments.drift_windows`).
+The headline is the scenario's (EWSJF layout: short-request mean TTFT; JITServe bound: token
+goodput per request), per window of arrivals and pooled over the windows after the shift; recovery
+is the time from the shift to the first window within 5% of the oracle, and sustained recovery to
+the first window from which every later one is (`experiments.drift_windows`).
 
     python -m experiments.drift_study [--fast] [--seeds 0,1,2] [--json OUT] [--plot-dir DIR]
 """
@@ -27,14 +26,13 @@ within 5% of the oracle, and sustained recovery to the first window from which e
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -44,184 +42,86 @@ from adapt.hotswap import PolicySlots
 from adapt.plots import figure, save
 from adapt.registry import Registry
 from adapt.replay.checkpoints import run_with_checkpoints
-from adapt.replay.cost import roofline
-from adapt.replay.engine import ReplayEngine
 from adapt.replay.metrics import ReplayResult
-from adapt.requests import Request
-from adapt.traces import load_trace
-from adapt.workloads import WORKLOADS, WorkloadSpec
-from adapt.workloads.drift import pre_shift_lengths, shift_time
+from adapt.workloads.drift import shift_time
+from experiments.drift_scenarios import SCENARIOS, Scenario, Size
 from experiments.drift_windows import mean_after, mean_before, recovery_s, window_means, within
 from pipelines.catalogue import retrainers
-from pipelines.ewsjf import train_ewsjf_meta
 from pipelines.replay_loop import Decision, RetrainLoop
-from pipelines.retrain import logged_requests, served_engine
-from predictors.ewsjf_meta import EwsjfMetaPolicy
-from serving_hooks.policies.ewsjf import EWSJF
 
-COMPONENT = "ewsjf-meta-policy"
 TOLERANCE = 0.05
-TRAIN_LENGTHS = 2000  # prompt lengths the champion and the oracle are fitted on
 SHIFT_SHARE = 1 / 3  # where the drift workloads shift (their default)
-POST_SHARE = 1 / 3  # the end of a drift workload that is wholly post-shift (after a ramp too)
-ORACLE_FITS = 4  # post-shift layouts the oracle picks the best of, with hindsight
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """A drift workload, the learned part it stales, and the headline it is judged by."""
-
-    workload: str
-    stales: str
-    metric: str  # the headline, as `by_class[label][key]` would name it
-    label: str
-    key: str
-    higher_is_better: bool
-
-
-SCENARIOS = {
-    name: Scenario(name, COMPONENT, "short-request mean TTFT (s)", "short", "ttft", False)
-    for name in ("drift-chat-to-summaries", "drift-chat-to-summaries-gradual")
-}
-
-
-@dataclass(frozen=True)
-class Size:
-    num_requests: int
-    window_s: float
-    history: int  # request logs (windows) a retrain reads
-
-
-FULL = Size(5400, 30.0, 2)
-FAST = Size(2160, 20.0, 2)
-
-
-def corrupted(lengths: np.ndarray) -> np.ndarray:
-    """The deliberately bad training data: each prompt length replaced by 8192 / length, so long
-    prompts look short and short ones long (a garbled length column)."""
-    return np.maximum(1.0, np.round(8192.0 / np.maximum(lengths, 1.0)))
+FULL = Size(450.0, 30.0, 2)
+FAST = Size(180.0, 20.0, 2)
 
 
 def bad_candidate_hook(
-    registry: Registry, at_s: float, margin: float
+    scenario: Scenario, registry: Registry, at_s: float, margin: float
 ) -> Callable[[float, Path], list[Decision]]:
-    """Put one bad candidate through the gate at the first checkpoint at or after `at_s`, gated
-    on a replay of the clean logged requests of that checkpoint's window, on the engine the layout
-    retrain's gate uses there."""
+    """Put the scenario's bad candidate through the gate once, at the first checkpoint at or after
+    `at_s` with logs to judge it on."""
     done = False
 
     def hook(now: float, data_dir: Path) -> list[Decision]:
         nonlocal done
-        files = sorted(data_dir.glob("requests*.jsonl"))
-        if done or now < at_s or not files:
+        if done or now < at_s or not any(data_dir.glob("requests*.jsonl")):
             return []
         done = True
-        logs = [load_trace(f, "requestlog") for f in files]
-        lengths = np.concatenate([log.prompt_tokens for log in logs]).astype(np.float64)
-        engine, _ = served_engine(registry, data_dir)  # as the loop's own layout retrain judges
-        outcome = train_ewsjf_meta(
-            registry,
-            lengths=corrupted(lengths),
-            promote_if_better=True,
-            margin=margin,
-            replay_requests=logged_requests(logs),
-            replay_engine=engine,
-        )
-        ours = outcome.metrics.get("replay_ttft_mean", math.nan)
-        theirs = (outcome.champion_metrics or {}).get("replay_ttft_mean", math.nan)
-        detail = f"replayed mean TTFT {ours:.3f} s vs the champion's {theirs:.3f} s"
-        return [
-            Decision(now, COMPONENT, "registered", outcome.version, outcome.promoted, detail, "bad-candidate")
-        ]
+        return [scenario.bad_candidate(registry, data_dir, margin, now)]
 
     return hook
 
 
-def _registry(root: Path, arm: str, seed: int) -> Registry:
+def _registry(root: Path, arm: str, scenario: Scenario, seed: int) -> Registry:
     """A fresh store for one arm, its champion fitted on pre-shift traffic by the real pipeline."""
     registry = Registry(f"sqlite:///{root / arm}.db", cache_dir=root / f"cache-{arm}")
-    train_ewsjf_meta(registry, lengths=pre_shift_lengths(TRAIN_LENGTHS, 1000 + seed), promote_if_better=True)
+    scenario.champion(registry, seed)
     return registry
-
-
-def _engine(spec: WorkloadSpec, registry: Registry, record_steps: bool = False) -> ReplayEngine:
-    cost = roofline(spec.model, spec.gpu, tp=spec.tp)
-    config = spec.engine_config(record_steps=record_steps)
-    return ReplayEngine(EWSJF(registry.champion(COMPONENT)), cost, config)
-
-
-def _oracle_layout(
-    spec: WorkloadSpec, size: Size, seed: int, champion: Any, requests: list[Request], shift_s: float
-) -> Any:
-    """The layout the oracle swaps in at the shift, with hindsight: the champion or one of
-    `ORACLE_FITS` layouts fitted (same Theta) on post-shift prompt lengths -- the last third of
-    the scenario, after the shift and any ramp, drawn with other seeds -- whichever gives the best
-    headline replaying this run's own post-shift requests. One refit alone is no reference:
-    Refine-and-Prune's layout varies a lot with its sample (on 500 post-shift lengths, 15 queues
-    with six for the chat range from one sample, 10 with chat and short summaries merged into one
-    queue from another), and a bad draw serves short requests worse than the stale layout."""
-    scenario = SCENARIOS[spec.name]
-    after = [
-        dataclasses.replace(r, arrival_s=r.arrival_s - shift_s) for r in requests if r.arrival_s >= shift_s
-    ]
-    start = (1 - POST_SHARE) * size.num_requests / spec.rate
-    candidates = [champion]
-    for k in range(ORACLE_FITS):
-        other = spec.build(spec.rate, size.num_requests, 100 * (k + 1) + seed)
-        lengths = np.array([r.prompt_tokens for r in other if r.arrival_s >= start], dtype=np.float64)
-        candidates.append(EwsjfMetaPolicy(**champion.get_params()).fit(lengths))
-    cost = roofline(spec.model, spec.gpu, tp=spec.tp)
-
-    def headline(meta: Any) -> float:
-        result = ReplayEngine(EWSJF(meta), cost, spec.engine_config()).run(after)
-        arrival, values = _headline_values(result, scenario)
-        value = mean_after(arrival, values, 0.0)
-        return -value if scenario.higher_is_better else value
-
-    return min(candidates, key=headline)
 
 
 def run_cell(name: str, seed: int, size: Size, root: Path, margin: float = 0.0) -> dict[str, Any]:
     """The three arms of one scenario and seed: per-window headlines, pooled values, decisions."""
-    scenario, spec = SCENARIOS[name], WORKLOADS[name]
-    requests = spec.build(spec.rate, size.num_requests, seed)
-    shift_s = shift_time(spec.rate, size.num_requests, SHIFT_SHARE)
+    scenario = SCENARIOS[name]
+    spec = scenario.spec
+    num_requests = size.num_requests(spec)
+    requests = spec.build(spec.rate, num_requests, seed)
+    shift_s = shift_time(spec.rate, num_requests, SHIFT_SHARE)
     end_s = max(r.arrival_s for r in requests)
     results: dict[str, ReplayResult] = {}
 
-    stale = _engine(spec, _registry(root, "stale", seed))
-    results["stale"] = stale.run(requests)
+    results["stale"] = scenario.engine(_registry(root, "stale", scenario, seed)).run(requests)
 
-    oracle_registry = _registry(root, "oracle", seed)
-    oracle = _engine(spec, oracle_registry)
+    oracle_registry = _registry(root, "oracle", scenario, seed)
+    oracle = scenario.engine(oracle_registry)
     oracle_slots = PolicySlots(oracle_registry, oracle.policy)
     oracle_slots.apply()
-    champion = oracle_registry.champion(COMPONENT)
-    best = _oracle_layout(spec, size, seed, champion, requests, shift_s)
+    champion = oracle_registry.champion(scenario.stales)
+    best = scenario.oracle(size, seed, oracle_registry, requests, shift_s)
 
     def retrain_at_shift(_: float) -> None:
         if best is not champion:
-            oracle_registry.promote(COMPONENT, oracle_registry.log(best))  # an oracle needs no gate
+            oracle_registry.promote(scenario.stales, oracle_registry.log(best))  # an oracle needs no gate
         oracle_slots.apply()
 
     results["oracle"] = run_with_checkpoints(oracle, requests, [shift_s], retrain_at_shift)
 
-    loop_registry = _registry(root, "loop", seed)
+    loop_registry = _registry(root, "loop", scenario, seed)
     loop = RetrainLoop(
-        _engine(spec, loop_registry, record_steps=True),  # its gate replays on this engine
+        scenario.engine(loop_registry, record_steps=scenario.record_steps),
         loop_registry,
         root / "loop-logs",
         retrainers(),
         history=size.history,
         margin=margin,
-        before_retrain=bad_candidate_hook(loop_registry, shift_s + size.window_s, margin),
+        before_retrain=bad_candidate_hook(scenario, loop_registry, shift_s + size.window_s, margin),
+        log_prompts=scenario.log_prompts,
     )
     results["loop"] = loop.run(requests, size.window_s, end_s)
 
-    num_windows = math.ceil(size.num_requests / spec.rate / size.window_s)  # the same for every seed
+    num_windows = math.ceil(size.duration_s / size.window_s)  # the same for every seed
     cell: dict[str, Any] = {"shift_s": shift_s, "window_s": size.window_s, "windows": {}}
     for arm, result in results.items():
-        arrival, values = _headline_values(result, scenario)
+        arrival, values = scenario.headline(result)
         cell["windows"][arm] = window_means(arrival, values, size.window_s, num_windows)
         cell[arm] = mean_after(arrival, values, shift_s)
         if arm == "stale":
@@ -241,18 +141,6 @@ def run_cell(name: str, seed: int, size: Size, root: Path, margin: float = 0.0) 
     cell["bad_candidate_refused"] = bool(bad) and not any(d.promoted for d in bad)
     cell["swaps"] = loop.swaps
     return cell
-
-
-def _headline_values(result: ReplayResult, scenario: Scenario) -> tuple[np.ndarray, np.ndarray]:
-    """(arrival time, headline value) of the requests the headline counts (its class)."""
-    table = result.table
-    arrival = table.column("arrival_s")
-    labels = np.array(table.vocabulary("label"), dtype=object)[table.column("label")]
-    chosen = labels == scenario.label
-    if scenario.key != "ttft":
-        raise ValueError(f"{scenario.workload}: headline key {scenario.key!r} not supported")
-    values = table.column("first_token_s") - arrival
-    return arrival[chosen], values[chosen]
 
 
 def summarise(name: str, cells: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -324,10 +212,10 @@ def table(summaries: dict[str, dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--fast", action="store_true", help="2,160 requests (180 s) instead of 5,400 (450 s), 20 s windows"
+        "--fast", action="store_true", help="180 s of traffic instead of 450 s, 20 s windows instead of 30 s"
     )
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"of {', '.join(SCENARIOS)}")
     parser.add_argument("--margin", type=float, default=0.0, help="the gate's relative margin")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot-dir", type=Path, default=Path("reports/drift"))

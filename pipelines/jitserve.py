@@ -35,6 +35,29 @@ def _has_response_text(trace: Trace) -> bool:
     return bool(getattr(trace, "columns", None)) and trace.columns.get("output_text") is not None
 
 
+def qrf_length_spec(trace: Trace, data: Any = None, test_share: float = 0.3) -> PipelineSpec:
+    """How `qrf-length` is split, scored, gated and replay-checked on `trace` (loaded from `data`):
+    by instruction, on the held-out pinball loss, with jitserve's goodput on the held-out traffic."""
+
+    def evaluate_champion(champion: QrfLength, test: Trace) -> dict[str, float] | None:
+        # A champion that reads generated text cannot be scored on lengths-only data.
+        return (
+            champion.evaluate(test) if champion.generated_features == 0 or _has_response_text(test) else None
+        )
+
+    return PipelineSpec(
+        "qrf-length",
+        "pinball_loss",
+        lower_is_better=True,
+        build=QrfLength,
+        split=instruction_window(trace, data, test_share),
+        evaluate_champion=evaluate_champion,
+        replay=jitserve_goodput("qrf"),
+        replay_metric="replay_goodput_tokens",
+        least_test=LEAST_TEST_PROMPTS,
+    )
+
+
 def train_qrf_length(
     registry: Registry,
     data: str | Path | Trace | None = None,
@@ -50,26 +73,8 @@ def train_qrf_length(
     trace = load_prompt_responses(data, "qrf-length")
     if not _has_response_text(trace):
         params.setdefault("generated_features", 0)
-
-    def evaluate_champion(champion: QrfLength, test: Trace) -> dict[str, float] | None:
-        # A champion that reads generated text cannot be scored on lengths-only data.
-        return (
-            champion.evaluate(test) if champion.generated_features == 0 or _has_response_text(test) else None
-        )
-
-    spec = PipelineSpec(
-        "qrf-length",
-        "pinball_loss",
-        lower_is_better=True,
-        build=QrfLength,
-        split=instruction_window(trace, data, test_share),
-        evaluate_champion=evaluate_champion,
-        replay=jitserve_goodput("qrf"),
-        replay_metric="replay_goodput_tokens",
-        least_test=LEAST_TEST_PROMPTS,
-    )
     return run_pipeline(
-        spec,
+        qrf_length_spec(trace, data, test_share),
         registry,
         trace,
         promote_if_better=promote_if_better,
