@@ -510,7 +510,8 @@ def _load_requestlog(path: Path) -> Trace:
             "ttlt_s": [r.ttlt_s for r in records],
             "request_id": [r.request_id for r in records],
             "logged_arrival_s": [r.arrival_s for r in records],
-            "logged_prompt_text": texts,  # per row (None: not logged); `prompt_text` needs every row's
+            # `prompt_text` is set only when every row has one; this column keeps each row's (or None)
+            "logged_prompt_text": texts,
         },
     )
 

@@ -8,7 +8,7 @@ differs per learned part is here, as the answers to five questions:
   component's real pipeline on pre-shift traffic drawn apart from the replayed requests;
 - `policy(registry)`: the serving policy over the registry's champions (its slots then follow them);
 - `oracle(size, seed, registry, requests, shift_s)`: the version an oracle swaps in at the shift;
-- `bad_candidate(registry, data_dir, margin)`: put a deliberately bad candidate, fitted on
+- `bad_candidate(registry, data_dir, margin, at_s)`: put a deliberately bad candidate, fitted on
   garbled lengths (long and short swapped), through the same gate the loop's retrain uses, judged
   on the clean logged data; what the gate did, as a `Decision`;
 - `headline(result)`: (arrival, value) of each request the headline counts.
@@ -158,7 +158,7 @@ class LayoutDrift(Scenario):
             result = ReplayEngine(EWSJF(meta), cost, spec.engine_config()).run(after)
             return mean_after(*self.headline(result), 0.0)
 
-        return min(candidates, key=served)
+        return (max if self.higher_is_better else min)(candidates, key=served)
 
     def bad_candidate(self, registry: Registry, data_dir: Path, margin: float, at_s: float) -> Decision:
         """A layout fitted on the logged prompt lengths, swapped, gated on a replay of the clean
@@ -227,7 +227,7 @@ class BoundDrift(Scenario):
         data = prompt_responses(data_dir).trace
         if data is None:
             return Decision(at_s, self.stales, "no data", None, False, "no logged prompts", "bad-candidate")
-        spec = qrf_length_spec(data)
+        spec = qrf_length_spec(data, data)  # the second names the source on the version
 
         def garbled(trace: Any) -> Split:
             split = spec.split(trace)

@@ -137,8 +137,8 @@ def run_cell(name: str, seed: int, size: Size, root: Path, margin: float = 0.0) 
             sustained=sustained,
         )
     cell["decisions"] = [asdict(d) for d in loop.decisions if d.status != "no data"]
-    bad = [d for d in loop.decisions if d.source == "bad-candidate"]
-    cell["bad_candidate_refused"] = bool(bad) and not any(d.promoted for d in bad)
+    bad = [d for d in loop.decisions if d.source == "bad-candidate" and d.status in ("registered", "refused")]
+    cell["bad_candidate_refused"] = bool(bad) and not any(d.promoted for d in bad)  # it went through the gate
     cell["swaps"] = loop.swaps
     return cell
 

@@ -36,8 +36,10 @@ def _has_response_text(trace: Trace) -> bool:
 
 
 def qrf_length_spec(trace: Trace, data: Any = None, test_share: float = 0.3) -> PipelineSpec:
-    """How `qrf-length` is split, scored, gated and replay-checked on `trace` (loaded from `data`):
-    by instruction, on the held-out pinball loss, with jitserve's goodput on the held-out traffic."""
+    """How `qrf-length` is split, scored, gated and replay-checked on `trace`: by instruction, on
+    the held-out pinball loss, with jitserve's goodput on the held-out traffic. `data` is only
+    where `trace` came from (a path, the trace itself, or None for the bundled data), recorded on
+    the version as its source."""
 
     def evaluate_champion(champion: QrfLength, test: Trace) -> dict[str, float] | None:
         # A champion that reads generated text cannot be scored on lengths-only data.

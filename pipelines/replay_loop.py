@@ -45,7 +45,7 @@ class Decision:
 
     at_s: float
     component: str
-    status: str  # registered | unchanged | no data | failed
+    status: str  # registered | unchanged | no data | failed | refused (not registered: failed its checks)
     version: int | None
     promoted: bool
     detail: str

@@ -209,8 +209,12 @@ def jitserve_mix(
         raise ValueError(f"arrivals: expected azure or poisson, got {arrivals!r}")
     if answers is None:
         _, answers = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
-    elif answers.prompt_text is None or not len(answers):
-        raise ValueError(f"answers: {answers.name} needs at least one prompt with its text")
+    elif answers.prompt_text is None:
+        raise ValueError(f"answers: {answers.name} has no prompt texts")
+    else:  # an empty answer (a log can hold one) is no request to replay
+        answers = answers.take(np.flatnonzero(answers.output_tokens > 0))
+        if not len(answers):
+            raise ValueError(f"answers: {answers.name} has no answer of one token or more")
     kinds = rng.choice(3, size=num_requests, p=np.asarray(shares) / sum(shares))
     programs = iter(generate_programs(int((kinds == 2).sum()), seed=seed + 7919))
     requests: list[Request] = []

@@ -120,10 +120,12 @@ def answered_by(trace: Trace, generators: tuple[str, ...]) -> Trace:
     return trace.take(np.flatnonzero(np.isin(names, generators)))
 
 
-def model_answers(generators: tuple[str, ...], part: str = "all") -> Trace:
-    """A model's AlpacaEval answers: to every instruction (`"all"`), to the training ones
-    (`"train"`, `split_by_instruction`) or to the held-out ones (`"test"`)."""
-    trace = load_trace(_DATA / "alpaca_eval_lengths.jsonl.gz")
+def model_answers(generators: tuple[str, ...], part: str = "all", trace: Trace | None = None) -> Trace:
+    """A model's AlpacaEval answers (from `trace` when given, already loaded): to every instruction
+    (`"all"`), to the training ones (`"train"`, `split_by_instruction`) or to the held-out ones
+    (`"test"`)."""
+    if trace is None:
+        trace = load_trace(_DATA / "alpaca_eval_lengths.jsonl.gz")
     if part != "all":
         train, test = split_by_instruction(trace)
         trace = {"train": train, "test": test}[part]
@@ -146,8 +148,9 @@ def shorter_answers(
     (`instruction_split`), and logs of held-out instructions alone would leave it none to fit on."""
     from adapt.workloads import jitserve_mix  # the package imports this module
 
-    old = jitserve_mix(rate, num_requests, seed, answers=model_answers(before))
-    new = jitserve_mix(rate, num_requests, seed, answers=model_answers(after))
+    alpaca = load_trace(_DATA / "alpaca_eval_lengths.jsonl.gz")  # loaded (and tokenised) once
+    old = jitserve_mix(rate, num_requests, seed, answers=model_answers(before, trace=alpaca))
+    new = jitserve_mix(rate, num_requests, seed, answers=model_answers(after, trace=alpaca))
     shift_s = shift_time(rate, num_requests, shift_share)
     return [
         was if was.program is not None or was.arrival_s < shift_s else now

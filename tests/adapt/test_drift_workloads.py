@@ -1,6 +1,7 @@
 """The drift workloads change their mix where they say, and only there."""
 
 import numpy as np
+import pytest
 
 from adapt.workloads import WORKLOADS
 from adapt.workloads.drift import long_share_at, shift_time
@@ -61,3 +62,15 @@ def test_the_answers_get_shorter_at_the_shift_and_nothing_else_changes():
     assert all((r.prompt_text, r.output_tokens) in answers["terse"] for r in after)
     assert np.median([r.output_tokens for r in after]) < 0.75 * np.median([r.output_tokens for r in before])
     assert all(r == m for r, m in zip(requests, mix, strict=True) if r.program is not None)
+
+
+def test_answered_by_keeps_one_models_answers_and_names_a_missing_one():
+    from adapt.traces import load_trace, split_by_instruction
+    from adapt.workloads import bundled
+    from adapt.workloads.drift import answered_by
+
+    _, test = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
+    verbose = answered_by(test, ("Yi-34B-Chat",))
+    assert len(verbose) and set(verbose.columns["generator"]) == {"Yi-34B-Chat"}
+    with pytest.raises(ValueError, match="no answers from gpt-9"):
+        answered_by(test, ("gpt-9",))

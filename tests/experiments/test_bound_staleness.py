@@ -7,18 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from adapt.traces import load_trace, split_by_instruction
-from adapt.workloads import bundled
-from adapt.workloads.drift import answered_by
 from experiments import bound_staleness
-
-
-def test_answered_by_keeps_one_models_answers_and_names_a_missing_one():
-    _, test = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
-    verbose = answered_by(test, ("Yi-34B-Chat",))
-    assert len(verbose) and set(verbose.columns["generator"]) == {"Yi-34B-Chat"}
-    with pytest.raises(ValueError, match="no answers from gpt-9"):
-        answered_by(test, ("gpt-9",))
 
 
 @pytest.mark.slow

@@ -109,7 +109,7 @@ def test_a_bound_far_from_its_quantile_is_refused(registry):
     )
     missed = bound.evaluate(longer)
     assert missed["coverage_error"] > 0.5
-    gate = Gate("coverage_error", lower_is_better=True)
+    gate = Gate("pinball_loss", lower_is_better=True)
     with pytest.raises(ComponentError, match=r"misses its quantile 0\.95 by 0\.9.*candidate not registered"):
         register_and_gate(registry, bound, missed, None, gate, promote_if_better=True)
     assert registry.names() == []

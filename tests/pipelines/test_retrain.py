@@ -264,8 +264,8 @@ def test_prompt_components_retrain_from_the_servers_own_request_logs(tmp_path):
     """A server that logs prompt texts (`--log-prompts`) feeds `qrf-length` (and semantic-history,
     neural-length) without any prompts file: each finished request is a prompt and the length its
     answer really had. The champion was fitted on a terse model's answers (phi-2, median 67
-    tokens); the server now answers as a verbose one does (Yi-34B-Chat, median 490), so the refit's
-    held-out coverage beats the champion's on the same requests. A log written without prompt
+    tokens); the server now answers as a verbose one does (Yi-34B-Chat, median 490), so the refit
+    covers the new answers far better than the champion on the same requests. A log written without prompt
     texts is skipped and said so; aborted requests are not answers and are not read."""
     import json
 

@@ -622,8 +622,17 @@ def test_jitserve_mix_over_other_answers_keeps_arrivals_slos_and_programs():
         else:  # a compound program's calls are not AlpacaEval answers
             assert new == old
     lengths_only = dataclasses.replace(verbose, prompt_text=None)
-    with pytest.raises(ValueError, match="needs at least one prompt with its text"):
+    with pytest.raises(ValueError, match="has no prompt texts"):
         jitserve_mix(2.0, 10, seed=4, answers=lengths_only)
+    # an empty answer (a request log can hold one) is never drawn: a request needs a token
+    some_empty = dataclasses.replace(
+        verbose, output_tokens=np.where(np.arange(len(verbose)) % 2, verbose.output_tokens, 0)
+    )
+    assert all(r.output_tokens > 0 for r in jitserve_mix(2.0, 120, seed=4, answers=some_empty))
+    with pytest.raises(ValueError, match="no answer of one token or more"):
+        jitserve_mix(
+            2.0, 10, seed=4, answers=dataclasses.replace(verbose, output_tokens=0 * verbose.output_tokens)
+        )
 
 
 # ------------------------------------------------------------ compiled QRF
