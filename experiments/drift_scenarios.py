@@ -5,7 +5,9 @@ study fits that part, serves it, retrains it with hindsight and corrupts it.
 differs per learned part is here, as the answers to five questions:
 
 - `champion(registry, seed)`: register and promote what served before the shift, fitted by the
-  component's real pipeline on pre-shift traffic drawn apart from the replayed requests;
+  component's real pipeline on pre-shift traffic (a layout: prompt lengths drawn with another
+  seed; a bound: the first model's answers to AlpacaEval's training instructions, which are also
+  most of the prompts served, as a model's regular prompts would be);
 - `policy(registry)`: the serving policy over the registry's champions (its slots then follow them);
 - `oracle(size, seed, registry, requests, shift_s)`: the version an oracle swaps in at the shift;
 - `bad_candidate(registry, data_dir, margin, at_s)`: put a deliberately bad candidate, fitted on
