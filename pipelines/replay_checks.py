@@ -3,9 +3,10 @@ candidate and with the champion on the same small workload (a fixed seed, so the
 only in the component).
 
 Each check is called with the pipeline's held-out data too. A check whose workload is built from
-prompts and their answers (a length bound's) draws them from it, so the candidate is judged on the
-traffic it was trained for, not on the bundled data's: after a model change, a bound fitted on the
-new answers would otherwise be replayed on the old ones and refused for it.
+prompts and their answers (a length bound's, a semantic history's) draws them from it, so the
+candidate is judged on the traffic it was trained for, not on the bundled data's: after a model
+change, a bound fitted on the new answers would otherwise be replayed on the old ones and refused
+for it.
 
 A few hundred requests keep a check to seconds on two CPU cores; it is a guard against a
 candidate that scores well offline but schedules worse, not a study (see `experiments/`).
@@ -59,8 +60,12 @@ def jitserve_goodput(part: str) -> Callable[[Registry, Any, Any], float]:
 
 def sagesched_ttlt(registry: Registry, history: Any, held_out: Any) -> float:
     """Mean time to last token of `sagesched` on sagesched-mix at 3.0 req/s with this history (the
-    policy learns online on its own copy, so the component is not changed). The bundled mix, not
-    `held_out`: sagesched-mix's length classes are built from several datasets' lengths."""
+    policy learns online on its own copy, so the component is not changed). The mix's text requests
+    are the held-out prompts at their answers' lengths (`sagesched_mix(answers=)`); its chat and
+    summarisation requests, which carry no text, stay the bundled datasets'."""
+    from adapt.workloads import sagesched_mix
     from serving_hooks.policies import make_policy
 
-    return float(_replay("sagesched-mix", 3.0, make_policy("sagesched", history=history))["ttlt_mean"])
+    requests = sagesched_mix(3.0, REPLAY_JOBS, REPLAY_SEED, answers=held_out)
+    policy = make_policy("sagesched", history=history)
+    return float(_replay("sagesched-mix", 3.0, policy, requests)["ttlt_mean"])

@@ -84,9 +84,9 @@ def train_semantic_history(
     replay: bool = False,
     **params: Any,
 ) -> TrainOutcome:
-    """Gate: held-out Wasserstein distance; replay metric: sagesched's mean TTLT on sagesched-mix.
-    The champion may have seen the test prompts (other data), so each prompt's own rows are left
-    out of its neighbours when the champion is scored."""
+    """Gate: held-out Wasserstein distance; replay metric: sagesched's mean TTLT on sagesched-mix
+    whose text requests are the held-out prompts. The champion may have seen the test prompts
+    (other data), so each prompt's own rows are left out of its neighbours when it is scored."""
     trace = load_prompt_responses(data)
     spec = PipelineSpec(
         "semantic-history",

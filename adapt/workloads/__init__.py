@@ -126,12 +126,29 @@ def azure_conv(rate: float, num_requests: int, seed: int) -> list[Request]:
     return build_requests(trace, scale_to_rate(trace.arrival_s, rate))
 
 
+def answer_rows(answers: Trace | None) -> Trace:
+    """The prompt/answer rows a mix draws its text requests from: AlpacaEval's held-out
+    instructions (`split_by_instruction`) by default, else `answers` -- which needs prompt texts,
+    and loses its empty answers (a request log can hold one; a replayed request needs a token)."""
+    from adapt.traces import split_by_instruction
+
+    if answers is None:
+        return split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))[1]
+    if answers.prompt_text is None:
+        raise ValueError(f"answers: {answers.name} has no prompt texts")
+    answers = answers.take(np.flatnonzero(answers.output_tokens > 0))
+    if not len(answers):
+        raise ValueError(f"answers: {answers.name} has no answer of one token or more")
+    return answers
+
+
 def sagesched_mix(
     rate: float,
     num_requests: int,
     seed: int,
     shares: tuple[float, float, float] = (0.6, 0.2, 0.2),
     max_total_tokens: int = 8192,
+    answers: Trace | None = None,
 ) -> list[Request]:
     """SageSched's hybrid workload: real AlpacaEval prompts with the real length of one of 24
     models' responses (label `alpaca`), chat requests with ShareGPT lengths (`chat`) and
@@ -140,11 +157,11 @@ def sagesched_mix(
     Only instructions in the held-out split (`instruction_split`, 30%) are drawn, so a
     `semantic-history` trained by `adapt train semantic-history` has never seen them and learns them
     online, as a deployment would. ShareGPT/arXiv rows carry no text; predictors see their length only.
-    Alpaca prompts are counted with the MiniLM tokenizer, the others with Llama-2's."""
-    from adapt.traces import split_by_instruction
-
+    Alpaca prompts are counted with the MiniLM tokenizer, the others with Llama-2's. `answers`, when
+    given, replaces AlpacaEval as what the `alpaca` requests draw their prompts and lengths from
+    (another model's answers, or a server's logged traffic); the chat and summarisation rows stay."""
     rng = np.random.default_rng(seed)
-    _, alpaca = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
+    alpaca = answer_rows(answers)
     chat = load_trace(bundled("sharegpt_lengths.csv.gz"))
     summarize = load_trace(bundled("arxiv_summarization_lengths.csv.gz"))
     sources = (("alpaca", alpaca), ("chat", chat), ("summarize", summarize))
@@ -194,7 +211,6 @@ def jitserve_mix(
     Poisson process (`arrivals="poisson"`). `answers`, when given, replaces AlpacaEval as what the
     latency and deadline requests draw their prompts and lengths from (it needs prompt texts):
     the same mix and SLOs over another model's answers, or a server's own logged traffic."""
-    from adapt.traces import split_by_instruction
     from adapt.workloads.compound import generate_programs, program_requests
 
     rng = np.random.default_rng(seed)
@@ -207,14 +223,7 @@ def jitserve_mix(
         times = poisson_arrivals(num_requests, rate, rng)
     else:
         raise ValueError(f"arrivals: expected azure or poisson, got {arrivals!r}")
-    if answers is None:
-        _, answers = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
-    elif answers.prompt_text is None:
-        raise ValueError(f"answers: {answers.name} has no prompt texts")
-    else:  # an empty answer (a log can hold one) is no request to replay
-        answers = answers.take(np.flatnonzero(answers.output_tokens > 0))
-        if not len(answers):
-            raise ValueError(f"answers: {answers.name} has no answer of one token or more")
+    answers = answer_rows(answers)
     kinds = rng.choice(3, size=num_requests, p=np.asarray(shares) / sum(shares))
     programs = iter(generate_programs(int((kinds == 2).sum()), seed=seed + 7919))
     requests: list[Request] = []

@@ -337,12 +337,13 @@ def test_a_bound_gone_too_high_is_replaced_when_the_answers_get_shorter(tmp_path
     assert candidate["replay_goodput_tokens"] > 0
 
 
-def test_a_bounds_replay_check_serves_the_held_out_traffic_not_the_bundled_mix(tmp_path):
-    """The replay check of a length bound draws jitserve-mix's latency and deadline requests from
-    the held-out data it is given: the same bound, replayed on a terse and on a verbose model's
-    answers, meets two different loads."""
+def test_replay_checks_serve_the_held_out_traffic_not_the_bundled_mix(tmp_path):
+    """The replay checks of a length bound and of a semantic history draw their mix's text
+    requests from the held-out data they are given: the same component, replayed on a terse and on
+    a verbose model's answers, meets two different loads."""
     from adapt.traces import Trace
-    from pipelines.replay_checks import jitserve_goodput
+    from pipelines.replay_checks import jitserve_goodput, sagesched_ttlt
+    from predictors.semantic_history import SemanticHistory
 
     registry = Registry(f"sqlite:///{tmp_path / 'r.db'}", cache_dir=tmp_path / "c")
 
@@ -357,6 +358,11 @@ def test_a_bounds_replay_check_serves_the_held_out_traffic_not_the_bundled_mix(t
     replay = jitserve_goodput("qrf")
     terse, verbose = (replay(registry, None, answers(g)) for g in ("phi-2", "Yi-34B-Chat"))
     assert terse > 0 and verbose > 0 and terse != verbose
+    # a semantic history's check too: the mix's text requests are the held-out answers, so the
+    # verbose model's traffic takes longer to serve
+    history = SemanticHistory().fit(answers("phi-2"))
+    terse, verbose = (sagesched_ttlt(registry, history, answers(g)) for g in ("phi-2", "Yi-34B-Chat"))
+    assert 0 < terse < verbose
 
 
 def test_a_request_log_is_read_for_the_prompts_whose_text_it_logged(tmp_path):

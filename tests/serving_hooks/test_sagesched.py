@@ -570,6 +570,29 @@ def test_sagesched_mix_replay_with_real_embeddings():
     assert engine.violations == [] and result.metrics()["completed"] == len(requests)
 
 
+def test_sagesched_mix_over_other_answers_keeps_arrivals_and_the_textless_rows():
+    """`answers=`: the same mix (arrivals, labels, chat and summarisation rows) whose text
+    requests are another model's answers; with AlpacaEval's held-out rows it is the default mix."""
+    import dataclasses
+
+    from adapt.traces import load_trace, split_by_instruction
+    from adapt.workloads import bundled, sagesched_mix
+
+    _, test = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
+    assert sagesched_mix(3.0, 80, seed=2, answers=test) == sagesched_mix(3.0, 80, seed=2)
+    verbose = test.take(np.flatnonzero(np.asarray(test.columns["generator"]) == "Yi-34B-Chat"))
+    before, after = sagesched_mix(3.0, 200, seed=2), sagesched_mix(3.0, 200, seed=2, answers=verbose)
+    pairs = set(zip(verbose.prompt_text, verbose.output_tokens.tolist(), strict=True))
+    for old, new in zip(before, after, strict=True):
+        assert (new.request_id, new.arrival_s, new.label) == (old.request_id, old.arrival_s, old.label)
+        if new.label == "alpaca":
+            assert (new.prompt_text, new.output_tokens) in pairs
+        else:
+            assert new.prompt_text is None and new.prompt_tokens > 0
+    with pytest.raises(ValueError, match="has no prompt texts"):
+        sagesched_mix(3.0, 10, seed=2, answers=dataclasses.replace(verbose, prompt_text=None))
+
+
 def test_replay_engine_runs_sagesched_by_name():
     result = ReplayEngine(make_policy("sagesched"), ConstantCost(0.01)).run([Request("a", 0.0, 5, 3)])
     assert result.metrics()["completed"] == 1
