@@ -128,7 +128,7 @@ class RetrainLoop:
         """The steps run since the last checkpoint as a step log (none: no file)."""
         import pandas as pd
 
-        steps = pd.DataFrame(self.engine.recorder.step_log()).iloc[self._steps_logged :]
+        steps = pd.DataFrame(self.engine.recorder.step_log(since=self._steps_logged))
         self._steps_logged += len(steps)
         if steps.empty:
             return []

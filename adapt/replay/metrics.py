@@ -628,11 +628,21 @@ class Recorder:
             self._kv[0].append(at)
             self._kv[1].append(usage)
 
-    def step_log(self) -> dict[str, np.ndarray]:
-        """Every step's features and duration, in the format `cost-model` trains on."""
+    def step_log(self, since: int = 0) -> dict[str, np.ndarray]:
+        """The features and duration of every step from the `since`-th on, in the format
+        `cost-model` trains on. Only the chunks that hold those steps are joined, so a writer that
+        checkpoints the log (the replay loop) pays for its new steps, not the whole run's."""
         if self._step_log is None:
             raise RuntimeError("step log not recorded: EngineConfig(record_steps=True)")
-        return {name: np.concatenate(chunks) for name, chunks in self._step_log.items()}
+        chunks = self._step_log.get("duration_s", [])  # every column is chunked alike
+        wanted, first, held = max(0, self._steps - since), len(chunks), 0
+        while held < wanted:
+            first -= 1
+            held += len(chunks[first])
+        return {
+            name: np.concatenate(columns[first:])[held - wanted :] if wanted else np.empty(0)
+            for name, columns in self._step_log.items()
+        }
 
     def finished(self, state: RequestState) -> None:
         record = self._open[state.id]

@@ -120,3 +120,28 @@ def test_on_time_limits_match_per_token(ttft, tbt, first_token, first, intake_de
     got = _on_time_limits(state, first, 7, intake_delay).tolist()
     assert [math.isinf(x) for x in got] == [math.isinf(x) for x in expected]
     assert [x for x in got if not math.isinf(x)] == [x for x in expected if not math.isinf(x)]
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), cuts=st.lists(st.integers(0, 400), max_size=4))
+def test_step_log_since_a_step_is_the_whole_log_from_it(seed, cuts):
+    """`step_log(since=k)` joins only the chunks it needs (decode runs are logged as one chunk of
+    many steps) and is the whole log's rows from the k-th on, past the end included."""
+    from adapt.replay.engine import EngineConfig, ReplayEngine
+    from adapt.requests import Request
+    from serving_hooks.policies import make_policy
+
+    rng = np.random.default_rng(seed)
+    requests = [
+        Request(f"r{i}", i * 0.2, int(rng.integers(20, 600)), int(rng.integers(1, 120))) for i in range(20)
+    ]
+    engine = ReplayEngine(
+        make_policy("fcfs"), roofline("llama-2-7b", "a100-80g"), EngineConfig(record_steps=True)
+    )
+    engine.run(requests)
+    whole = engine.recorder.step_log()
+    for since in [*cuts, 0, len(whole["duration_s"])]:
+        part = engine.recorder.step_log(since=since)
+        assert part.keys() == whole.keys()
+        for name, column in whole.items():
+            np.testing.assert_array_equal(part[name], column[since:])
