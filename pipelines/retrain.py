@@ -21,19 +21,24 @@ length it really had, in the served model's tokens, which is what the live polic
 `programs*.jsonl` compound-program graphs for `pattern-graph`.
 Components tuned on replay (`slai-offset`, EWSJF's Theta) are retrained by `adapt tune`.
 
+One pass reads each directory's logs once: the layout and the three prompt components share the
+parsed request logs (`_once_per_pass`), and nothing read is kept after the pass.
+
 In-process (`retrain_loop`): a pass at every fire time of a cron expression or every N seconds,
 and with `--watch` one early when a server's drift alarm goes off (`pipelines.watch`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -65,6 +70,42 @@ class RetrainResult:
 
 Retrainer = Callable[[Registry, Path, float], RetrainResult]
 """Refits one component from a log directory (with its `margin`) and says what happened."""
+
+
+_PASS_READS: ContextVar[dict[tuple[str, Path], Any] | None] = ContextVar("retrain_pass_reads", default=None)
+
+
+@contextlib.contextmanager
+def _one_read_per_pass() -> Iterator[None]:
+    """Within a `retrain_once` pass, what `_once_per_pass` reads is read once and shared by every
+    retrainer (a 64 MB request log was parsed four times a pass); dropped when the pass ends, so
+    the next pass sees what the server wrote since."""
+    token = _PASS_READS.set({})
+    try:
+        yield
+    finally:
+        _PASS_READS.reset(token)
+
+
+def _once_per_pass(what: str, data_dir: Path, read: Callable[[Path], Any]) -> Any:
+    """`read(data_dir)`, or what it returned earlier in this pass (read afresh outside one)."""
+    reads = _PASS_READS.get()
+    if reads is None:
+        return read(data_dir)
+    key = (what, data_dir.resolve())
+    if key not in reads:
+        reads[key] = read(data_dir)
+    return reads[key]
+
+
+def request_logs(data_dir: Path) -> list[Trace]:
+    """Every `requests*.jsonl` log under `data_dir`, each logged request once (`_unique_requests`)."""
+
+    def read(directory: Path) -> list[Trace]:
+        files = _files(directory, ("requests*.jsonl",))
+        return _unique_requests([load_trace(f, "requestlog") for f in files])
+
+    return _once_per_pass("request logs", data_dir, read)
 
 
 def _files(data_dir: Path, patterns: tuple[str, ...]) -> list[Path]:
@@ -100,10 +141,9 @@ def retrain_cost_model(registry: Registry, data_dir: Path, margin: float) -> Ret
 
 
 def retrain_ewsjf_layout(registry: Registry, data_dir: Path, margin: float) -> RetrainResult:
-    files = _files(data_dir, ("requests*.jsonl",))
-    if not files:
+    logs = request_logs(data_dir)
+    if not logs:
         return RetrainResult("ewsjf-meta-policy", "no data", detail=f"no requests*.jsonl in {data_dir}")
-    logs = _unique_requests([load_trace(f, "requestlog") for f in files])
     lengths = np.concatenate([log.prompt_tokens for log in logs]).astype(np.float64)
     engine, on = served_engine(registry, data_dir)
     outcome = train_ewsjf_meta(
@@ -202,9 +242,14 @@ def prompt_responses(data_dir: Path) -> PromptData:
     finished requests that carry their prompt text, as one trace (None when there are none).
 
     Aborted and dropped requests are not read (their lengths are not the answers' lengths). Only
-    columns every source has are kept."""
+    columns every source has are kept. Read once per `retrain_once` pass, for all three prompt
+    components."""
+    return _once_per_pass("prompt responses", data_dir, _read_prompt_responses)
+
+
+def _read_prompt_responses(data_dir: Path) -> PromptData:
     prompt_files = _files(data_dir, ("prompts*.jsonl", "prompts*.jsonl.gz"))
-    logs = _unique_requests([load_trace(f, "requestlog") for f in _files(data_dir, ("requests*.jsonl",))])
+    logs = request_logs(data_dir)
     answered = [_answered_prompts(log) for log in logs]
     with_text = [pairs for pairs in answered if len(pairs)]
     without_text = sum(1 for log, pairs in zip(logs, answered, strict=True) if len(log) and not len(pairs))
@@ -274,7 +319,7 @@ def retrain_once(
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise FileNotFoundError(f"{data_dir}: no such data directory")
-    with registry.store_lock("retrain"):
+    with registry.store_lock("retrain"), _one_read_per_pass():
         results = []
         for name, retrain in retrainers.items():
             print(f"retrain: {name} ...", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -404,3 +405,45 @@ def test_the_gate_replays_consecutive_logs_one_after_the_other(tmp_path):
     expected = [r.arrival_s - records[0].arrival_s for r in records]
     assert [r.arrival_s for r in replayed] == pytest.approx(expected)
     assert [r.output_tokens for r in replayed] == [r.output_tokens for r in records]
+
+
+def test_a_pass_parses_each_request_log_once_and_the_next_pass_reads_afresh(tmp_path, monkeypatch):
+    """The layout and the three prompt components all read the request logs; within one
+    `retrain_once` pass they share one parse, and the next pass sees a log written since."""
+    import json
+
+    import pipelines.retrain as retrain
+
+    registry = Registry(f"sqlite:///{tmp_path / 'r.db'}", cache_dir=tmp_path / "c")
+    data = tmp_path / "logs"
+    data.mkdir()
+
+    def write_log(name: str, start_s: float) -> None:
+        rows = _served(_alpaca_rows("phi-2", 10), True, start_s)
+        (data / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    parsed: list[str] = []
+    real_load_trace = retrain.load_trace
+
+    def counting_load_trace(path, *args, **kwargs):
+        parsed.append(Path(path).name)
+        return real_load_trace(path, *args, **kwargs)
+
+    monkeypatch.setattr(retrain, "load_trace", counting_load_trace)
+    seen: list[int] = []
+
+    def reader(registry, data_dir, margin):
+        seen.append(len(retrain.prompt_responses(data_dir).trace))
+        seen.append(sum(len(log) for log in retrain.request_logs(data_dir)))
+        return retrain.RetrainResult("reader", "unchanged")
+
+    write_log("requests-000001.jsonl", 0.0)
+    retrain.retrain_once(registry, data, {f"reader {i}": reader for i in range(4)})
+    assert parsed == ["requests-000001.jsonl"] and seen == [10, 10] * 4
+    write_log("requests-000002.jsonl", 100.0)
+    parsed.clear(), seen.clear()
+    retrain.retrain_once(registry, data, {f"reader {i}": reader for i in range(2)})
+    assert sorted(parsed) == ["requests-000001.jsonl", "requests-000002.jsonl"] and seen == [20, 20] * 2
+    parsed.clear()
+    retrain.prompt_responses(data), retrain.prompt_responses(data)  # outside a pass: read each time
+    assert len(parsed) == 4
