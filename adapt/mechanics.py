@@ -53,8 +53,10 @@ MECHANICS: dict[str, Mechanic] = {
         ),
         Mechanic(
             "preempt_and_drop",
-            "`Plan.preempt` frees a running request's KV (recompute later); `Plan.drop` ends a"
-            " waiting request, reported to its client as aborted",
+            "`Plan.preempt` frees a running request's KV (recompute later; it sits out the step it"
+            " was preempted in, and the policy hears of it after that step's admissions);"
+            " `Plan.drop` ends a waiting request, reported to its client as aborted (a plan that"
+            " drops a running one is refused: `PolicyError`)",
             _always,
         ),
         Mechanic(

@@ -170,8 +170,10 @@ class Plan:
              running cap, the token budget and free KV blocks allow (so a policy may return an
              iterator over its whole index at no cost). None admits nothing.
     defer:   running requests to leave out of this step (decode deferral).
-    preempt: running requests to preempt (their KV is freed; they return to waiting).
-    drop:    waiting requests to drop (admission control); reported with outcome `dropped`.
+    preempt: running requests to preempt (their KV is freed; they return to waiting, and are not
+             admitted again in this step; `on_preempt` comes after this step's `on_admit`s).
+    drop:    waiting requests to drop (admission control); reported with outcome `dropped`. A
+             running request is not droppable: both engines refuse the plan.
     running_order: if given, exactly these running requests are scheduled before admissions, in
              this order (the rest are deferred); default: every running request not in `defer`, in
              admission order (vLLM's rule). It is also the protection order: when KV blocks run

@@ -44,6 +44,7 @@ def make_scheduler(
     max_num_seqs: int,
     num_blocks: int,
     max_num_active_seqs: int | None = None,
+    prefix_caching: bool = True,
 ) -> Any:
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -61,7 +62,9 @@ def make_scheduler(
         **({} if max_num_active_seqs is None else {"max_num_active_seqs": max_num_active_seqs}),
     )
     model_config = ModelConfig(model=str(model_dir), dtype="float32", seed=0, max_model_len=2048)
-    cache_config = CacheConfig(block_size=BLOCK_SIZE, cache_dtype="auto")
+    cache_config = CacheConfig(
+        block_size=BLOCK_SIZE, cache_dtype="auto", enable_prefix_caching=prefix_caching
+    )
     cache_config.num_gpu_blocks = num_blocks
     vllm_config = VllmConfig(
         scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config
@@ -85,8 +88,11 @@ def make_scheduler(
     )
 
 
-def make_requests(count: int, start: int, seed: int, max_tokens: int = 1024) -> list[Any]:
-    """Random 64-token prompts, hashed into blocks as vLLM's engine core does for prefix caching."""
+def make_requests(
+    count: int, start: int, seed: int, max_tokens: int = 1024, prompt_tokens: int = PROMPT_TOKENS
+) -> list[Any]:
+    """Random prompts (64 tokens by default), hashed into blocks as vLLM's engine core does for
+    prefix caching."""
     import random
 
     from vllm.sampling_params import SamplingParams
@@ -102,7 +108,7 @@ def make_requests(count: int, start: int, seed: int, max_tokens: int = 1024) -> 
     return [
         Request(
             request_id=f"r{start + i}",
-            prompt_token_ids=[rng.randrange(1, 500) for _ in range(PROMPT_TOKENS)],
+            prompt_token_ids=[rng.randrange(1, 500) for _ in range(prompt_tokens)],
             sampling_params=params,
             pooling_params=None,
             block_hasher=hasher,

@@ -51,7 +51,7 @@ from vllm.v1.request import RequestStatus
 from adapt.mechanics import check_policy
 from adapt.policy import EngineView, Plan, RequestState, WaitingView
 from adapt.predictions import BackgroundWorker, BatchFunction, PredictionQueue, PredictionStats
-from adapt.replay.engine import ENGINE_FILE, EngineConfig
+from adapt.replay.engine import ENGINE_FILE, EngineConfig, running_drop
 from adapt.requests import SLO, CompletedRequest, ValidationError
 from adapt.steplog import ARRIVALS, POLICY_S, step_batch
 from serving_hooks.live import LiveComponents
@@ -304,6 +304,10 @@ class PolicyScheduler(AsyncScheduler):
             found.append("replay does not model vLLM's KV watermark: start vLLM without one")
         if getattr(sched, "long_prefill_token_threshold", 0):
             found.append("replay does not model long_prefill_token_threshold: leave it at 0")
+        if not getattr(sched, "enable_chunked_prefill", True):
+            found.append("replay chunks prompts larger than a step's budget: start vLLM with chunked prefill")
+        if getattr(self.vllm_config, "speculative_config", None) is not None:
+            found.append("replay does not model speculative decoding: start vLLM without it")
         return found
 
     def engine_limits(self) -> EngineConfig:
@@ -356,19 +360,26 @@ class PolicyScheduler(AsyncScheduler):
             log.warning("policy %s in vLLM differs from replay: %s", policy.name, difference)
 
     def _switch_policy(self, policy: Any) -> None:
-        """Hand every request in flight to `policy`, oldest first (waiting ones as arrivals,
-        running ones as arrivals then admissions), then let it schedule. If it is refused or
-        raises on the way, the old policy keeps serving. Its mechanics apply from the next step
-        (`_apply_mechanics`)."""
+        """Hand every request in flight to `policy`, oldest first (waiting ones as arrivals --
+        a preempted one keeps its phase, so the policy can tell it was started -- running ones as
+        arrivals then admissions), then let it schedule. If it is refused or raises on the way,
+        the old policy keeps serving, with its own prediction queues. Its mechanics apply from the
+        next step (`_apply_mechanics`)."""
         self._check(policy)
         now = time.monotonic()
         previous_queues, self.prediction_queues = self.prediction_queues, []
-        policy.use_predictions(self._prediction_queue)
-        running = {r.request_id for r in self.running}
-        for state in sorted(self._states.values(), key=lambda s: s.arrival_s):
-            policy.on_arrival(state, state.arrival_s)
-            if state.id in running:
-                policy.on_admit(state, now)
+        try:
+            policy.use_predictions(self._prediction_queue)
+            running = {r.request_id for r in self.running}
+            for state in sorted(self._states.values(), key=lambda s: s.arrival_s):
+                policy.on_arrival(state, state.arrival_s)
+                if state.id in running:
+                    policy.on_admit(state, now)
+        except Exception:
+            for queue in self.prediction_queues:
+                queue.close()
+            self.prediction_queues = previous_queues
+            raise
         log.info(
             "policy %s replaces %s with %d requests in flight",
             policy.name,
@@ -631,6 +642,9 @@ class PolicyScheduler(AsyncScheduler):
     def _apply(self, plan: Plan) -> list[Any]:
         """Apply drops, preemptions, running order/deferral and admission order; returns the
         running requests taken out for this step."""
+        for state in plan.drop:  # checked before anything changes: the step then runs as FCFS
+            if state.id in self.requests and state.id not in self._waiting_states:
+                raise running_drop(self.adapt_policy.name, state.id)
         if plan.drop:
             self._dropped_ids.update(s.id for s in plan.drop)
             if self.metrics is not None:  # counted first: the last drop may publish (idle engine)
@@ -667,12 +681,16 @@ class PolicyScheduler(AsyncScheduler):
         full = len(chosen) >= self.admission_cap
         if not self.waiting or full:
             return deferred
-        waiting_ids = {r.request_id for r in self.waiting}
+        # What the plan preempted this step sits it out, as in the replay engine: vLLM would
+        # otherwise re-admit it in the same schedule() and the policy would never hear of either.
+        preempted_now = self._preempt_order[: self._policy_preempts]
+        admissible = {r.request_id for r in self.waiting}.difference(preempted_now)
         front = []
         for state in plan.admit or ():
             if len(front) >= room:
                 break
-            if state.id in waiting_ids:
+            if state.id in admissible:
+                admissible.discard(state.id)  # a plan that lists a request twice admits it once
                 front.append(self.requests[state.id])
         # Only what the plan lists may be admitted, as in the replay engine: the rest of the queue
         # sits out this step (put back after it). Requests the policy never took (its on_arrival

@@ -65,6 +65,16 @@ class PolicyError(RuntimeError):
     """A policy broke the contract (e.g. left the engine idle with work and no wake-up time)."""
 
 
+def running_drop(policy: str, request_id: str) -> PolicyError:
+    """The error both engines raise for a plan that drops a running request: drops are admission
+    control, for waiting requests only (vLLM would abort the running one, after it streamed tokens;
+    to stop one, a policy preempts it)."""
+    return PolicyError(
+        f"policy {policy!r} dropped request {request_id!r}, which is running: a plan drops waiting"
+        " requests only (admission control); preempt a running one instead"
+    )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """vLLM-like engine limits. Defaults follow vLLM V1's online-serving defaults: chunked
@@ -195,6 +205,9 @@ class ReplayEngine:
         # Decision log (`EngineConfig.record_decisions`), in the live adapter's format.
         self.decisions: list[dict] | None = [] if self.config.record_decisions else None
         self._preempted_now: list[str] = []
+        # This step's preemptions, told to the policy once the step is planned (after its
+        # admissions, as the live adapter tells them); none of them is admitted again this step.
+        self._preempted_step: list[RequestState] = []
         self._freed_since: list[str] = []
         self._queues: dict[str, list[str]] = {}
         # When every running decode got its last token, if all got it together at the end of the
@@ -381,6 +394,7 @@ class ReplayEngine:
             elif self._bulk_decode_step(plan):
                 return
         scheduled, changed = self._schedule(plan)
+        self._tell_preempted()
         if self.decisions is not None:
             self._record_decision(trace.index if trace is not None else self.step_index, scheduled)
         previous, self._in_flight = self._in_flight, None
@@ -482,10 +496,14 @@ class ReplayEngine:
         any request changed queues (drop or preemption: re-plan at once even if nothing runs)."""
         changed = False
         for state in plan.drop:
+            if state in self.running:
+                raise running_drop(self.policy.name, state.id)
+        for state in plan.drop:
             if self.waiting.pop(state.id, None) is not None:
                 self.recorder.dropped(state, self.now, "admission control")
                 del self._true_len[state.id]
                 self._note_freed(state)
+                state.phase = "finished"
                 self.policy.on_finish(state, self.now)
                 self._parent_done(state.id, finished=False)
                 changed = True
@@ -560,15 +578,21 @@ class ReplayEngine:
         KV blocks allow; stop at the first that does not fit (vLLM's head-of-line rule). A
         request is admitted only if its whole known sequence fits in the free blocks
         (`reserve_full_sequence`, vLLM's default), though only its first chunk is allocated; one
-        still waiting for a token from before its preemption sits this step out.
+        still waiting for a token from before its preemption sits this step out, and so does one
+        preempted in this very step (vLLM's adapter holds it out too).
         `chunked=False` is vLLM V0's prefill-first mode: whole prompts only (the first one even if
         it exceeds the budget), and such a step runs nothing but those prefills."""
         admitted: list[tuple[RequestState, int]] = []
         room = self.config.max_running - len(self.running)
+        preempted = {state.id for state in self._preempted_step}
         for state in plan.admit or ():
             if room <= 0 or budget <= 0:
                 break
-            if self.waiting.get(state.id) is not state or self._placeholders.get(state.id, 0):
+            if (
+                self.waiting.get(state.id) is not state
+                or self._placeholders.get(state.id, 0)
+                or state.id in preempted  # preempted this step: back in the queue next step
+            ):
                 continue
             need = state.tokens_to_compute
             tokens = min(need, budget) if chunked else need
@@ -607,7 +631,16 @@ class ReplayEngine:
         if self.decisions is not None:
             self._preempted_now.append(state.id)
         self.waiting[state.id] = state
-        self.policy.on_preempt(state, self.now)
+        self._preempted_step.append(state)
+
+    def _tell_preempted(self) -> None:
+        """`on_preempt` for this step's preemptions, in the order they happened, after the step's
+        admissions were told: vLLM's adapter learns of both only when vLLM's `schedule()` returns,
+        so a policy whose admission order is read lazily would otherwise see its victim waiting
+        again in replay and not live."""
+        preempted, self._preempted_step = self._preempted_step, []
+        for state in preempted:
+            self.policy.on_preempt(state, self.now)
 
     def _execute(self, scheduled: list[tuple[RequestState, int]], trace: TraceStep | None = None) -> None:
         """Time the step (the cost model, or the live step's duration) and apply its effects:

@@ -134,7 +134,6 @@ class JITServe(Policy):
         self._requests: dict[str, RequestState] = {}
         self._unscored: list[RequestState] = []
         self._arrivals: deque[RequestState] = deque()  # waiting, never admitted, in arrival order
-        self._started: set[str] = set()
         self._frame_ids: list[str] = []  # the last frame's admission order ...
         self._frame_keys = np.zeros((0, 2))  # ... and its (rank, -priority) keys
         self._order = SortedList()  # (rank, -priority, seq, id) of requests queued since the frame
@@ -196,7 +195,6 @@ class JITServe(Policy):
                 del self._programs[next(iter(self._programs))]
 
     def on_admit(self, request: RequestState, now: float) -> None:
-        self._started.add(request.id)
         self._unqueue(request)
         self._table.set(request.id, waiting=0.0)
 
@@ -211,7 +209,6 @@ class JITServe(Policy):
         self._unqueue(request)
         self._table.release(request.id)
         self._requests.pop(request.id, None)
-        self._started.discard(request.id)
         self._priority.pop(request.id, None)
         if request.finish_s is None:
             return  # dropped
@@ -315,7 +312,9 @@ class JITServe(Policy):
         drop = []
         while self._arrivals and now - self._arrivals[0].arrival_s > self.waiting_time_s:
             request = self._arrivals.popleft()
-            if request.id in self._requests and request.id not in self._started:
+            # Never a started one: a preempted request was admitted once, and may have streamed
+            # tokens (its phase says so, whoever admitted it: a live swap hands it over waiting).
+            if request.id in self._requests and request.phase == "waiting":
                 drop.append(request)
         return drop
 

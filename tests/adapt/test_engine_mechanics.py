@@ -119,3 +119,73 @@ def test_a_priority_policy_evicts_its_largest_key_or_with_victim_newest_the_last
     e.run([Request("long", 0.0, 8, 12), Request("short", 0.05, 4, 12)])
     assert e.violations == []
     assert next(rid for step in e.decisions for rid in step["preempted"]) == evicted
+
+
+class PreemptsAndReadmits(Policy):
+    """Runs everything; at step `at` preempts `victim` and lists it first for admission again,
+    logging the hooks it hears."""
+
+    name = "preempts-and-readmits"
+
+    def __init__(self, victim, at):
+        self.victim, self.at, self.heard = victim, at, []
+
+    def on_admit(self, request, now):
+        self.heard.append(("admit", request.id))
+
+    def on_preempt(self, request, now):
+        self.heard.append(("preempt", request.id))
+
+    def on_step(self, view):
+        if view.step_index != self.at:
+            return Plan(admit=iter(view.waiting))
+        victim = next(r for r in view.running if r.id == self.victim)
+        self.heard.append(("step", view.step_index))
+        return Plan(admit=[victim, *view.waiting], preempt=[victim])
+
+
+def test_a_request_preempted_by_the_plan_sits_out_the_step_and_is_told_after_its_admissions():
+    """As vLLM's adapter does: it learns of a step's admissions and preemptions when vLLM's
+    schedule() returns, admissions first, and holds the plan's victims out of that step (vLLM would
+    otherwise re-admit one at once and the policy would never hear of either)."""
+    policy = PreemptsAndReadmits("a", at=2)
+    e = engine(policy, kv_tokens=400, record_decisions=True)
+    e.run([Request("a", 0.0, 8, 6), Request("b", 0.15, 4, 3)])
+    assert e.violations == []
+    step = e.decisions[2]
+    assert step["preempted"] == ["a"] and "a" not in step["scheduled"] and step["scheduled"]["b"] == 4
+    assert "a" in e.decisions[3]["scheduled"]  # back the next step
+    told = policy.heard[policy.heard.index(("step", 2)) :]
+    assert told[:3] == [("step", 2), ("admit", "b"), ("preempt", "a")]
+
+
+def test_a_plan_that_drops_a_running_request_is_refused():
+    """Drops are admission control: vLLM would abort a running request after it streamed tokens,
+    so both engines refuse the plan (the live adapter runs that step as FCFS and counts an error)."""
+    from adapt.replay.engine import PolicyError
+
+    class DropsRunning(Ordered):
+        def on_step(self, view):
+            plan = super().on_step(view)
+            plan.drop = list(view.running[:1])
+            return plan
+
+    with pytest.raises(PolicyError, match="dropped request 'a', which is running"):
+        engine(DropsRunning(), kv_tokens=400).run([Request("a", 0.0, 8, 6)])
+
+
+def test_a_dropped_request_is_finished_when_its_policy_hears_of_it():
+    class DropsWaiting(Ordered):
+        def __init__(self):
+            super().__init__()
+            self.phases = {}
+
+        def on_step(self, view):
+            return Plan(admit=iter(view.waiting[:1]), drop=list(view.waiting[1:]))
+
+        def on_finish(self, request, now):
+            self.phases[request.id] = request.phase
+
+    policy = DropsWaiting()
+    engine(policy, kv_tokens=400).run([Request("a", 0.0, 8, 2), Request("b", 0.0, 8, 2)])
+    assert policy.phases == {"b": "finished", "a": "finished"}

@@ -543,3 +543,153 @@ def test_a_policy_that_reads_prompts_has_its_tokenizer_before_the_first_request(
         loaded[policy] = scheduler._tokenizer is not None
         scheduler.shutdown()
     assert loaded == {"spf": False, "sagesched": True}
+
+
+def _run(scheduler, steps: int = 2_000, arrivals: dict | None = None) -> None:
+    """Step the harness until every request is done; `arrivals`: requests added before step k."""
+    from experiments.bench_scheduler import step
+
+    for k in range(steps):
+        for request in (arrivals or {}).get(k, ()):
+            scheduler.add_request(request)
+        if not scheduler.requests and k > max(arrivals or {0: 0}):
+            return
+        step(scheduler)
+    raise AssertionError(f"requests left after {steps} steps: {sorted(scheduler.requests)}")
+
+
+def test_a_request_the_plan_preempts_sits_out_that_step_in_both_engines(tiny_model, monkeypatch):
+    """fastserve preempts a long job when a short one arrives (its quantum here outlasts the job,
+    so only the arrival preempts): the live adapter holds the victim out of that step, and the
+    replay must too -- before, it re-admitted the victim at once (a full recompute, 61 of 65 steps
+    identical) while vLLM did not."""
+    from adapt.conformance import compare, replay_decisions
+    from experiments.bench_scheduler import make_requests, make_scheduler
+    from serving_hooks.policies import make_policy
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    spec = "fastserve:prompt_tokens_per_quantum=100000"
+    monkeypatch.setenv("ADAPT_RECORD_DECISIONS", "1")
+    monkeypatch.setenv("ADAPT_POLICY", spec)
+    scheduler = make_scheduler(tiny_model, PolicyScheduler, 16, 41, prefix_caching=False)
+    (long,) = make_requests(1, 0, seed=5, max_tokens=60, prompt_tokens=575)
+    (short,) = make_requests(1, 1, seed=6, max_tokens=5, prompt_tokens=16)
+    _run(scheduler, arrivals={0: [long], 35: [short]})
+    assert any(step["preempted"] for step in scheduler.decisions)
+    replayed = replay_decisions(
+        scheduler.decisions,
+        make_policy("fastserve", prompt_tokens_per_quantum=100000),
+        scheduler.replay_config(),
+    )
+    agreement = compare(scheduler.decisions, replayed)
+    assert agreement.identical == agreement.steps, agreement.describe()
+
+
+def test_a_live_swap_to_jitserve_never_drops_a_preempted_request_that_streamed_tokens(
+    tiny_model, monkeypatch
+):
+    """jitserve drops requests that waited too long, never started ones. A request the old policy
+    preempted after it streamed a token is handed over waiting; before, jitserve took it for
+    unstarted and aborted it mid-answer. A replacement that fails on the way leaves the old policy
+    serving with its own prediction workers, and its own stopped."""
+    from vllm.v1.request import RequestStatus
+
+    from experiments.bench_scheduler import make_requests, make_scheduler, step
+    from serving_hooks.policies import make_policy
+    from serving_hooks.policies.baselines import FCFS
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    monkeypatch.setenv("ADAPT_POLICY", "fcfs")
+    scheduler = make_scheduler(tiny_model, PolicyScheduler, 16, 20)
+    requests = make_requests(6, 0, seed=7, max_tokens=120)
+    for request in requests:
+        scheduler.add_request(request)
+    for _ in range(200):
+        step(scheduler)
+        started = [r for r in requests if r.status == RequestStatus.PREEMPTED and r.num_output_tokens > 0]
+        if started:
+            break
+    assert started, "no request was preempted after streaming a token"
+    scheduler._switch_policy(make_policy("jitserve", waiting_time_s=0.0))
+    step(scheduler)
+    assert all(r.status != RequestStatus.FINISHED_ABORTED for r in started)
+    assert not scheduler.policy_errors
+
+    class Breaks(FCFS):  # a replacement that starts a prediction worker, then fails the hand-over
+        name = "breaks"
+
+        def use_predictions(self, queues):
+            self.worker = queues(lambda payloads: payloads)
+
+        def on_arrival(self, request, now):
+            raise RuntimeError("broken on arrival")
+
+    serving = (scheduler.adapt_policy, list(scheduler.prediction_queues))
+    replacement = Breaks()
+    with pytest.raises(RuntimeError, match="broken on arrival"):
+        scheduler._switch_policy(replacement)
+    assert (scheduler.adapt_policy, scheduler.prediction_queues) == serving  # the old one serves on
+    assert replacement.worker._closed  # and the new worker is stopped
+
+
+def test_plans_that_list_a_request_twice_or_drop_a_running_one_do_not_break_the_engine(
+    tiny_model, monkeypatch
+):
+    """A repeated admission is admitted once (vLLM raised inside its own schedule() before); a
+    drop of a running request is refused, as the replay refuses it: that step runs as FCFS, one
+    policy error is counted, and the request keeps running."""
+    from vllm.v1.request import RequestStatus
+
+    from adapt.policy import Plan
+    from experiments.bench_scheduler import make_requests, make_scheduler, step
+    from serving_hooks.policies.baselines import FCFS
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    class Twice(FCFS):
+        name = "twice"
+
+        def on_step(self, view):
+            return Plan(admit=[r for r in view.waiting for _ in range(2)])
+
+    class DropsRunning(FCFS):
+        name = "drops-running"
+
+        def on_step(self, view):
+            plan = super().on_step(view)
+            plan.drop = list(view.running[:1])
+            return plan
+
+    monkeypatch.setenv("ADAPT_POLICY", "fcfs")
+    scheduler = make_scheduler(tiny_model, PolicyScheduler, 16, 200)
+    scheduler._switch_policy(Twice())
+    requests = make_requests(3, 0, seed=8, max_tokens=5)
+    for request in requests:
+        scheduler.add_request(request)
+    _run(scheduler)
+    assert not scheduler.policy_errors
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in requests)
+
+    scheduler = make_scheduler(tiny_model, PolicyScheduler, 16, 200)
+    requests = make_requests(2, 10, seed=9, max_tokens=10)
+    for request in requests:
+        scheduler.add_request(request)
+    step(scheduler)
+    scheduler._switch_policy(DropsRunning())
+    step(scheduler)
+    assert scheduler.policy_errors == 1
+    assert all(r.status == RequestStatus.RUNNING for r in requests)
+
+
+def test_settings_the_replay_does_not_model_are_named(tiny_model, monkeypatch):
+    from experiments.bench_scheduler import make_scheduler
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    monkeypatch.setenv("ADAPT_POLICY", "fcfs")
+    scheduler = make_scheduler(tiny_model, PolicyScheduler, 16, 200, prefix_caching=False)
+    assert scheduler.unmodelled_settings() == []
+    scheduler.scheduler_config.enable_chunked_prefill = False
+    assert scheduler.unmodelled_settings() == [
+        "replay chunks prompts larger than a step's budget: start vLLM with chunked prefill"
+    ]
+    with pytest.raises(ValueError, match="chunked prefill"):
+        scheduler.replay_config()
