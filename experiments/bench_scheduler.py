@@ -45,6 +45,7 @@ def make_scheduler(
     num_blocks: int,
     max_num_active_seqs: int | None = None,
     prefix_caching: bool = True,
+    async_scheduling: bool = True,
 ) -> Any:
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -56,7 +57,7 @@ def make_scheduler(
         max_num_batched_tokens=8192,
         max_model_len=2048,
         enable_chunked_prefill=True,
-        async_scheduling=True,  # what a GPU engine runs; vLLM's CPU platform turns it off
+        async_scheduling=async_scheduling,  # a GPU engine's default; vLLM's CPU platform turns it off
         is_encoder_decoder=False,
         # Only where asked: vLLMs before `max_num_active_seqs` refuse the keyword.
         **({} if max_num_active_seqs is None else {"max_num_active_seqs": max_num_active_seqs}),
