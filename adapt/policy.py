@@ -122,8 +122,10 @@ class EngineView:
     `waiting` is in the order requests (re-)entered the queue (arrivals, then preempted ones as
     they were preempted) and `running` in admission order; both are the engine's own containers,
     to be read, never modified. `mean_batch_time_s` is a moving average of recent step durations
-    (SLAI's offset is measured in it). `kv_free_blocks` of `kv_block_size` tokens are free now
-    (a waiting request is admitted only if its whole known sequence fits in them).
+    (SLAI's offset is measured in it): of the steps that ran tokens, each from its start until its
+    output came, so neither idle time nor empty steps move it. `kv_free_blocks` of
+    `kv_block_size` tokens are free now (a waiting request is admitted only if its whole known
+    sequence fits in them).
     """
 
     now: float

@@ -106,6 +106,8 @@ class PolicyScheduler(AsyncScheduler):
         self._running_ids: set[str] = set()
         self._last_schedule: float | None = None
         self._mean_batch_s = 0.0
+        # Per step whose output has not come yet: when it started and whether it ran tokens.
+        self._step_starts: deque[tuple[float, bool]] = deque()
         self._tokenizer: Any = None
         if self.adapt_policy.needs_prompt_text:  # loaded now, not on the first request's arrival
             self._load_tokenizer()
@@ -395,10 +397,8 @@ class PolicyScheduler(AsyncScheduler):
     def schedule(self, *args: Any, **kwargs: Any):
         now = time.monotonic()
         gap = None  # for the metrics: the last step's time, unless the engine idled since
-        if self._last_schedule is not None:
+        if self._last_schedule is not None and self._running_ids:
             gap = now - self._last_schedule
-            self._mean_batch_s = gap if self._mean_batch_s == 0 else 0.9 * self._mean_batch_s + 0.1 * gap
-            gap = gap if self._running_ids else None
         self._last_schedule = now
         self._follow_live()
         self._apply_mechanics()
@@ -429,6 +429,7 @@ class PolicyScheduler(AsyncScheduler):
                 self.waiting.add_request(request)
             self._held = []
         self._after_schedule(now)
+        self._step_starts.append((now, output.total_num_scheduled_tokens > 0))
         if self.metrics is not None:
             self._record_step(now, self._policy_s, gap, fallback, len(deferred))
         if self.decisions is not None:
@@ -551,6 +552,7 @@ class PolicyScheduler(AsyncScheduler):
         `finish_requests` is made for aborts the client started, so without this the client of
         a dropped request would wait for it forever."""
         self._output_at = time.monotonic()  # one moment for the whole output, as replay stamps it
+        self._note_step_output(self._output_at)
         try:
             outputs = super().update_from_output(scheduler_output, model_runner_output)
             self._deliver(scheduler_output)
@@ -571,6 +573,22 @@ class PolicyScheduler(AsyncScheduler):
                     outputs[request.client_index] = EngineCoreOutputs(outputs=[finished])
             self._drops_to_report = []
         return outputs
+
+    def _note_step_output(self, now: float) -> None:
+        """The policy's mean step time (`EngineView.mean_batch_time_s`), as the replay engine keeps
+        it (`_note_batch_times`): a step that ran tokens counts from its start until its output
+        came, taken in now. The gap to the next `schedule()` would count the idle time before it
+        (vLLM's engine core waits for requests without scheduling) and vLLM's empty steps (every
+        request deferred), which a policy that plans in steps (SLAI, JITServe) must not see as
+        long or as free steps."""
+        if not self._step_starts:
+            return
+        started, ran_tokens = self._step_starts.popleft()
+        if ran_tokens:
+            alpha, step_s = EngineConfig.batch_time_ema, now - started
+            self._mean_batch_s = (
+                step_s if self._mean_batch_s == 0 else (1 - alpha) * self._mean_batch_s + alpha * step_s
+            )
 
     def _deliver(self, scheduler_output: Any) -> None:
         """A step's sampled tokens reached the scheduler: the policy sees them from now on (the

@@ -200,7 +200,8 @@ class ReplayEngine:
             intake_delay_s=self.config.intake_delay_s,
         )
         # Async scheduling: the last step's sampled requests, delivered after the next is planned.
-        self._in_flight: tuple[float, list[RequestState]] | None = None
+        # (when its output came, who sampled, its duration for the mean step time or None)
+        self._in_flight: tuple[float, list[RequestState], float | None] | None = None
         self._placeholders: dict[str, int] = defaultdict(int)
         # Decision log (`EngineConfig.record_decisions`), in the live adapter's format.
         self.decisions: list[dict] | None = [] if self.config.record_decisions else None
@@ -673,19 +674,24 @@ class ReplayEngine:
         duration = trace.duration if trace is not None else float(self.cost.time(batch))
         start = self.now
         self.now = start + duration
-        self._note_batch_time(duration)
         if trace is None:
             self.step_index += 1
         if scheduled:
             self.recorder.step(start, duration, batch, self.kv.usage)
         output_at = trace.output_at if trace is not None and trace.output_at is not None else self.now
+        # The mean step time takes in a step that ran tokens, from its start until its output
+        # came (a live gap to the next step would add idle time, or vLLM's empty steps), when
+        # that output comes: at once here, with the tokens under async scheduling (`_deliver`).
+        sample = output_at - start if scheduled else None
+        if sample is not None and not asynchronous:
+            self._note_batch_time(sample)
         everyone_sampled = len(sampled_states) == len(self.running) and not asynchronous
         self._all_sampled_at = output_at if everyone_sampled else -math.inf
         if asynchronous:
             self._decodes_sampled_at = -math.inf
             for state in sampled_states:
                 placeholders[state.id] += 1
-            self._in_flight = (output_at, sampled_states)
+            self._in_flight = (output_at, sampled_states, sample)
         else:
             self._emit_tokens(sampled_states, output_at)
             decodes_sampled = everyone_sampled or all(
@@ -693,12 +699,15 @@ class ReplayEngine:
             )
             self._decodes_sampled_at = output_at if decodes_sampled else -math.inf
 
-    def _deliver(self, previous: tuple[float, list[RequestState]] | None) -> bool:
+    def _deliver(self, previous: tuple[float, list[RequestState], float | None] | None) -> bool:
         """Async scheduling: the previous step's tokens reach the scheduler once this step is
-        scheduled (stamped with when that step's output came). True if any did."""
+        scheduled (stamped with when that step's output came), and its duration the mean step
+        time. True if any token did."""
         if previous is None:
             return False
-        output_at, states = previous
+        output_at, states, sample = previous
+        if sample is not None:
+            self._note_batch_time(sample)
         for state in states:
             self._placeholders[state.id] -= 1
             if state.phase != "finished":
@@ -709,7 +718,8 @@ class ReplayEngine:
         self._note_batch_times((duration,))
 
     def _note_batch_times(self, durations: Iterable[float]) -> None:
-        """The moving average of step durations, fed the steps of a step or a run in turn."""
+        """The moving average of step durations (`EngineView.mean_batch_time_s`), fed the steps
+        of a step or a run in turn; the live adapter keeps the same one (`_note_step_output`)."""
         alpha, mean = self.config.batch_time_ema, self.mean_batch_time
         for duration in durations:
             mean = duration if mean == 0 else ((1 - alpha) * mean + alpha * duration)

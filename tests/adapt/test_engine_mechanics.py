@@ -189,3 +189,22 @@ def test_a_dropped_request_is_finished_when_its_policy_hears_of_it():
     policy = DropsWaiting()
     engine(policy, kv_tokens=400).run([Request("a", 0.0, 8, 2), Request("b", 0.0, 8, 2)])
     assert policy.phases == {"b": "finished", "a": "finished"}
+
+
+@pytest.mark.parametrize("asynchronous, seen", [(False, [0.0, 0.1, 0.1]), (True, [0.0, 0.0, 0.1])])
+def test_a_steps_duration_joins_the_mean_step_time_when_its_output_comes(asynchronous, seen):
+    """As the live adapter keeps it: a step that ran tokens counts once its output reached the
+    scheduler -- at its end, or under async scheduling after the next step is planned."""
+
+    class Watches(Ordered):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def on_step(self, view):
+            self.seen.append(round(view.mean_batch_time_s, 9))
+            return super().on_step(view)
+
+    policy = Watches()
+    engine(policy, kv_tokens=400, async_scheduling=asynchronous).run([Request("a", 0.0, 4, 6)])
+    assert policy.seen[:3] == seen

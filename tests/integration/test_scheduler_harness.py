@@ -754,3 +754,49 @@ def test_every_servable_policy_decides_as_the_replay_does_step_by_step(
                 disagreements[f"{policy} seed {seed}"] = agreement.describe()
     assert not disagreements, "\n".join(f"{k}: {v}" for k, v in disagreements.items())
     assert preemptions > 50  # the KV cache was small enough to preempt
+
+
+def test_the_mean_step_time_counts_steps_that_ran_tokens_not_idle_time(tiny_model, monkeypatch):
+    """`EngineView.mean_batch_time_s` live is what the replay keeps: each step that ran tokens,
+    from its start until its output came. Before, live took the gap between schedule() calls, so
+    0.3 s without a request (vLLM's engine core waits without scheduling) lifted SLAI's and
+    JITServe's step estimate ~100-fold, and steps where every request was deferred shrank it."""
+    import time
+
+    from adapt.policy import Plan
+    from experiments.bench_scheduler import make_requests, make_scheduler, step
+    from serving_hooks.policies.baselines import FCFS
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    class Watches(FCFS):
+        name = "watches"
+        defer_all = False
+
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def on_step(self, view):
+            self.seen.append(view.mean_batch_time_s)
+            if self.defer_all:
+                return Plan(defer=set(view.running))
+            return super().on_step(view)
+
+    monkeypatch.setenv("ADAPT_POLICY", "fcfs")
+    scheduler = make_scheduler(tiny_model, PolicyScheduler, 16, 200, async_scheduling=False)
+    policy = Watches()
+    scheduler._switch_policy(policy)
+    first, second = make_requests(2, 0, seed=11, max_tokens=4)
+    scheduler.add_request(first)
+    while scheduler.requests:
+        step(scheduler)
+    busy = policy.seen[-1]
+    time.sleep(0.3)  # the engine is empty: vLLM's engine core would not call schedule()
+    scheduler.add_request(second)
+    step(scheduler)
+    assert 0 < policy.seen[-1] < 0.05 and policy.seen[-1] == pytest.approx(busy, rel=0.5, abs=0.005)
+    policy.defer_all = True  # steps that run nothing leave the mean where it was
+    before = scheduler._mean_batch_s
+    for _ in range(20):
+        step(scheduler)
+    assert scheduler._mean_batch_s == before
