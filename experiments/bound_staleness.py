@@ -32,6 +32,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,16 +97,7 @@ def run(
                 file=sys.stderr,
                 flush=True,
             )
-    mean = {
-        str(rate): {
-            arm: float(np.mean([c["goodput"][arm] for c in cells if c["rate"] == rate])) for arm in ARMS
-        }
-        for rate in rates
-    }
-    ratios = {
-        str(rate): [c["goodput"]["stale"] / c["goodput"]["fresh"] for c in cells if c["rate"] == rate]
-        for rate in rates
-    }
+    mean, ratios = per_rate(cells, "goodput", ARMS, rates)
     return {
         "old": list(old),
         "new": list(new),
@@ -116,16 +108,39 @@ def run(
     }
 
 
-def table(report: dict[str, Any]) -> str:
-    """Mean token goodput per rate (M tokens), and stale over fresh per seed."""
+def per_rate(
+    cells: list[dict[str, Any]], metric: str, arms: tuple[str, ...], rates: list[float]
+) -> tuple[dict[str, dict[str, float]], dict[str, list[float]]]:
+    """Each arm's `metric` averaged over the seeds of a rate, and stale over fresh per seed: the
+    summary of a staleness study (this one's, and `experiments.history_staleness`'s)."""
+    mean = {
+        str(rate): {arm: float(np.mean([c[metric][arm] for c in cells if c["rate"] == rate])) for arm in arms}
+        for rate in rates
+    }
+    ratios = {
+        str(rate): [c[metric]["stale"] / c[metric]["fresh"] for c in cells if c["rate"] == rate]
+        for rate in rates
+    }
+    return mean, ratios
+
+
+def staleness_table(
+    report: dict[str, Any], arms: tuple[str, ...], rate_heading: str, value: Callable[[float], str]
+) -> str:
+    """A markdown table: each arm's mean per rate (written by `value`), and stale over fresh per seed."""
     rows = [
-        f"| job rate | {' | '.join(ARMS)} | stale / fresh per seed |",
-        "|---" * (len(ARMS) + 2) + "|",
+        f"| {rate_heading} | {' | '.join(arms)} | stale / fresh per seed |",
+        "|---" * (len(arms) + 2) + "|",
     ]
     for rate, means in report["mean"].items():
         ratios = ", ".join(f"{r:.3f}" for r in report["stale_over_fresh"][rate])
-        rows.append(f"| {rate} | " + " | ".join(f"{means[arm] / 1e6:.3f}" for arm in ARMS) + f" | {ratios} |")
+        rows.append(f"| {rate} | " + " | ".join(value(means[arm]) for arm in arms) + f" | {ratios} |")
     return "\n".join(rows)
+
+
+def table(report: dict[str, Any]) -> str:
+    """Mean token goodput per rate (M tokens), and stale over fresh per seed."""
+    return staleness_table(report, ARMS, "job rate", lambda tokens: f"{tokens / 1e6:.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:

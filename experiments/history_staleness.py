@@ -37,12 +37,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.runner import ReplaySetup
 from adapt.workloads import WORKLOADS, sagesched_mix
 from adapt.workloads.drift import model_answers
+from experiments.bound_staleness import per_rate, staleness_table
 from predictors.semantic_history import SemanticHistory
 from serving_hooks.policies import make_policy
 
@@ -91,26 +90,13 @@ def run(
         rate, seed, arm = cell.key
         ttlt.setdefault((rate, seed), {})[arm] = float(result.metrics()["ttlt_mean"])
     rows = [{"rate": rate, "seed": seed, "ttlt_mean": by_arm} for (rate, seed), by_arm in ttlt.items()]
-    mean = {
-        str(rate): {
-            arm: float(np.mean([r["ttlt_mean"][arm] for r in rows if r["rate"] == rate])) for arm in ARMS
-        }
-        for rate in rates
-    }
-    ratios = {
-        str(rate): [r["ttlt_mean"]["stale"] / r["ttlt_mean"]["fresh"] for r in rows if r["rate"] == rate]
-        for rate in rates
-    }
+    mean, ratios = per_rate(rows, "ttlt_mean", ARMS, rates)
     return {"old": list(old), "new": list(new), "cells": rows, "mean": mean, "stale_over_fresh": ratios}
 
 
 def table(report: dict[str, Any]) -> str:
     """Mean TTLT per rate (s), and stale over fresh per seed (above 1: the stale history costs)."""
-    rows = [f"| req/s | {' | '.join(ARMS)} | stale / fresh per seed |", "|---" * (len(ARMS) + 2) + "|"]
-    for rate, means in report["mean"].items():
-        ratios = ", ".join(f"{r:.3f}" for r in report["stale_over_fresh"][rate])
-        rows.append(f"| {rate} | " + " | ".join(f"{means[arm]:.2f}" for arm in ARMS) + f" | {ratios} |")
-    return "\n".join(rows)
+    return staleness_table(report, ARMS, "req/s", lambda seconds: f"{seconds:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
