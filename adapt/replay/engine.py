@@ -205,7 +205,6 @@ class ReplayEngine:
         self._placeholders: dict[str, int] = defaultdict(int)
         # Decision log (`EngineConfig.record_decisions`), in the live adapter's format.
         self.decisions: list[dict] | None = [] if self.config.record_decisions else None
-        self._preempted_now: list[str] = []
         # This step's preemptions, told to the policy once the step is planned (after its
         # admissions, as the live adapter tells them); none of them is admitted again this step.
         self._preempted_step: list[RequestState] = []
@@ -395,9 +394,9 @@ class ReplayEngine:
             elif self._bulk_decode_step(plan):
                 return
         scheduled, changed = self._schedule(plan)
-        self._tell_preempted()
         if self.decisions is not None:
             self._record_decision(trace.index if trace is not None else self.step_index, scheduled)
+        self._tell_preempted()
         previous, self._in_flight = self._in_flight, None
         if scheduled or trace is not None:
             self._execute(scheduled, trace)
@@ -471,12 +470,12 @@ class ReplayEngine:
                 "index": index,
                 "t": self.now,
                 "scheduled": {state.id: n for state, n in scheduled},
-                "preempted": sorted(self._preempted_now),
+                "preempted": sorted(state.id for state in self._preempted_step),
                 "freed": sorted(self._freed_since),
                 **self._queues,
             }
         )
-        self._preempted_now, self._freed_since = [], []
+        self._freed_since = []
 
     def _note_freed(self, state: RequestState) -> None:
         if self.decisions is not None:  # only a decision log reads these; they are reset per step
@@ -629,8 +628,6 @@ class ReplayEngine:
         state.phase = "preempted"
         state.num_preemptions += 1
         self.recorder.preempted(state)
-        if self.decisions is not None:
-            self._preempted_now.append(state.id)
         self.waiting[state.id] = state
         self._preempted_step.append(state)
 
