@@ -545,16 +545,19 @@ def test_a_policy_that_reads_prompts_has_its_tokenizer_before_the_first_request(
     assert loaded == {"spf": False, "sagesched": True}
 
 
-def _run(scheduler, steps: int = 2_000, arrivals: dict | None = None) -> None:
-    """Step the harness until every request is done; `arrivals`: requests added before step k."""
+def _run(scheduler, steps: int = 5_000, arrivals: dict | None = None) -> None:
+    """Step the harness until every request is done; `arrivals`: requests added before step k.
+    Like vLLM's engine core, it does not call schedule() while the engine is empty."""
     from experiments.bench_scheduler import step
 
+    arrivals = arrivals or {}
     for k in range(steps):
-        for request in (arrivals or {}).get(k, ()):
+        for request in arrivals.get(k, ()):
             scheduler.add_request(request)
-        if not scheduler.requests and k > max(arrivals or {0: 0}):
+        if scheduler.requests:
+            step(scheduler)
+        elif k > max(arrivals, default=0):
             return
-        step(scheduler)
     raise AssertionError(f"requests left after {steps} steps: {sorted(scheduler.requests)}")
 
 
@@ -708,7 +711,7 @@ def test_every_servable_policy_decides_as_the_replay_does_step_by_step(
     import random
 
     from adapt.conformance import compare, replay_decisions
-    from experiments.bench_scheduler import make_requests, make_scheduler, step
+    from experiments.bench_scheduler import make_requests, make_scheduler
     from serving_hooks.policies import make_policy_from_spec, servable_policies
     from serving_hooks.vllm_adapter import PolicyScheduler
 
@@ -737,14 +740,8 @@ def test_every_servable_policy_decides_as_the_replay_does_step_by_step(
                     prompt_tokens=rng.randint(8, 400),
                 )
                 arrivals.setdefault(rng.randint(0, 80), []).append(request)
-            for k in range(5_000):
-                for request in arrivals.get(k, ()):
-                    scheduler.add_request(request)
-                if scheduler.requests:
-                    step(scheduler)
-                elif k > max(arrivals):
-                    break
-            assert not scheduler.requests and not scheduler.policy_errors, policy
+            _run(scheduler, arrivals=arrivals)
+            assert not scheduler.policy_errors, policy
             preemptions += sum(len(d["preempted"]) for d in scheduler.decisions)
             replayed = replay_decisions(
                 scheduler.decisions, make_policy_from_spec(policy), scheduler.replay_config()
