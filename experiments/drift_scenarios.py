@@ -37,14 +37,13 @@ from adapt.replay.cost import roofline
 from adapt.replay.engine import ReplayEngine
 from adapt.replay.metrics import ReplayResult, goodput_tokens
 from adapt.requests import Request
-from adapt.traces import load_trace
 from adapt.workloads import WORKLOADS, WorkloadSpec
 from adapt.workloads.drift import TERSE_MODEL, VERBOSE_MODEL, model_answers, pre_shift_lengths
 from experiments.drift_windows import mean_after
 from pipelines.ewsjf import train_ewsjf_meta
 from pipelines.jitserve import qrf_length_spec, train_pattern_graph, train_qrf_length
 from pipelines.replay_loop import Decision
-from pipelines.retrain import logged_requests, prompt_responses, served_engine
+from pipelines.retrain import logged_requests, prompt_responses, request_logs, served_engine
 from pipelines.runner import Split, run_pipeline
 from predictors.ewsjf_meta import EwsjfMetaPolicy
 from predictors.qrf_length import QrfLength
@@ -165,7 +164,7 @@ class LayoutDrift(Scenario):
     def bad_candidate(self, registry: Registry, data_dir: Path, margin: float, at_s: float) -> Decision:
         """A layout fitted on the logged prompt lengths, swapped, gated on a replay of the clean
         logged requests on the engine the layout retrain's gate uses there."""
-        logs = [load_trace(f, "requestlog") for f in sorted(data_dir.glob("requests*.jsonl"))]
+        logs = request_logs(data_dir)
         lengths = np.concatenate([log.prompt_tokens for log in logs])
         engine, _ = served_engine(registry, data_dir)
         outcome = train_ewsjf_meta(
