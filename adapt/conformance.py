@@ -9,8 +9,10 @@ number, lasts until the next live step, and sees arrivals at the same step bound
 whose every input is the same in both engines must then decide the same; `compare` counts the
 steps where it did and shows the first where it did not, with both engines' queues.
 
-Conformance needs the live run to be one the replay can describe: every request generates exactly
-its `max_tokens` (the client sets `ignore_eos`), no prefix caching, no KV watermark.
+Conformance needs the live run to be one the replay can describe: no prefix caching, no KV
+watermark, and requests that end where the scheduler sees it -- at `max_tokens` or on a stop or EOS
+token, whose output length the log keeps (`finished`); a stop *string*, which vLLM's API server
+applies by aborting the request, is not.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ COMPARED = ("scheduled", "preempted", "freed")
 
 
 def requests_from_log(decisions: Sequence[dict[str, Any]]) -> list[Request]:
-    """The requests a live decision log saw arrive, each as long as its client's `max_tokens`."""
+    """The requests a live decision log saw arrive, each as long as the log says it finished (a
+    stop token ends it early) or, if it never finished there, its client's `max_tokens`."""
+    lengths = {key: n for step in decisions for key, n in step.get("finished", {}).items()}
     requests = []
     for step in decisions:
         for arrival in step["arrived"]:
@@ -43,7 +47,7 @@ def requests_from_log(decisions: Sequence[dict[str, Any]]) -> list[Request]:
                     request_id,
                     float(arrival_s),
                     int(prompt_tokens),
-                    int(max_tokens),
+                    int(lengths.get(request_id, max_tokens)),
                     slo=SLO(**extra["slo"]) if extra.get("slo") else SLO(),
                     prompt_text=extra.get("prompt_text"),
                     max_tokens=int(max_tokens),

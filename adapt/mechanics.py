@@ -62,7 +62,9 @@ MECHANICS: dict[str, Mechanic] = {
         Mechanic(
             "async_output",
             "with async scheduling a step's tokens reach the policy after the next step is planned"
-            " (`EngineConfig.async_scheduling`, vLLM's default)",
+            " (`EngineConfig.async_scheduling`, vLLM's default); a request sits a step out only"
+            " when its `max_tokens`-th token is in flight, so an answer a stop token ends gets one"
+            " decode more",
             _always,
         ),
         Mechanic(

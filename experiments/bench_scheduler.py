@@ -36,6 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 PROMPT_TOKENS = 64
 BLOCK_SIZE = 16
+STOP_TOKEN = 3  # every harness request stops on it (`stop_token_ids`), as a model's EOS ends it
 
 
 def make_scheduler(
@@ -45,8 +46,12 @@ def make_scheduler(
     num_blocks: int,
     max_num_active_seqs: int | None = None,
     prefix_caching: bool = True,
-    async_scheduling: bool = True,
+    async_scheduling: bool = False,
 ) -> Any:
+    """vLLM's V1 scheduler (`scheduler_cls`) without a model: `num_blocks` KV blocks of 16 tokens,
+    chunked prefill. `async_scheduling` is what a GPU engine runs; whoever steps such a scheduler
+    must then keep two steps in flight, as vLLM's engine core does (the next step scheduled before
+    the last one's output comes), or it schedules as a synchronous one would."""
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -57,7 +62,7 @@ def make_scheduler(
         max_num_batched_tokens=8192,
         max_model_len=2048,
         enable_chunked_prefill=True,
-        async_scheduling=async_scheduling,  # a GPU engine's default; vLLM's CPU platform turns it off
+        async_scheduling=async_scheduling,
         is_encoder_decoder=False,
         # Only where asked: vLLMs before `max_num_active_seqs` refuse the keyword.
         **({} if max_num_active_seqs is None else {"max_num_active_seqs": max_num_active_seqs}),
@@ -70,6 +75,9 @@ def make_scheduler(
     vllm_config = VllmConfig(
         scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config
     )
+    # vLLM's CPU platform turns async scheduling off while the config is built; the harness has no
+    # model to run, so it can take a GPU engine's setting as asked.
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
@@ -93,7 +101,7 @@ def make_requests(
     count: int, start: int, seed: int, max_tokens: int = 1024, prompt_tokens: int = PROMPT_TOKENS
 ) -> list[Any]:
     """Random prompts (64 tokens by default), hashed into blocks as vLLM's engine core does for
-    prefix caching."""
+    prefix caching. Each ends at `max_tokens`, or earlier where its driver samples `STOP_TOKEN`."""
     import random
 
     from vllm.sampling_params import SamplingParams
@@ -105,7 +113,7 @@ def make_requests(
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop_token_ids=[STOP_TOKEN])
     return [
         Request(
             request_id=f"r{start + i}",
@@ -119,7 +127,8 @@ def make_requests(
 
 
 def step(scheduler: Any) -> tuple[float, float]:
-    """One engine step without a model: (schedule() seconds, update_from_output() seconds)."""
+    """One synchronous engine step without a model: (schedule() seconds, update_from_output()
+    seconds)."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     started = time.perf_counter()

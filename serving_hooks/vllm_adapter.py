@@ -133,6 +133,9 @@ class PolicyScheduler(AsyncScheduler):
         self.decisions: list[dict] | None = [] if os.environ.get("ADAPT_RECORD_DECISIONS") == "1" else None
         self._arrived_since: list[list] = []
         self._freed_since: list[str] = []
+        # Output lengths of the requests that finished since the last step (a stop token or
+        # max_tokens): what a replay of this log gives each request (`adapt.conformance`).
+        self._finished_since: dict[str, int] = {}
         self._undelivered: deque[dict] = deque()  # decision records whose output is still coming
         self._preempt_order: list[str] = []  # this step's possible victims, in eviction order
         self._output_at: float | None = None  # while vLLM processes a step's output: its moment
@@ -208,6 +211,8 @@ class PolicyScheduler(AsyncScheduler):
         self._waiting_states.pop(request.request_id, None)
         if self.decisions is not None:
             self._freed_since.append(request.request_id)
+            if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+                self._finished_since[request.request_id] = int(request.num_output_tokens)
         dropped = request.request_id in self._dropped_ids
         self._dropped_ids.discard(request.request_id)
         if state is not None:
@@ -520,6 +525,7 @@ class PolicyScheduler(AsyncScheduler):
             "scheduled": dict(output.num_scheduled_tokens),
             "preempted": sorted(output.preempted_req_ids),
             "freed": sorted(self._freed_since),
+            "finished": self._finished_since,
             "delivered_t": None,
             "predicted": [key for queue in self.prediction_queues for key in queue.handed_over or ()],
             **self._queues,
@@ -528,7 +534,7 @@ class PolicyScheduler(AsyncScheduler):
             queue.handed_over = []
         self.decisions.append(record)  # type: ignore[union-attr]
         self._undelivered.append(record)
-        self._arrived_since, self._freed_since = [], []
+        self._arrived_since, self._freed_since, self._finished_since = [], [], {}
 
     def _update_after_schedule(self, scheduler_output: Any) -> None:
         if self._engine_async:

@@ -13,8 +13,9 @@ the cost model; every request whose known tokens are all computed samples one to
 
 Async scheduling (`EngineConfig.async_scheduling`, vLLM's default): a step's sampled tokens reach
 the scheduler only after the next step has been scheduled, so the next step plans without them (a
-decode already in flight counts as one placeholder token, a request whose last token is in flight
-is skipped, a finished request holds its KV blocks one step longer, a request preempted with a
+decode already in flight counts as one placeholder token, a request whose `max_tokens`-th token
+is in flight is skipped -- one whose answer ends earlier (an EOS) is decoded once more, its stop
+still in flight -- a finished request holds its KV blocks one step longer, a request preempted with a
 token in flight gets that token and waits for it before it can resume) -- as vLLM's
 `AsyncScheduler` does. Trace-driven steps (`TraceStep`) take their start, number and duration from
 a live engine's decision log, so a replay can be compared with it step by step (`adapt.conformance`).
@@ -532,8 +533,11 @@ class ReplayEngine:
         return scheduled, changed or preempted_now
 
     def _last_token_in_flight(self, state: RequestState) -> bool:
+        """Async scheduling: whether the token in flight is the request's `max_tokens`-th, so
+        vLLM skips it. A stop token (an EOS) comes unannounced: vLLM schedules one more decode
+        for that request before the stop reaches it, and so does this engine."""
         placeholder = self._placeholders.get(state.id, 0)
-        return placeholder > 0 and state.tokens_generated + placeholder >= self._true_len[state.id]
+        return placeholder > 0 and state.tokens_generated + placeholder >= state.max_tokens
 
     def _schedule_running(
         self,
@@ -706,8 +710,8 @@ class ReplayEngine:
         if sample is not None:
             self._note_batch_time(sample)
         for state in states:
-            self._placeholders[state.id] -= 1
-            if state.phase != "finished":
+            if state.phase != "finished":  # else a token sampled after its stop: vLLM drops it
+                self._placeholders[state.id] -= 1
                 self._emit_tokens([state], output_at)
         return bool(states)
 

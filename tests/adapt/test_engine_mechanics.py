@@ -56,9 +56,10 @@ def test_a_request_is_admitted_only_if_its_whole_sequence_fits():
 
 
 def test_async_scheduling_delivers_a_steps_tokens_after_the_next_step_is_planned():
-    # Prompt 4, 3 tokens, 0.1 s steps. Step 0 prefills (token 1), steps 1 and 2 decode (tokens 2
-    # and 3). Under async scheduling step 1 is planned before token 1 is delivered (the policy
-    # still sees 0 generated), and step 3 schedules nothing: the last token is in flight.
+    # Prompt 4, 3 tokens, all the client allows, 0.1 s steps. Step 0 prefills (token 1), steps 1
+    # and 2 decode (tokens 2 and 3). Under async scheduling step 1 is planned before token 1 is
+    # delivered (the policy still sees 0 generated), and step 3 schedules nothing: the request's
+    # max_tokens-th token is in flight.
     seen = []
 
     class Watching(Ordered):
@@ -67,12 +68,28 @@ def test_async_scheduling_delivers_a_steps_tokens_after_the_next_step_is_planned
             return super().on_step(view)
 
     e = engine(Watching(), kv_tokens=64, async_scheduling=True, record_decisions=True)
-    result = e.run([Request("a", 0.0, 4, 3)])
+    result = e.run([Request("a", 0.0, 4, 3, max_tokens=3)])
     assert [d["scheduled"] for d in e.decisions] == [{"a": 4}, {"a": 1}, {"a": 1}, {}]
     assert seen == [[], [0], [1], [2]]
     record = result.records[0]
     assert record.first_token_s == pytest.approx(0.1) and record.finish_s == pytest.approx(0.3)
     assert e.decisions[3]["freed"] == []  # freed when the last step's output arrives, after it
+
+
+def test_async_scheduling_runs_one_more_decode_for_an_answer_a_stop_token_ends():
+    # As above, but the client allows 10 tokens and the answer stops at 3 (an EOS). vLLM skips a
+    # request only when the token in flight is its max_tokens-th, so step 3 decodes `a` once more
+    # -- a token nobody receives -- and its KV blocks come back when token 3's stop reaches the
+    # scheduler, after step 3 was planned. The record is that of the answer: 3 tokens at 0.3 s.
+    e = engine(Ordered(), kv_tokens=64, async_scheduling=True, record_decisions=True)
+    result = e.run([Request("a", 0.0, 4, 3, max_tokens=10)])
+    assert [d["scheduled"] for d in e.decisions] == [{"a": 4}, {"a": 1}, {"a": 1}, {"a": 1}, {}]
+    record = result.records[0]
+    assert record.output_tokens == 3 and record.finish_s == pytest.approx(0.3)
+    assert e._placeholders == {}  # the wasted token's return leaves no bookkeeping behind
+    synchronous = engine(Ordered(), kv_tokens=64, record_decisions=True)
+    synchronous.run([Request("a", 0.0, 4, 3, max_tokens=10)])
+    assert [d["scheduled"] for d in synchronous.decisions] == [{"a": 4}, {"a": 1}, {"a": 1}]
 
 
 def test_sync_and_async_agree_on_times_when_nothing_competes():

