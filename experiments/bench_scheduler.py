@@ -47,11 +47,14 @@ def make_scheduler(
     max_num_active_seqs: int | None = None,
     prefix_caching: bool = True,
     async_scheduling: bool = False,
+    reserve_full_sequence: bool = True,
 ) -> Any:
     """vLLM's V1 scheduler (`scheduler_cls`) without a model: `num_blocks` KV blocks of 16 tokens,
     chunked prefill. `async_scheduling` is what a GPU engine runs; whoever steps such a scheduler
     must then keep two steps in flight, as vLLM's engine core does (the next step scheduled before
-    the last one's output comes), or it schedules as a synchronous one would."""
+    the last one's output comes), or it schedules as a synchronous one would.
+    `reserve_full_sequence` is vLLM's `scheduler_reserve_full_isl`: admit a request only if its
+    whole prompt fits in the free KV blocks."""
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -63,6 +66,7 @@ def make_scheduler(
         max_model_len=2048,
         enable_chunked_prefill=True,
         async_scheduling=async_scheduling,
+        scheduler_reserve_full_isl=reserve_full_sequence,
         is_encoder_decoder=False,
         # Only where asked: vLLMs before `max_num_active_seqs` refuse the keyword.
         **({} if max_num_active_seqs is None else {"max_num_active_seqs": max_num_active_seqs}),

@@ -878,9 +878,10 @@ class Scrambled(Policy):
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_arbitrary_plans_mean_the_same_in_both_engines(tiny_model, monkeypatch, async_scheduling):
     """The lockstep check with `Scrambled` plans: 12 seeds, each 40 requests of 8-400 tokens on
-    40-90 blocks of 16, half ended early by a stop token, a token budget of vLLM's, 64 or 512.
+    40-90 blocks of 16, half ended early by a stop token, a token budget of vLLM's, 64 or 512,
+    2-16 running, admission of whole prompts only (vLLM's default) or of what fits.
     Lazy admission is what catches fault 1 of 2026-11-28 (a victim re-admitted in the step that
-    preempted it): with that fix reverted, 3 of the 12 async runs diverge (one at 47 of 419 steps
+    preempted it): with that fix reverted, 3 of the 12 async runs diverge (one at 163 of 213 steps
     identical)."""
     import random
 
@@ -896,10 +897,11 @@ def test_arbitrary_plans_mean_the_same_in_both_engines(tiny_model, monkeypatch, 
         scheduler = make_scheduler(
             tiny_model,
             PolicyScheduler,
-            8,
+            rng.choice([2, 4, 8, 16]),
             rng.choice([40, 60, 90]),
             prefix_caching=False,
             async_scheduling=async_scheduling,
+            reserve_full_sequence=rng.random() < 0.5,
         )
         budget = rng.choice([None, 64, 512])
         scheduler._switch_policy(Scrambled(seed, budget))
