@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +33,55 @@ from adapt.replay.engine import EngineConfig, ReplayEngine, TraceStep
 from adapt.requests import SLO, Request
 
 COMPARED = ("scheduled", "preempted", "freed")
+DECISION_LOG = "decisions"  # a server's decision log: `decisions-<n>.jsonl` (`adapt serve --log-decisions`)
+
+
+@dataclass(frozen=True)
+class LoggedRun:
+    """One engine lifetime's stretch of a decision log that a replay can follow: from its first
+    step up to the first swap of the policy or of a component version (`stopped_by`), with the
+    component versions serving throughout (`attribute -> NAME@vN`, empty if it followed none)."""
+
+    decisions: list[dict[str, Any]]
+    components: dict[str, str]
+    stopped_by: str | None = None
+
+
+def read_decision_log(directory: str | Path) -> list[LoggedRun]:
+    """The runs in a directory's decision log, in file order; a new run starts where the step
+    index does not grow (the engine restarted)."""
+    paths = sorted(Path(directory).glob(f"{DECISION_LOG}-*.jsonl"))
+    if not paths:
+        raise FileNotFoundError(
+            f"{directory}: no {DECISION_LOG}-*.jsonl (serve with `adapt serve --log-dir DIR --log-decisions`)"
+        )
+    runs: list[list[dict[str, Any]]] = []
+    for path in paths:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not a JSON decision record ({exc.msg})") from None
+            if not runs or record["index"] <= runs[-1][-1]["index"]:
+                runs.append([])
+            runs[-1].append(record)
+    return [_followable(run) for run in runs]
+
+
+def _followable(run: list[dict[str, Any]]) -> LoggedRun:
+    components = run[0].get("components") or {}
+    for i, record in enumerate(run):
+        if record.get("policy_swapped"):
+            return LoggedRun(
+                run[:i], components, f"policy {record['policy_swapped']} went live at step {record['index']}"
+            )
+        if i and "components" in record:
+            return LoggedRun(
+                run[:i], components, f"components {record['components']} went live at step {record['index']}"
+            )
+    return LoggedRun(run, components)
 
 
 def requests_from_log(decisions: Sequence[dict[str, Any]]) -> list[Request]:

@@ -1,10 +1,14 @@
-"""What a serving engine leaves behind for the pipelines: a request log and a step log.
+"""What a serving engine leaves behind for the pipelines: a request log and a step log, and on
+request a decision log.
 
-Both are JSONL files in one directory (`ADAPT_LOG_DIR`, set by `adapt serve --log-dir`), named so
+All are JSONL files in one directory (`ADAPT_LOG_DIR`, set by `adapt serve --log-dir`), named so
 `adapt retrain --data-dir` picks them up: `requests-<n>.jsonl` (one `CompletedRequest` per finished,
 aborted or dropped request; prompt text only with `ADAPT_LOG_PROMPTS=1`, which lets the prompt
 components be refitted from the log alone) and `steps-<n>.jsonl`
-(the `adapt.steplog` columns of every scheduling step plus its start and measured duration).
+(the `adapt.steplog` columns of every scheduling step plus its start and measured duration). With
+`ADAPT_LOG_DECISIONS=1` (`adapt serve --log-decisions`), `decisions-<n>.jsonl` holds every step's
+decisions in `adapt.conformance`'s format, for `adapt conformance` to replay: a diagnostic, larger
+than the other two (each step lists the queues).
 
 Durability: records are buffered and handed to the OS every `flush_every` records or
 `flush_interval_s` seconds, whichever comes first, so a crash of the engine process loses at most
@@ -20,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from adapt.conformance import DECISION_LOG
 from adapt.files import write_text_atomic
 from adapt.replay.engine import ENGINE_FILE, EngineConfig
 from adapt.requests import CompletedRequest
@@ -74,11 +79,14 @@ class JsonlLog:
 
 
 class Monitor:
-    """The two logs of one engine."""
+    """The logs of one engine."""
 
-    def __init__(self, directory: str | Path, log_prompts: bool = False, **options: Any) -> None:
+    def __init__(
+        self, directory: str | Path, log_prompts: bool = False, log_decisions: bool = False, **options: Any
+    ) -> None:
         self.requests = JsonlLog(directory, "requests", **options)
         self.steps = JsonlLog(directory, "steps", **options)
+        self.decisions = JsonlLog(directory, DECISION_LOG, **options) if log_decisions else None
         self.log_prompts = log_prompts
 
     def request(self, record: CompletedRequest) -> None:
@@ -90,6 +98,10 @@ class Monitor:
     def step(self, start_s: float, duration_s: float, features: dict[str, float]) -> None:
         self.steps.write({"start_s": start_s, **features, "duration_s": duration_s})
 
+    def decision(self, record: dict[str, Any]) -> None:
+        """One step's decisions, once its output came (`delivered_t` filled in)."""
+        self.decisions.write(record)  # type: ignore[union-attr]
+
     def engine(self, config: EngineConfig) -> None:
         """Record the serving engine's limits beside the logs (`ENGINE_FILE`), replaced atomically:
         what a retrain's gate replays the logged requests on."""
@@ -98,3 +110,5 @@ class Monitor:
     def flush(self) -> None:
         self.requests.flush()
         self.steps.flush()
+        if self.decisions is not None:
+            self.decisions.flush()

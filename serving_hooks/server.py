@@ -52,6 +52,7 @@ def server_command(
     status_file: str | Path | None = None,
     log_dir: str | Path | None = None,
     log_prompts: bool = False,
+    log_decisions: bool = False,
     follow_policy_config: bool = False,
     metrics: bool = True,
     drift_margin: float | None = None,
@@ -65,6 +66,8 @@ def server_command(
     parse_policy_spec(policy)  # an unknown policy fails here, not inside the engine process
     if watch_interval_s <= 0:
         raise ValueError(f"--watch-interval: must be > 0, got {watch_interval_s}")
+    if log_decisions and log_dir is None:
+        raise ValueError("--log-decisions: give --log-dir, where the decision log goes")
     if drift_margin is not None and not 0 <= drift_margin <= 1:
         raise ValueError(f"--drift-margin: must be in [0, 1], got {drift_margin}")
     status = (
@@ -103,6 +106,7 @@ def server_command(
     if log_dir is not None:
         env["ADAPT_LOG_DIR"] = str(Path(log_dir).resolve())
         env["ADAPT_LOG_PROMPTS"] = "1" if log_prompts else "0"
+        env["ADAPT_LOG_DECISIONS"] = "1" if log_decisions else "0"
     env["ADAPT_METRICS"] = "1" if metrics else "0"
     if metrics and "PROMETHEUS_MULTIPROC_DIR" not in env:
         env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="adapt-metrics-")

@@ -94,6 +94,25 @@ class PolicyScheduler(AsyncScheduler):
         # How many requests vLLM lets run: `max_num_active_seqs` where set (it caps admissions
         # below `max_num_seqs`, the model runner's slot count); vLLMs without it admit up to that.
         self.admission_cap = int(getattr(self, "max_num_active_reqs", self.max_num_running_reqs))
+        self.decisions: list[dict] | None = [] if os.environ.get("ADAPT_RECORD_DECISIONS") == "1" else None
+        log_dir = os.environ.get("ADAPT_LOG_DIR")
+        log_decisions = bool(log_dir) and os.environ.get("ADAPT_LOG_DECISIONS") == "1"
+        unmodelled = self.unmodelled_settings()
+        if log_decisions and unmodelled:  # a log no replay could follow: refuse it at start
+            raise ValueError(f"--log-decisions: {unmodelled[0]}")
+        self.monitor = (
+            Monitor(
+                log_dir, log_prompts=os.environ.get("ADAPT_LOG_PROMPTS") == "1", log_decisions=log_decisions
+            )
+            if log_dir
+            else None
+        )
+        if self.monitor is not None:
+            self._log_engine()
+        # Each step's decisions are recorded for `self.decisions` (in-process checks) or the log.
+        self._recording = self.decisions is not None or log_decisions
+        self._swapped = False  # a whole policy went live since the last record
+        self._logged_versions: dict[str, str] | None = None  # as the decision log last named them
         self.adapt_policy = make_policy_from_spec(os.environ.get("ADAPT_POLICY", "fcfs"))
         self._check(self.adapt_policy)
         # Model calls of the serving policy run in background workers, never inside a step.
@@ -113,12 +132,6 @@ class PolicyScheduler(AsyncScheduler):
             self._load_tokenizer()
         self._program_starts: dict[str, float] = {}
         self.live = LiveComponents.from_environment(self.adapt_policy)  # `adapt serve`: follow the registry
-        log_dir = os.environ.get("ADAPT_LOG_DIR")
-        self.monitor = (
-            Monitor(log_dir, log_prompts=os.environ.get("ADAPT_LOG_PROMPTS") == "1") if log_dir else None
-        )
-        if self.monitor is not None:
-            self._log_engine()
         self._dropped_ids: set[str] = set()
         self._drops_to_report: list[Any] = []  # dropped by the policy, not yet told to the client
         self._held: list[Any] = []  # waiting requests the plan did not list, out for one step
@@ -130,7 +143,6 @@ class PolicyScheduler(AsyncScheduler):
         # through the same view the replay engine gives it.
         self._waiting_states: dict[str, RequestState] = {}
         self._waiting_view = WaitingView(self._waiting_states)
-        self.decisions: list[dict] | None = [] if os.environ.get("ADAPT_RECORD_DECISIONS") == "1" else None
         self._arrived_since: list[list] = []
         self._freed_since: list[str] = []
         # Output lengths of the requests that finished since the last step (a stop token or
@@ -178,7 +190,7 @@ class PolicyScheduler(AsyncScheduler):
             shared_cache().remember(state.prompt_text, embedding)
         self._states[request.request_id] = state
         self._waiting_states[request.request_id] = state
-        if self.decisions is not None:
+        if self._recording:
             extra = {"slo": dataclasses.asdict(slo), "prompt_text": state.prompt_text}
             if embedding is not None:
                 extra["prompt_embedding"] = embedding.tolist()
@@ -209,7 +221,7 @@ class PolicyScheduler(AsyncScheduler):
         self._running_ids.discard(request.request_id)
         self._unplanned.discard(request.request_id)
         self._waiting_states.pop(request.request_id, None)
-        if self.decisions is not None:
+        if self._recording:
             self._freed_since.append(request.request_id)
             if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
                 self._finished_since[request.request_id] = int(request.num_output_tokens)
@@ -387,6 +399,7 @@ class PolicyScheduler(AsyncScheduler):
                 queue.close()
             self.prediction_queues = previous_queues
             raise
+        self._swapped = True
         log.info(
             "policy %s replaces %s with %d requests in flight",
             policy.name,
@@ -413,7 +426,7 @@ class PolicyScheduler(AsyncScheduler):
         fallback = False
         try:
             view = self._view(now)  # the policy's time runs from here (`adapt.steplog.POLICY_S`)
-            if self.decisions is not None:
+            if self._recording:
                 self._queues = {
                     "running": [s.id for s in view.running],
                     "waiting": [s.id for s in view.waiting],
@@ -437,7 +450,7 @@ class PolicyScheduler(AsyncScheduler):
         self._step_starts.append((now, output.total_num_scheduled_tokens > 0))
         if self.metrics is not None:
             self._record_step(now, self._policy_s, gap, fallback, len(deferred))
-        if self.decisions is not None:
+        if self._recording:
             self._record_decision(now, output)
         if self.monitor is not None:
             self._log_step(now, output)
@@ -476,7 +489,7 @@ class PolicyScheduler(AsyncScheduler):
             compute_in_child_process()
         bound = int(os.environ.get("ADAPT_PREDICTION_QUEUE", "256"))
         queue = BackgroundWorker(function, max_pending=bound, warm_up_now=self._starting)
-        if os.environ.get("ADAPT_RECORD_DECISIONS") == "1":
+        if self._recording:
             queue.handed_over = []  # the decision log records which step got each result
         self.prediction_queues.append(queue)
         return queue
@@ -532,9 +545,27 @@ class PolicyScheduler(AsyncScheduler):
         }
         for queue in self.prediction_queues:
             queue.handed_over = []
-        self.decisions.append(record)  # type: ignore[union-attr]
+        versions = self._live_versions()
+        if versions != self._logged_versions:  # on the first record, then on each component swap
+            record["components"] = self._logged_versions = versions
+        if self._swapped:
+            record["policy_swapped"] = self.adapt_policy.name
+            self._swapped = False
+        if self.decisions is not None:
+            self.decisions.append(record)
         self._undelivered.append(record)
         self._arrived_since, self._freed_since, self._finished_since = [], [], {}
+
+    def _live_versions(self) -> dict[str, str]:
+        """The component versions serving (`attribute -> NAME@vN`), as a policy spec pins them;
+        empty when the engine does not follow the registry."""
+        if self.live is None:
+            return {}
+        return {
+            attribute: f"{slot.name}@v{self.live.applied[attribute]}"
+            for attribute, slot in self.live.slots.items()
+            if self.live.applied[attribute] is not None
+        }
 
     def _update_after_schedule(self, scheduler_output: Any) -> None:
         if self._engine_async:
@@ -602,7 +633,10 @@ class PolicyScheduler(AsyncScheduler):
         finished took theirs in `_free_request`, before their policy's `on_finish`."""
         now = self._output_at
         if self._undelivered:
-            self._undelivered.popleft()["delivered_t"] = now
+            record = self._undelivered.popleft()
+            record["delivered_t"] = now
+            if self.monitor is not None and self.monitor.decisions is not None:
+                self.monitor.decision(record)
         for request_id in scheduler_output.num_scheduled_tokens:
             request, state = self.requests.get(request_id), self._states.get(request_id)
             if request is not None and state is not None:
@@ -692,7 +726,7 @@ class PolicyScheduler(AsyncScheduler):
             order = [r.request_id for r in self.running if r.request_id not in skip]
         chosen = [by_id[i] for i in dict.fromkeys(order) if i in by_id]
         chosen_ids = {r.request_id for r in chosen}
-        if self.decisions is not None:
+        if self._recording:
             self._queues["order"] = [r.request_id for r in chosen]
         # vLLM evicts from the end of `chosen`: that is the order its preemptions happen in.
         self._preempt_order += [r.request_id for r in reversed(chosen)]

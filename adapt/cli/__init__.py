@@ -3,9 +3,9 @@
 Errors a user can fix (a bad file, a bad flag value, a bad alias, a component that fails its checks)
 print one line on stderr and exit 2; anything else is a bug, reported in one line with exit 70
 (EX_SOFTWARE). `adapt --debug ...` shows the traceback of either. Commands keep their own documented
-exit codes (retrain: 1 a component failed, 75 locked; fidelity: 1 a policy error). Heavy imports
-(vLLM, MLflow, torch) happen inside the subcommands that need them, so `adapt trace stats` answers in
-well under a second.
+exit codes (retrain: 1 a component failed, 75 locked; fidelity: 1 a policy error; conformance: 1 a
+step decided differently). Heavy imports (vLLM, MLflow, torch) happen inside the subcommands that
+need them, so `adapt trace stats` answers in well under a second.
 """
 
 from __future__ import annotations
@@ -321,6 +321,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         watch_interval_s=args.watch_interval,
         log_dir=args.log_dir,
         log_prompts=args.log_prompts,
+        log_decisions=args.log_decisions,
         follow_policy_config=args.follow_policy_config,
         metrics=args.metrics,
         drift_margin=args.drift_margin,
@@ -343,6 +344,12 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
     print(f"tiny model written to {make_tiny_model(args.dir)}")
     return 0
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    from adapt.cli.conformance import run_conformance
+
+    return run_conformance(args.log_dir, args.policy, args.json)
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
@@ -522,6 +529,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="include prompt text in the request log (adapt retrain then refits the prompt components)",
     )
     serve.add_argument(
+        "--log-decisions",
+        action="store_true",
+        help="with --log-dir: also write every step's decisions (decisions-*.jsonl), for adapt"
+        " conformance to replay; vLLM must run without prefix caching (--no-enable-prefix-caching)",
+    )
+    serve.add_argument(
         "--follow-policy-config",
         action="store_true",
         help="serve the policy the policy-config champion names, swapping live when it moves"
@@ -563,6 +576,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="summarise these replicas instead (exit 1 if one does not answer)",
     )
     status.set_defaults(func=cmd_status)
+
+    conformance = sub.add_parser(
+        "conformance",
+        help="replay a server's decision log (adapt serve --log-decisions) step by step: did the"
+        " replay decide as vLLM did? (exit 1 if not)",
+    )
+    conformance.add_argument("--log-dir", required=True, help="the server's --log-dir")
+    conformance.add_argument(
+        "--policy",
+        required=True,
+        help="the policy spec the server served (component versions come from the log)",
+    )
+    conformance.add_argument("--json", help="write the report here")
+    conformance.set_defaults(func=cmd_conformance)
 
     fidelity = sub.add_parser(
         "fidelity", help="live vLLM vs replay: step-by-step decision agreement and latency error per policy"

@@ -925,3 +925,54 @@ def test_arbitrary_plans_mean_the_same_in_both_engines(tiny_model, monkeypatch, 
             disagreements[f"seed {seed}, budget {budget}"] = agreement.describe()
     assert not disagreements, "\n".join(f"{k}: {v}" for k, v in disagreements.items())
     assert preemptions > 200 and 300 < finished < 480  # plans preempted; some requests were dropped
+
+
+def test_a_servers_decision_log_replays_step_by_step_with_adapt_conformance(
+    tiny_model, monkeypatch, tmp_path, capsys
+):
+    """`adapt serve --log-dir DIR --log-decisions` (its environment) writes each step's decisions;
+    `adapt conformance` replays them on the engine the server described: identical, exit 0, with
+    answers a stop token ended and async scheduling on, as on a GPU node. A log that says vLLM
+    decided otherwise exits 1 with the step; prefix caching on refuses the log at start."""
+    import json
+    import random
+
+    from adapt.cli import main
+    from experiments.bench_scheduler import make_requests, make_scheduler
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    log_dir = tmp_path / "logs"
+    monkeypatch.setenv("ADAPT_POLICY", "spf")
+    monkeypatch.setenv("ADAPT_LOG_DIR", str(log_dir))
+    monkeypatch.setenv("ADAPT_LOG_DECISIONS", "1")
+    with pytest.raises(ValueError, match="--log-decisions: replay does not model prefix caching"):
+        make_scheduler(tiny_model, PolicyScheduler, 8, 60, prefix_caching=True)
+    scheduler = make_scheduler(
+        tiny_model, PolicyScheduler, 8, 60, prefix_caching=False, async_scheduling=True
+    )
+    assert scheduler.decisions is None  # nothing kept in memory: the log is on disk
+    rng = random.Random(3)
+    arrivals: dict[int, list] = {}
+    stop_after: dict[str, int] = {}
+    for i in range(60):
+        (request,) = make_requests(1, i, seed=i, max_tokens=40, prompt_tokens=rng.randint(8, 300))
+        arrivals.setdefault(rng.randint(0, 150), []).append(request)
+        if i % 2:
+            stop_after[request.request_id] = rng.randint(1, 39)
+    _run(scheduler, steps=50_000, arrivals=arrivals, stop_after=stop_after)
+    scheduler.monitor.flush()
+    report = tmp_path / "conformance.json"
+    assert main(["conformance", "--log-dir", str(log_dir), "--policy", "spf", "--json", str(report)]) == 0
+    result = json.loads(report.read_text())
+    assert result["steps"] == result["identical"] > 100
+    assert "steps identical" in capsys.readouterr().out
+
+    (path,) = log_dir.glob("decisions-*.jsonl")
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert any(n < 40 for r in records for n in r["finished"].values())  # answers stopped early
+    assert any(r["preempted"] for r in records)
+    tampered = next(r for r in records if len(r["scheduled"]) > 1)
+    tampered["scheduled"].popitem()
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["conformance", "--log-dir", str(log_dir), "--policy", "spf"]) == 1
+    assert f"first divergence at step {tampered['index']}" in capsys.readouterr().out

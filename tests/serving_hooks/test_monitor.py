@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from adapt.requests import CompletedRequest
 from serving_hooks.monitor import JsonlLog, Monitor
 
@@ -32,3 +34,17 @@ def test_prompts_are_left_out_unless_asked(tmp_path):
         monitor.flush()
         line = next((tmp_path / str(log_prompts)).glob("requests-*.jsonl")).read_text()
         assert json.loads(line)["prompt_text"] == expected
+
+
+def test_the_decision_log_is_asked_for_with_the_log_dir_and_kept_beside_it(tmp_path):
+    from serving_hooks.server import server_command
+
+    _, env = server_command("model-dir", "spf", log_dir=tmp_path, log_decisions=True)
+    assert env["ADAPT_LOG_DECISIONS"] == "1" and env["ADAPT_LOG_DIR"] == str(tmp_path.resolve())
+    with pytest.raises(ValueError, match="--log-decisions: give --log-dir"):
+        server_command("model-dir", "spf", log_decisions=True)
+    monitor = Monitor(tmp_path, log_decisions=True)
+    monitor.decision({"index": 0, "scheduled": {"r1": 8}})
+    monitor.flush()
+    assert [p.name for p in tmp_path.glob("decisions-*.jsonl")] == ["decisions-000001.jsonl"]
+    assert Monitor(tmp_path / "plain").decisions is None

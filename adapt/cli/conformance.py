@@ -1,0 +1,70 @@
+"""`adapt conformance`: did the replay decide as a running server did, step by step?
+
+A server started with `adapt serve --log-dir DIR --log-decisions` writes every scheduling step's
+decisions (`decisions-*.jsonl`) beside its limits (`engine.json`). This command replays each
+engine run in that log under the policy the server served -- pinned to the component versions the
+log names -- with the live steps' times (`adapt.conformance.replay_decisions`), and prints the
+share of identical steps and the first divergence with both engines' queues. It is the check of
+`tests/integration/test_conformance.py`, on an operator's own traffic, engine and GPU: answers
+that end on EOS, async scheduling, the real model's step times. A run is compared up to the first
+live swap of the policy or of a component version (what went live then is not what `--policy`
+names); an engine restart starts a new run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from adapt.cli.usage import UsageError
+from adapt.conformance import compare, read_decision_log, replay_decisions
+from adapt.replay.engine import ENGINE_FILE, EngineConfig
+
+
+def pinned(spec: str, components: dict[str, str]) -> str:
+    """`spec` with each of `components` (attribute -> `NAME@vN`) pinned, in place of what it said."""
+    name, *assignments = spec.split(":")
+    kept = [a for a in assignments if a.partition("=")[0] not in components]
+    return ":".join([name, *kept, *(f"{attribute}={ref}" for attribute, ref in components.items())])
+
+
+def run_conformance(log_dir: str, policy: str, json_path: str | None) -> int:
+    """Replay every run of `log_dir`'s decision log under `policy`; 0 if every step was identical."""
+    from serving_hooks.policies import make_policy_from_spec
+
+    engine_file = Path(log_dir) / ENGINE_FILE
+    if not engine_file.is_file():
+        raise UsageError(f"{log_dir}: no {ENGINE_FILE} (the server writes it at start with --log-dir)")
+    config = EngineConfig.from_json(engine_file.read_text(), source=str(engine_file))
+    try:
+        runs = read_decision_log(log_dir)
+    except FileNotFoundError as exc:
+        raise UsageError(str(exc)) from None
+    reports: list[dict[str, Any]] = []
+    for number, run in enumerate(runs, 1):
+        spec = pinned(policy, run.components)
+        agreement = compare(
+            run.decisions, replay_decisions(run.decisions, make_policy_from_spec(spec), config)
+        )
+        print(f"run {number} ({spec}): {agreement.describe()}")
+        if run.stopped_by:
+            print(f"  compared up to there: {run.stopped_by}")
+        reports.append(
+            {
+                "policy": spec,
+                "steps": agreement.steps,
+                "identical": agreement.identical,
+                "agreement": agreement.agreement,
+                "first_divergence": agreement.first_divergence,
+                "stopped_by": run.stopped_by,
+            }
+        )
+    steps = sum(r["steps"] for r in reports)
+    identical = sum(r["identical"] for r in reports)
+    print(f"{identical:,} of {steps:,} steps identical over {len(reports)} run(s)")
+    if json_path:
+        report = {"policy": policy, "log_dir": str(log_dir), "steps": steps, "identical": identical}
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps({**report, "runs": reports}, indent=2) + "\n")
+    return 0 if identical == steps else 1

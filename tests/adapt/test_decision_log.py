@@ -1,0 +1,56 @@
+"""Reading a server's decision log (`adapt.conformance.read_decision_log`) and pinning the logged
+component versions into a policy spec (`adapt conformance`)."""
+
+import json
+
+import pytest
+
+from adapt.cli.conformance import pinned
+from adapt.conformance import read_decision_log
+
+
+def step(index, **extra):
+    return {"index": index, "t": float(index), "scheduled": {}, "preempted": [], "freed": [], **extra}
+
+
+def write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_runs_split_where_the_engine_restarted_and_stop_at_a_swap(tmp_path):
+    versions = {"qrf": "qrf-length@v3"}
+    write(tmp_path / "decisions-000001.jsonl", [step(0, components=versions), step(1), step(2)])
+    write(
+        tmp_path / "decisions-000002.jsonl",
+        [step(3), step(0, components={}), step(1), step(2, policy_swapped="spf"), step(3)],
+    )
+    first, second = read_decision_log(tmp_path)
+    assert [r["index"] for r in first.decisions] == [0, 1, 2, 3]  # one run across two files
+    assert first.components == versions and first.stopped_by is None
+    assert [r["index"] for r in second.decisions] == [0, 1]
+    assert second.components == {} and second.stopped_by == "policy spf went live at step 2"
+
+
+def test_a_component_swap_ends_the_comparable_part_of_a_run(tmp_path):
+    write(
+        tmp_path / "decisions-000001.jsonl",
+        [step(0, components={"qrf": "qrf-length@v3"}), step(1), step(2, components={"qrf": "qrf-length@v4"})],
+    )
+    (run,) = read_decision_log(tmp_path)
+    assert len(run.decisions) == 2 and "qrf-length@v4" in run.stopped_by
+
+
+def test_a_missing_or_broken_log_says_what_to_do(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--log-decisions"):
+        read_decision_log(tmp_path)
+    (tmp_path / "decisions-000001.jsonl").write_text(json.dumps(step(0)) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"decisions-000001\.jsonl:2: not a JSON decision record"):
+        read_decision_log(tmp_path)
+
+
+def test_logged_versions_replace_what_the_spec_said():
+    assert pinned("jitserve", {}) == "jitserve"
+    assert (
+        pinned("jitserve:qrf=v1:waiting_time_s=5", {"qrf": "neural-length@v2"})
+        == "jitserve:waiting_time_s=5:qrf=neural-length@v2"
+    )
