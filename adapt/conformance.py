@@ -30,7 +30,7 @@ import numpy as np
 from adapt.policy import Policy
 from adapt.predictions import Scripted
 from adapt.replay.engine import EngineConfig, ReplayEngine, TraceStep
-from adapt.requests import SLO, Request
+from adapt.requests import SLO, ProgramRef, Request
 
 COMPARED = ("scheduled", "preempted", "freed")
 DECISION_LOG = "decisions"  # a server's decision log: `decisions-<n>.jsonl` (`adapt serve --log-decisions`)
@@ -100,12 +100,20 @@ def requests_from_log(decisions: Sequence[dict[str, Any]]) -> list[Request]:
                     int(prompt_tokens),
                     int(lengths.get(request_id, max_tokens)),
                     slo=SLO(**extra["slo"]) if extra.get("slo") else SLO(),
+                    program=logged_program(extra.get("program")),
                     prompt_text=extra.get("prompt_text"),
                     max_tokens=int(max_tokens),
                     prompt_embedding=logged_embedding(extra.get("prompt_embedding")),
                 )
             )
     return requests
+
+
+def logged_program(fields: dict[str, Any] | None) -> ProgramRef | None:
+    """A compound request's place in its program, as its decision log lists it."""
+    if fields is None:
+        return None
+    return ProgramRef(**{**fields, "parent_ids": tuple(fields.get("parent_ids", ()))})
 
 
 def logged_embedding(values: list[float] | None) -> np.ndarray | None:

@@ -192,6 +192,8 @@ class PolicyScheduler(AsyncScheduler):
         self._waiting_states[request.request_id] = state
         if self._recording:
             extra = {"slo": dataclasses.asdict(slo), "prompt_text": state.prompt_text}
+            if program is not None:
+                extra["program"] = dataclasses.asdict(program)
             if embedding is not None:
                 extra["prompt_embedding"] = embedding.tolist()
             self._arrived_since.append(
@@ -471,6 +473,9 @@ class PolicyScheduler(AsyncScheduler):
                 queue.close()
             compute_in_this_process()
         if self.monitor is not None:
+            if self.monitor.decisions is not None:
+                while self._undelivered:  # steps whose output never came: logged as such
+                    self.monitor.decision(self._undelivered.popleft())
             self._flush_logs()
         super().shutdown()
 
@@ -637,6 +642,8 @@ class PolicyScheduler(AsyncScheduler):
             record["delivered_t"] = now
             if self.monitor is not None and self.monitor.decisions is not None:
                 self.monitor.decision(record)
+                if not self.requests:  # idle: no step comes to flush it
+                    self.monitor.decisions.flush()
         for request_id in scheduler_output.num_scheduled_tokens:
             request, state = self.requests.get(request_id), self._states.get(request_id)
             if request is not None and state is not None:

@@ -57,6 +57,19 @@ def _check_logs(directory, expected):
     assert ((steps[POLICY_S] >= 0) & (steps[POLICY_S] <= steps["duration_s"])).all()
 
 
+def _check_decisions(directory, report, version):
+    """The server's decision log replays step by step (`adapt conformance`) up to the swap: the
+    engine's own traffic, answers the tiny model ended early included."""
+    from adapt.cli import main
+
+    assert (
+        main(["conformance", "--log-dir", str(directory), "--policy", "jitserve", "--json", str(report)]) == 0
+    )
+    (run, *_) = json.loads(report.read_text())["runs"]
+    assert run["policy"] == f"jitserve:patterns=pattern-graph@v{version}"
+    assert run["steps"] == run["identical"] > 10 and "went live" in run["stopped_by"]
+
+
 def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_path, monkeypatch):
     import subprocess
 
@@ -76,7 +89,8 @@ def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_pat
         watch_interval_s=0.5,
         status_file=tmp_path / "status.json",
         log_dir=tmp_path / "logs",
-        extra=VLLM_CPU_ARGS,
+        log_decisions=True,
+        extra=[*VLLM_CPU_ARGS, "--no-enable-prefix-caching"],
     )
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
@@ -115,6 +129,7 @@ def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_pat
         status = adapt_status(port)
         assert status["swaps"] >= 2 and status["failed_swaps"] == 0
         _check_logs(tmp_path / "logs", expected=len(codes))
+        _check_decisions(tmp_path / "logs", tmp_path / "conformance.json", first)
 
         code, body = post_completion(
             port,
