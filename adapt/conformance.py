@@ -33,6 +33,7 @@ from adapt.replay.engine import EngineConfig, ReplayEngine, TraceStep
 from adapt.requests import SLO, ProgramRef, Request
 
 COMPARED = ("scheduled", "preempted", "freed")
+LOGGED = frozenset({"index", "t", "arrived", "delivered_t", *COMPARED})  # what a replay reads of a step
 DECISION_LOG = "decisions"  # a server's decision log: `decisions-<n>.jsonl` (`adapt serve --log-decisions`)
 
 
@@ -64,6 +65,9 @@ def read_decision_log(directory: str | Path) -> list[LoggedRun]:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{number}: not a JSON decision record ({exc.msg})") from None
+            missing = LOGGED - record.keys() if isinstance(record, dict) else LOGGED
+            if missing:
+                raise ValueError(f"{path}:{number}: not a decision record (no {', '.join(sorted(missing))})")
             if not runs or record["index"] <= runs[-1][-1]["index"]:
                 runs.append([])
             runs[-1].append(record)

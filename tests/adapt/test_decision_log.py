@@ -10,7 +10,8 @@ from adapt.conformance import read_decision_log
 
 
 def step(index, **extra):
-    return {"index": index, "t": float(index), "scheduled": {}, "preempted": [], "freed": [], **extra}
+    record = {"index": index, "t": float(index), "arrived": [], "delivered_t": None}
+    return {**record, "scheduled": {}, "preempted": [], "freed": [], **extra}
 
 
 def write(path, records):
@@ -45,6 +46,9 @@ def test_a_missing_or_broken_log_says_what_to_do(tmp_path):
         read_decision_log(tmp_path)
     (tmp_path / "decisions-000001.jsonl").write_text(json.dumps(step(0)) + "\n{not json\n")
     with pytest.raises(ValueError, match=r"decisions-000001\.jsonl:2: not a JSON decision record"):
+        read_decision_log(tmp_path)
+    (tmp_path / "decisions-000001.jsonl").write_text(json.dumps({"index": 0, "t": 0.0}) + "\n[1]\n")
+    with pytest.raises(ValueError, match=r":1: not a decision record \(no arrived, delivered_t, freed"):
         read_decision_log(tmp_path)
 
 
