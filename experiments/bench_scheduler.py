@@ -155,20 +155,16 @@ def bench(model_dir: Path, policy: str | None, running: int, waiting: int, steps
     """Per-step times (ms) with `policy` (None: plain vLLM). `policy+adapter` is the time
     `schedule()` spends outside vLLM's own `Scheduler.schedule` (timed by wrapping it for the
     run): mirroring state, the policy's `on_step`, and applying its plan."""
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    if policy is None:  # vLLM's default for the engine: `Scheduler` where async scheduling is off
-        cls = None
+    if policy is None:  # vLLM's scheduler for a synchronous engine, as this harness steps it
+        cls = Scheduler
     else:
         from serving_hooks.vllm_adapter import PolicyScheduler
 
         os.environ["ADAPT_POLICY"] = policy
         cls = PolicyScheduler
     blocks = (running + waiting) * (PROMPT_TOKENS + steps + 64) // BLOCK_SIZE + 64
-    if cls is None:
-        probe = make_scheduler(model_dir, Scheduler, running, blocks)
-        cls = AsyncScheduler if probe.scheduler_config.async_scheduling else Scheduler
     scheduler = make_scheduler(model_dir, cls, running, blocks)
     for request in make_requests(running, 0, 0):
         scheduler.add_request(request)
