@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,11 +40,13 @@ DECISION_LOG = "decisions"  # a server's decision log: `decisions-<n>.jsonl` (`a
 @dataclass(frozen=True)
 class LoggedRun:
     """One engine lifetime's stretch of a decision log that a replay can follow: from its first
-    step up to the first swap of the policy or of a component version (`stopped_by`), with the
-    component versions serving throughout (`attribute -> NAME@vN`, empty if it followed none)."""
+    step up to the first swap of the whole policy (`stopped_by`). `components` are the versions
+    serving at its start (`attribute -> NAME@vN`, empty if it followed none); `swaps` the versions
+    that went live later, by the position of the first step they served."""
 
     decisions: list[dict[str, Any]]
     components: dict[str, str]
+    swaps: dict[int, dict[str, str]] = dataclasses.field(default_factory=dict)
     stopped_by: str | None = None
 
 
@@ -75,17 +77,16 @@ def read_decision_log(directory: str | Path) -> list[LoggedRun]:
 
 
 def _followable(run: list[dict[str, Any]]) -> LoggedRun:
-    components = run[0].get("components") or {}
+    components = serving = run[0].get("components") or {}
+    swaps: dict[int, dict[str, str]] = {}
     for i, record in enumerate(run):
         if record.get("policy_swapped"):
-            return LoggedRun(
-                run[:i], components, f"policy {record['policy_swapped']} went live at step {record['index']}"
-            )
+            stopped_by = f"policy {record['policy_swapped']} went live at step {record['index']}"
+            return LoggedRun(run[:i], components, swaps, stopped_by)
         if i and "components" in record:
-            return LoggedRun(
-                run[:i], components, f"components {record['components']} went live at step {record['index']}"
-            )
-    return LoggedRun(run, components)
+            swaps[i] = {a: ref for a, ref in record["components"].items() if serving.get(a) != ref}
+            serving = record["components"]
+    return LoggedRun(run, components, swaps)
 
 
 def requests_from_log(decisions: Sequence[dict[str, Any]]) -> list[Request]:
@@ -139,11 +140,16 @@ class _TraceTime:
 
 
 def replay_decisions(
-    decisions: Sequence[dict[str, Any]], policy: Policy, config: EngineConfig
+    decisions: Sequence[dict[str, Any]],
+    policy: Policy,
+    config: EngineConfig,
+    swaps: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Replay the requests of a live decision log under `policy` with the live engine's limits
     (`config`, which must give the KV capacity) in lockstep with the live steps; returns the
-    replay's own decision log, one record per live step."""
+    replay's own decision log, one record per live step. `swaps`: components (attribute ->
+    component) that went live at the step at that position, handed over as the live engine
+    applied them (`ReplayEngine.use_component`)."""
     if config.kv_capacity_tokens is None:
         raise ValueError("config.kv_capacity_tokens: give the live engine's KV capacity")
     config = dataclasses.replace(config, skip_decode_runs=False, record_decisions=True)
@@ -158,6 +164,8 @@ def replay_decisions(
         while pending is not None and pending.request_id in arrived:
             engine.add(pending)
             pending = next(arrivals, None)
+        for attribute, component in (swaps or {}).get(i, {}).items():
+            engine.use_component(attribute, component)
         duration = decisions[i + 1]["t"] - live["t"] if i + 1 < len(decisions) else 0.0
         engine.step(TraceStep(live["t"], live["index"], duration, live["delivered_t"]))
     return engine.decisions  # type: ignore[return-value]

@@ -237,15 +237,17 @@ class PolicySlots:
         self.slots = {attribute: Slot(registry, name, alias) for attribute, name in policy.components.items()}
         self.applied: dict[str, int | None] = dict.fromkeys(self.slots)
 
-    def apply(self) -> dict[str, int]:
-        """Follow each alias once; hand every component whose version moved to the policy.
-        Returns {component name: version} of what went live now."""
+    def apply(self, use: Callable[[str, Any], None] | None = None) -> dict[str, int]:
+        """Follow each alias once; hand every component whose version moved to the policy (or to
+        `use`: the replay engine's `use_component` hands it over at its next step, where a live
+        engine applies its swaps). Returns {component name: version} of what went live now."""
+        use = use or self.policy.use_component
         swapped = {}
         for attribute, slot in self.slots.items():
             slot.swap_now()
             component, version = slot.snapshot()
             if component is not None and version != self.applied[attribute]:
-                self.policy.use_component(attribute, component)
+                use(attribute, component)
                 self.applied[attribute] = version
                 swapped[slot.name] = version
         return swapped

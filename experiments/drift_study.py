@@ -101,7 +101,7 @@ def run_cell(name: str, seed: int, size: Size, root: Path, margin: float = 0.0) 
     def retrain_at_shift(_: float) -> None:
         if best is not champion:
             oracle_registry.promote(scenario.stales, oracle_registry.log(best))  # an oracle needs no gate
-        oracle_slots.apply()
+        oracle_slots.apply(use=oracle.use_component)  # at the next step, as the loop's swaps
 
     results["oracle"] = run_with_checkpoints(oracle, requests, [shift_s], retrain_at_shift)
 

@@ -94,11 +94,13 @@ class RetrainLoop:
         if self.logs_steps:  # the limits the gate's replay should use; it need not record steps
             limits = dataclasses.replace(engine.config, record_steps=False)
             (self.log_dir / ENGINE_FILE).write_text(limits.to_json())
-        self.apply(0.0)  # the champion serves from the start
+        self.apply(0.0, at_once=True)  # the champion serves from the start, as a server loads it
 
-    def apply(self, at_s: float) -> dict[str, int]:
-        """Swap in whatever the champion aliases point at now (between steps)."""
-        swapped = self.slots.apply()
+    def apply(self, at_s: float, at_once: bool = False) -> dict[str, int]:
+        """Swap in whatever the champion aliases point at now (between steps): at once before the
+        first step, else live from the next step's plan, after its intake, as `adapt serve` applies
+        a swap."""
+        swapped = self.slots.apply(use=None if at_once else self.engine.use_component)
         self.swaps.extend((at_s, name, version) for name, version in swapped.items())
         return swapped
 

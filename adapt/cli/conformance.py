@@ -6,9 +6,10 @@ engine run in that log under the policy the server served -- pinned to the compo
 log names -- with the live steps' times (`adapt.conformance.replay_decisions`), and prints the
 share of identical steps and the first divergence with both engines' queues. It is the check of
 `tests/integration/test_conformance.py`, on an operator's own traffic, engine and GPU: answers
-that end on EOS, async scheduling, the real model's step times. A run is compared up to the first
-live swap of the policy or of a component version (what went live then is not what `--policy`
-names); an engine restart starts a new run.
+that end on EOS, async scheduling, the real model's step times, and component versions swapped in
+live (the replay loads each from the registry and hands it over at the step the server did). A run
+is compared up to the first live swap of the whole policy (`--follow-policy-config`: what went
+live is not what `--policy` names); an engine restart starts a new run.
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ def pinned(spec: str, components: dict[str, str]) -> str:
     return ":".join([name, *kept, *(f"{attribute}={ref}" for attribute, ref in components.items())])
 
 
+def load_component(reference: str) -> Any:
+    """The registered version a log names (`NAME@vN`)."""
+    from adapt.registry import Registry
+
+    name, _, version = reference.rpartition("@")
+    if not name or not version[1:].isdigit():
+        raise ValueError(f"decision log: {reference!r} is not a registered version (NAME@vN)")
+    return Registry().load(name, version=int(version[1:]))
+
+
 def run_conformance(log_dir: str, policy: str, json_path: str | None) -> int:
     """Replay every run of `log_dir`'s decision log under `policy`; 0 if every step was identical."""
     from serving_hooks.policies import make_policy_from_spec
@@ -44,10 +55,12 @@ def run_conformance(log_dir: str, policy: str, json_path: str | None) -> int:
     reports: list[dict[str, Any]] = []
     for number, run in enumerate(runs, 1):
         spec = pinned(policy, run.components)
-        agreement = compare(
-            run.decisions, replay_decisions(run.decisions, make_policy_from_spec(spec), config)
-        )
+        swaps = {i: {a: load_component(ref) for a, ref in refs.items()} for i, refs in run.swaps.items()}
+        replayed = replay_decisions(run.decisions, make_policy_from_spec(spec), config, swaps)
+        agreement = compare(run.decisions, replayed)
         print(f"run {number} ({spec}): {agreement.describe()}")
+        for i, refs in run.swaps.items():
+            print(f"  live at step {run.decisions[i]['index']}, and so in the replay: {refs}")
         if run.stopped_by:
             print(f"  compared up to there: {run.stopped_by}")
         reports.append(
@@ -57,6 +70,7 @@ def run_conformance(log_dir: str, policy: str, json_path: str | None) -> int:
                 "identical": agreement.identical,
                 "agreement": agreement.agreement,
                 "first_divergence": agreement.first_divergence,
+                "swaps": {run.decisions[i]["index"]: refs for i, refs in run.swaps.items()},
                 "stopped_by": run.stopped_by,
             }
         )

@@ -47,7 +47,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -220,6 +220,14 @@ class ReplayEngine:
         # short decode runs are then timed step by step in Python (`_short_run`).
         self._step_timer = getattr(cost, "decode_step_timer", None)
         self._arrival_overhead_s = float(cost.arrival_overhead_s)
+        self._component_swaps: list[tuple[str, Any]] = []  # `use_component`, for the next step
+
+    def use_component(self, attribute: str, component: Any) -> None:
+        """Serve a new version of one of the policy's learned components from the next step on:
+        handed to the policy after that step's intake and before its plan, where `adapt serve`
+        applies a swap (at the start of vLLM's `schedule()`, after the requests that came during
+        the last step were taken in -- and told to the policy -- under the old version)."""
+        self._component_swaps.append((attribute, component))
 
     # ----------------------------------------------------------------- arrivals
     def add(self, request: Request) -> None:
@@ -366,6 +374,9 @@ class ReplayEngine:
         arrived = self._admit_arrivals()
         if arrived and trace is None:  # their intake runs before this step (a trace's time has it)
             self.now += arrived * self._arrival_overhead_s
+        for attribute, component in self._component_swaps:
+            self.policy.use_component(attribute, component)
+        self._component_swaps.clear()
         if not self.waiting and not self.running and not self._in_flight:
             if trace is not None and self.decisions is not None:
                 self._queues = {"running": [], "waiting": []}

@@ -32,13 +32,15 @@ def test_runs_split_where_the_engine_restarted_and_stop_at_a_swap(tmp_path):
     assert second.components == {} and second.stopped_by == "policy spf went live at step 2"
 
 
-def test_a_component_swap_ends_the_comparable_part_of_a_run(tmp_path):
+def test_a_component_swap_is_replayed_at_the_step_it_went_live(tmp_path):
+    serving = {"qrf": "qrf-length@v3", "patterns": "pattern-graph@v1"}
     write(
         tmp_path / "decisions-000001.jsonl",
-        [step(0, components={"qrf": "qrf-length@v3"}), step(1), step(2, components={"qrf": "qrf-length@v4"})],
+        [step(0, components=serving), step(1), step(2, components={**serving, "qrf": "qrf-length@v4"})],
     )
     (run,) = read_decision_log(tmp_path)
-    assert len(run.decisions) == 2 and "qrf-length@v4" in run.stopped_by
+    assert len(run.decisions) == 3 and run.stopped_by is None
+    assert run.components == serving and run.swaps == {2: {"qrf": "qrf-length@v4"}}
 
 
 def test_a_missing_or_broken_log_says_what_to_do(tmp_path):

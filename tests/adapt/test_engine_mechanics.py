@@ -225,3 +225,28 @@ def test_a_steps_duration_joins_the_mean_step_time_when_its_output_comes(asynchr
     policy = Watches()
     engine(policy, kv_tokens=400, async_scheduling=asynchronous).run([Request("a", 0.0, 4, 6)])
     assert policy.seen[:3] == seen
+
+
+def test_a_component_swapped_in_serves_from_the_next_plan_after_that_steps_intake():
+    # `adapt serve` applies a swap at the start of vLLM's schedule(): requests that came while the
+    # last step ran were told to the policy under the old version. b arrives during step 0 (0.1 s).
+    class Versioned(Ordered):
+        def __init__(self):
+            super().__init__()
+            self.model, self.seen = "v1", []
+
+        def on_arrival(self, request, now):
+            self.seen.append((request.id, self.model))
+
+        def on_step(self, view):
+            self.seen.append((view.step_index, self.model))
+            return super().on_step(view)
+
+    policy = Versioned()
+    e = engine(policy, kv_tokens=64)
+    e.add(Request("a", 0.0, 4, 3))
+    e.add(Request("b", 0.05, 4, 1))
+    e.step()
+    e.use_component("model", "v2")
+    e.step()
+    assert policy.seen == [("a", "v1"), (0, "v1"), ("b", "v1"), (1, "v2")]

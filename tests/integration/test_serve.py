@@ -57,17 +57,17 @@ def _check_logs(directory, expected):
     assert ((steps[POLICY_S] >= 0) & (steps[POLICY_S] <= steps["duration_s"])).all()
 
 
-def _check_decisions(directory, report, version):
-    """The server's decision log replays step by step (`adapt conformance`) up to the swap: the
-    engine's own traffic, answers the tiny model ended early included."""
+def _check_decisions(directory, report, first, second):
+    """The server's decision log replays step by step (`adapt conformance`), across the live swap:
+    the engine's own traffic, answers the tiny model ended early included."""
     from adapt.cli import main
 
-    assert (
-        main(["conformance", "--log-dir", str(directory), "--policy", "jitserve", "--json", str(report)]) == 0
-    )
-    (run, *_) = json.loads(report.read_text())["runs"]
-    assert run["policy"] == f"jitserve:patterns=pattern-graph@v{version}"
-    assert run["steps"] == run["identical"] > 10 and "went live" in run["stopped_by"]
+    command = ["conformance", "--log-dir", str(directory), "--policy", "jitserve", "--json", str(report)]
+    assert main(command) == 0
+    (run,) = json.loads(report.read_text())["runs"]
+    assert run["policy"] == f"jitserve:patterns=pattern-graph@v{first}"
+    assert list(run["swaps"].values()) == [{"patterns": f"pattern-graph@v{second}"}]
+    assert run["steps"] == run["identical"] > 10 and run["stopped_by"] is None
 
 
 def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_path, monkeypatch):
@@ -129,7 +129,7 @@ def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_pat
         status = adapt_status(port)
         assert status["swaps"] >= 2 and status["failed_swaps"] == 0
         _check_logs(tmp_path / "logs", expected=len(codes))
-        _check_decisions(tmp_path / "logs", tmp_path / "conformance.json", first)
+        _check_decisions(tmp_path / "logs", tmp_path / "conformance.json", first, second)
 
         code, body = post_completion(
             port,
