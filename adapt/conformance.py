@@ -39,13 +39,16 @@ DECISION_LOG = "decisions"  # a server's decision log: `decisions-<n>.jsonl` (`a
 
 @dataclass(frozen=True)
 class LoggedRun:
-    """One engine lifetime's stretch of a decision log that a replay can follow: from its first
-    step up to the first swap of the whole policy (`stopped_by`). `components` are the versions
-    serving at its start (`attribute -> NAME@vN`, empty if it followed none); `swaps` the versions
-    that went live later, by the position of the first step they served."""
+    """One engine lifetime's stretch of a decision log that a replay can follow. `policy` is the
+    spec serving at its start (None where the log does not say); `switches` the specs of whole
+    policies swapped in live and `swaps` the component versions (`attribute -> NAME@vN`) that went
+    live, each by the position of the first step it served; `components` the versions serving at
+    the start. It ends at a swap to a policy the log cannot name (`stopped_by`)."""
 
     decisions: list[dict[str, Any]]
+    policy: str | None
     components: dict[str, str]
+    switches: dict[int, str] = dataclasses.field(default_factory=dict)
     swaps: dict[int, dict[str, str]] = dataclasses.field(default_factory=dict)
     stopped_by: str | None = None
 
@@ -77,16 +80,20 @@ def read_decision_log(directory: str | Path) -> list[LoggedRun]:
 
 
 def _followable(run: list[dict[str, Any]]) -> LoggedRun:
+    policy = run[0].get("policy")
     components = serving = run[0].get("components") or {}
+    switches: dict[int, str] = {}
     swaps: dict[int, dict[str, str]] = {}
-    for i, record in enumerate(run):
-        if record.get("policy_swapped"):
-            stopped_by = f"policy {record['policy_swapped']} went live at step {record['index']}"
-            return LoggedRun(run[:i], components, swaps, stopped_by)
-        if i and "components" in record:
+    for i, record in enumerate(run[1:], 1):
+        if "policy" in record:
+            if record["policy"] is None:
+                stopped_by = f"a policy the log does not name went live at step {record['index']}"
+                return LoggedRun(run[:i], policy, components, switches, swaps, stopped_by)
+            switches[i] = record["policy"]
+        if "components" in record:
             swaps[i] = {a: ref for a, ref in record["components"].items() if serving.get(a) != ref}
             serving = record["components"]
-    return LoggedRun(run, components, swaps)
+    return LoggedRun(run, policy, components, switches, swaps)
 
 
 def requests_from_log(decisions: Sequence[dict[str, Any]]) -> list[Request]:
@@ -144,12 +151,13 @@ def replay_decisions(
     policy: Policy,
     config: EngineConfig,
     swaps: Mapping[int, Mapping[str, Any]] | None = None,
+    switches: Mapping[int, Policy] | None = None,
 ) -> list[dict[str, Any]]:
     """Replay the requests of a live decision log under `policy` with the live engine's limits
     (`config`, which must give the KV capacity) in lockstep with the live steps; returns the
-    replay's own decision log, one record per live step. `swaps`: components (attribute ->
-    component) that went live at the step at that position, handed over as the live engine
-    applied them (`ReplayEngine.use_component`)."""
+    replay's own decision log, one record per live step. `switches` (whole policies) and `swaps`
+    (attribute -> component) went live at the step at that position: they are handed over as
+    the live engine applied them (`ReplayEngine.switch_policy`, then `use_component`)."""
     if config.kv_capacity_tokens is None:
         raise ValueError("config.kv_capacity_tokens: give the live engine's KV capacity")
     config = dataclasses.replace(config, skip_decode_runs=False, record_decisions=True)
@@ -164,6 +172,8 @@ def replay_decisions(
         while pending is not None and pending.request_id in arrived:
             engine.add(pending)
             pending = next(arrivals, None)
+        if switches and i in switches:
+            engine.switch_policy(switches[i])
         for attribute, component in (swaps or {}).get(i, {}).items():
             engine.use_component(attribute, component)
         duration = decisions[i + 1]["t"] - live["t"] if i + 1 < len(decisions) else 0.0

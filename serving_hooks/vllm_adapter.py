@@ -57,7 +57,7 @@ from adapt.steplog import ARRIVALS, POLICY_S, step_batch
 from serving_hooks.live import LiveComponents
 from serving_hooks.metrics import SchedulerMetrics
 from serving_hooks.monitor import Monitor
-from serving_hooks.policies import make_policy_from_spec
+from serving_hooks.policies import POLICY_CONFIG, make_policy_from_spec
 from serving_hooks.vllm_interface import check_classes, check_scheduler
 from serving_hooks.xargs import embedding_from_extra_args, program_from_extra_args, slo_from_extra_args
 
@@ -111,7 +111,10 @@ class PolicyScheduler(AsyncScheduler):
             self._log_engine()
         # Each step's decisions are recorded for `self.decisions` (in-process checks) or the log.
         self._recording = self.decisions is not None or log_decisions
-        self._swapped = False  # a whole policy went live since the last record
+        # The serving policy's spec, logged on the first record and on each whole-policy swap (None:
+        # swapped in by a caller that gave none, which a replay cannot rebuild).
+        self._policy_spec: str | None = os.environ.get("ADAPT_POLICY", "fcfs")
+        self._spec_to_log: bool = True
         self._logged_versions: dict[str, str] | None = None  # as the decision log last named them
         self.adapt_policy = make_policy_from_spec(os.environ.get("ADAPT_POLICY", "fcfs"))
         self._check(self.adapt_policy)
@@ -367,7 +370,7 @@ class PolicyScheduler(AsyncScheduler):
         try:
             replacement = self.live.next_policy()
             if replacement is not None:
-                self._switch_policy(replacement)
+                self._switch_policy(replacement, spec=f"{POLICY_CONFIG}@v{self.live.config_version}")
                 self.live.adopt(replacement)
             self.live.apply()
         except Exception:
@@ -380,12 +383,12 @@ class PolicyScheduler(AsyncScheduler):
         for difference in check_policy(policy, "vllm", engine_token_budget=self.engine_token_budget):
             log.warning("policy %s in vLLM differs from replay: %s", policy.name, difference)
 
-    def _switch_policy(self, policy: Any) -> None:
+    def _switch_policy(self, policy: Any, spec: str | None = None) -> None:
         """Hand every request in flight to `policy`, oldest first (waiting ones as arrivals --
         a preempted one keeps its phase, so the policy can tell it was started -- running ones as
         arrivals then admissions), then let it schedule. If it is refused or raises on the way,
         the old policy keeps serving, with its own prediction queues. Its mechanics apply from the
-        next step (`_apply_mechanics`)."""
+        next step (`_apply_mechanics`). `spec` names it in the decision log."""
         self._check(policy)
         now = time.monotonic()
         previous_queues, self.prediction_queues = self.prediction_queues, []
@@ -401,7 +404,7 @@ class PolicyScheduler(AsyncScheduler):
                 queue.close()
             self.prediction_queues = previous_queues
             raise
-        self._swapped = True
+        self._policy_spec, self._spec_to_log = spec, True
         log.info(
             "policy %s replaces %s with %d requests in flight",
             policy.name,
@@ -553,9 +556,9 @@ class PolicyScheduler(AsyncScheduler):
         versions = self._live_versions()
         if versions != self._logged_versions:  # on the first record, then on each component swap
             record["components"] = self._logged_versions = versions
-        if self._swapped:
-            record["policy_swapped"] = self.adapt_policy.name
-            self._swapped = False
+        if self._spec_to_log:  # the first record, and the first after a whole-policy swap
+            record["policy"] = self._policy_spec
+            self._spec_to_log = False
         if self.decisions is not None:
             self.decisions.append(record)
         self._undelivered.append(record)

@@ -585,8 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
     conformance.add_argument("--log-dir", required=True, help="the server's --log-dir")
     conformance.add_argument(
         "--policy",
-        required=True,
-        help="the policy spec the server served (component versions come from the log)",
+        help="the policy spec to replay from each run's start (default: the one the log names;"
+        " component versions always come from the log)",
     )
     conformance.add_argument("--json", help="write the report here")
     conformance.set_defaults(func=cmd_conformance)

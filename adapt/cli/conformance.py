@@ -6,10 +6,10 @@ engine run in that log under the policy the server served -- pinned to the compo
 log names -- with the live steps' times (`adapt.conformance.replay_decisions`), and prints the
 share of identical steps and the first divergence with both engines' queues. It is the check of
 `tests/integration/test_conformance.py`, on an operator's own traffic, engine and GPU: answers
-that end on EOS, async scheduling, the real model's step times, and component versions swapped in
-live (the replay loads each from the registry and hands it over at the step the server did). A run
-is compared up to the first live swap of the whole policy (`--follow-policy-config`: what went
-live is not what `--policy` names); an engine restart starts a new run.
+that end on EOS, async scheduling, the real model's step times, and what went live while it served
+-- component versions and, with `--follow-policy-config`, whole policies -- each loaded from the
+registry and handed over at the step the server did. The log names the policy it served; an engine
+restart starts a new run.
 """
 
 from __future__ import annotations
@@ -40,8 +40,23 @@ def load_component(reference: str) -> Any:
     return Registry().load(name, version=int(version[1:]))
 
 
-def run_conformance(log_dir: str, policy: str, json_path: str | None) -> int:
-    """Replay every run of `log_dir`'s decision log under `policy`; 0 if every step was identical."""
+def logged_policy(spec: str, components: dict[str, str]) -> Any:
+    """The policy `spec` names, serving the component versions a log names: pinned in the spec,
+    or -- for a registered `policy-config`, which takes no key=value -- handed to it as a server
+    hands its slots' versions to the policy before the first request."""
+    from serving_hooks.policies import POLICY_CONFIG, make_policy_from_spec
+
+    if not spec.startswith(f"{POLICY_CONFIG}@"):
+        return make_policy_from_spec(pinned(spec, components))
+    policy = make_policy_from_spec(spec)
+    for attribute, reference in components.items():
+        policy.use_component(attribute, load_component(reference))
+    return policy
+
+
+def run_conformance(log_dir: str, policy: str | None, json_path: str | None) -> int:
+    """Replay every run of `log_dir`'s decision log under the policy it names (or `policy`, which
+    overrides the one serving at each run's start); 0 if every step was identical."""
     from serving_hooks.policies import make_policy_from_spec
 
     engine_file = Path(log_dir) / ENGINE_FILE
@@ -54,22 +69,29 @@ def run_conformance(log_dir: str, policy: str, json_path: str | None) -> int:
         raise UsageError(str(exc)) from None
     reports: list[dict[str, Any]] = []
     for number, run in enumerate(runs, 1):
-        spec = pinned(policy, run.components)
+        spec = policy or run.policy
+        if spec is None:
+            raise UsageError(f"{log_dir}: run {number}'s log does not name its policy; give --policy")
         swaps = {i: {a: load_component(ref) for a, ref in refs.items()} for i, refs in run.swaps.items()}
-        replayed = replay_decisions(run.decisions, make_policy_from_spec(spec), config, swaps)
-        agreement = compare(run.decisions, replayed)
-        print(f"run {number} ({spec}): {agreement.describe()}")
+        switches = {i: make_policy_from_spec(name) for i, name in run.switches.items()}
+        first = logged_policy(spec, run.components)
+        agreement = compare(run.decisions, replay_decisions(run.decisions, first, config, swaps, switches))
+        print(f"run {number} ({spec}, {run.components or 'no learned components'}): {agreement.describe()}")
+        for i, name in run.switches.items():
+            print(f"  policy {name} live at step {run.decisions[i]['index']}, and so in the replay")
         for i, refs in run.swaps.items():
-            print(f"  live at step {run.decisions[i]['index']}, and so in the replay: {refs}")
+            print(f"  {refs} live at step {run.decisions[i]['index']}, and so in the replay")
         if run.stopped_by:
             print(f"  compared up to there: {run.stopped_by}")
         reports.append(
             {
                 "policy": spec,
+                "components": run.components,
                 "steps": agreement.steps,
                 "identical": agreement.identical,
                 "agreement": agreement.agreement,
                 "first_divergence": agreement.first_divergence,
+                "switches": {run.decisions[i]["index"]: name for i, name in run.switches.items()},
                 "swaps": {run.decisions[i]["index"]: refs for i, refs in run.swaps.items()},
                 "stopped_by": run.stopped_by,
             }

@@ -163,9 +163,8 @@ class ReplayEngine:
         self.policy = policy
         self.cost = cost
         self.config = config or EngineConfig()
-        policy.use_predictions(
-            predictions or functools.partial(Delayed, delay_s=self.config.prediction_delay_s)
-        )
+        self._predictions = predictions or functools.partial(Delayed, delay_s=self.config.prediction_delay_s)
+        policy.use_predictions(self._predictions)
         capacity = self.config.kv_capacity_tokens or cost.kv_capacity_tokens()
         self.kv = BlockPool(capacity // self.config.block_size, self.config.block_size)
         self.token_budget = self.config.token_budget if policy.token_budget is None else policy.token_budget
@@ -221,6 +220,25 @@ class ReplayEngine:
         self._step_timer = getattr(cost, "decode_step_timer", None)
         self._arrival_overhead_s = float(cost.arrival_overhead_s)
         self._component_swaps: list[tuple[str, Any]] = []  # `use_component`, for the next step
+        self._next_policy: Policy | None = None  # `switch_policy`, for the next step
+
+    def switch_policy(self, policy: Policy) -> None:
+        """Serve a whole new policy from the next step on, handed over as `adapt serve` swaps one
+        live (`PolicyScheduler._switch_policy`, at the start of `schedule()`): after that step's
+        intake, every request in flight goes to it oldest first -- waiting ones as arrivals (a
+        preempted one keeps its phase), running ones as arrivals then admissions -- and its token
+        budget is the step's."""
+        self._next_policy = policy
+
+    def _hand_over(self, policy: Policy) -> None:
+        policy.use_predictions(self._predictions)
+        running = {state.id for state in self.running}
+        for state in sorted([*self.waiting.values(), *self.running], key=lambda s: s.arrival_s):
+            policy.on_arrival(state, state.arrival_s)
+            if state.id in running:
+                policy.on_admit(state, self.now)
+        self.policy = policy
+        self.token_budget = self.config.token_budget if policy.token_budget is None else policy.token_budget
 
     def use_component(self, attribute: str, component: Any) -> None:
         """Serve a new version of one of the policy's learned components from the next step on:
@@ -374,6 +392,9 @@ class ReplayEngine:
         arrived = self._admit_arrivals()
         if arrived and trace is None:  # their intake runs before this step (a trace's time has it)
             self.now += arrived * self._arrival_overhead_s
+        if self._next_policy is not None:
+            self._hand_over(self._next_policy)
+            self._next_policy = None
         for attribute, component in self._component_swaps:
             self.policy.use_component(attribute, component)
         self._component_swaps.clear()

@@ -18,18 +18,34 @@ def write(path, records):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def test_runs_split_where_the_engine_restarted_and_stop_at_a_swap(tmp_path):
+def test_runs_split_where_the_engine_restarted_and_name_their_policies(tmp_path):
     versions = {"qrf": "qrf-length@v3"}
-    write(tmp_path / "decisions-000001.jsonl", [step(0, components=versions), step(1), step(2)])
+    write(
+        tmp_path / "decisions-000001.jsonl",
+        [step(0, policy="jitserve", components=versions), step(1), step(2)],
+    )
     write(
         tmp_path / "decisions-000002.jsonl",
-        [step(3), step(0, components={}), step(1), step(2, policy_swapped="spf"), step(3)],
+        [
+            step(3),
+            step(0, policy="policy-config@v1", components={}),
+            step(1),
+            step(2, policy="policy-config@v2"),
+        ],
     )
     first, second = read_decision_log(tmp_path)
     assert [r["index"] for r in first.decisions] == [0, 1, 2, 3]  # one run across two files
-    assert first.components == versions and first.stopped_by is None
-    assert [r["index"] for r in second.decisions] == [0, 1]
-    assert second.components == {} and second.stopped_by == "policy spf went live at step 2"
+    assert (first.policy, first.components, first.switches) == ("jitserve", versions, {})
+    assert [r["index"] for r in second.decisions] == [0, 1, 2] and second.stopped_by is None
+    assert (second.policy, second.switches) == ("policy-config@v1", {2: "policy-config@v2"})
+
+
+def test_a_policy_swapped_in_that_the_log_cannot_name_ends_the_run(tmp_path):
+    write(
+        tmp_path / "decisions-000001.jsonl", [step(0, policy="fcfs"), step(1), step(2, policy=None), step(3)]
+    )
+    (run,) = read_decision_log(tmp_path)
+    assert len(run.decisions) == 2 and run.stopped_by == "a policy the log does not name went live at step 2"
 
 
 def test_a_component_swap_is_replayed_at_the_step_it_went_live(tmp_path):
@@ -39,7 +55,7 @@ def test_a_component_swap_is_replayed_at_the_step_it_went_live(tmp_path):
         [step(0, components=serving), step(1), step(2, components={**serving, "qrf": "qrf-length@v4"})],
     )
     (run,) = read_decision_log(tmp_path)
-    assert len(run.decisions) == 3 and run.stopped_by is None
+    assert len(run.decisions) == 3 and run.stopped_by is None and run.policy is None
     assert run.components == serving and run.swaps == {2: {"qrf": "qrf-length@v4"}}
 
 

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_scheduler_follows_the_policy_config_champion(tmp_path, monkeypatch):
+    from adapt.cli import main
     from adapt.registry import Registry
     from experiments.bench_scheduler import make_requests, make_scheduler, step
     from serving_hooks.policies.config import PolicyConfig
@@ -27,9 +28,13 @@ def test_scheduler_follows_the_policy_config_champion(tmp_path, monkeypatch):
         "ADAPT_WATCH_INTERVAL": "0.2",
         "ADAPT_FOLLOW_POLICY_CONFIG": "1",
         "ADAPT_STATUS_FILE": str(status),
+        "ADAPT_LOG_DIR": str(tmp_path / "logs"),
+        "ADAPT_LOG_DECISIONS": "1",
     }.items():
         monkeypatch.setenv(key, value)
-    scheduler = make_scheduler(make_tiny_model(tmp_path / "tiny"), PolicyScheduler, 4, 2000)
+    scheduler = make_scheduler(
+        make_tiny_model(tmp_path / "tiny"), PolicyScheduler, 4, 2000, prefix_caching=False
+    )
     try:
         assert scheduler.adapt_policy.name == "spf"  # the champion config, not --policy, serves
         requests = make_requests(12, 0, 0)
@@ -38,13 +43,13 @@ def test_scheduler_follows_the_policy_config_champion(tmp_path, monkeypatch):
         for _ in range(3):
             step(scheduler)
         registry.promote(
-            "policy-config", registry.log(PolicyConfig("sarathi", {"order": "spf", "token_budget": 256}))
+            "policy-config", registry.log(PolicyConfig("sarathi", {"order": "spf", "token_budget": 48}))
         )
         deadline = time.time() + 30
         while scheduler.adapt_policy.name != "sarathi" and time.time() < deadline:
             time.sleep(0.1)
             step(scheduler)
-        assert scheduler.adapt_policy.name == "sarathi" and scheduler.adapt_policy.token_budget == 256
+        assert scheduler.adapt_policy.name == "sarathi" and scheduler.adapt_policy.token_budget == 48
         for _ in range(5000):  # every request finishes under the new policy: none lost in the swap
             if not scheduler.requests:
                 break
@@ -53,5 +58,14 @@ def test_scheduler_follows_the_policy_config_champion(tmp_path, monkeypatch):
         published = json.loads(status.read_text())
         assert published["policy"] == "sarathi" and published["policy_config"] == 2
         assert published["policy_swaps"] == 2 and published["failed_swaps"] == 0
+
+        # The decision log names the policy serving at the start and the one swapped in, so the
+        # replay hands the same requests over at the same step, with the new 48-token budget (below
+        # the 4 x 64 prompt tokens a step could take): identical across the swap.
+        report = tmp_path / "conformance.json"
+        assert main(["conformance", "--log-dir", str(tmp_path / "logs"), "--json", str(report)]) == 0
+        (run,) = json.loads(report.read_text())["runs"]
+        assert run["policy"] == "policy-config@v1" and list(run["switches"].values()) == ["policy-config@v2"]
+        assert run["steps"] == run["identical"] > 10
     finally:
         scheduler.live.stop()
