@@ -19,8 +19,10 @@ and applies it with vLLM's own mechanics before vLLM schedules:
   output (`update_from_output`, one step late under async scheduling), the waiting requests in the
   order they (re-)entered the queue.
 Mechanics vLLM cannot honour refuse the policy at start (`adapt.mechanics.ENGINES["vllm"]`). With
-`record_decisions` on (or `ADAPT_RECORD_DECISIONS=1`), every step's decisions are kept in
-`self.decisions` in the format `adapt.conformance` compares with a trace-driven replay.
+`ADAPT_RECORD_DECISIONS=1`, every step's decisions are kept in `self.decisions` in the format
+`adapt.conformance` compares with a trace-driven replay; with `ADAPT_LOG_DECISIONS=1` (`adapt serve
+--log-decisions`) they go to the decision log beside the request and step logs instead, for `adapt
+conformance`.
 A policy that raises is logged and counted, and that step runs as plain vLLM FCFS: the engine never
 dies because of a policy. Under `adapt serve` (`ADAPT_WATCH_INTERVAL` set) the policy's learned
 components follow the registry's champions live (`serving_hooks.live`), and with `ADAPT_METRICS=1`
