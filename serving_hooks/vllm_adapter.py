@@ -99,8 +99,7 @@ class PolicyScheduler(AsyncScheduler):
         self.decisions: list[dict] | None = [] if os.environ.get("ADAPT_RECORD_DECISIONS") == "1" else None
         log_dir = os.environ.get("ADAPT_LOG_DIR")
         log_decisions = bool(log_dir) and os.environ.get("ADAPT_LOG_DECISIONS") == "1"
-        unmodelled = self.unmodelled_settings()
-        if log_decisions and unmodelled:  # a log no replay could follow: refuse it at start
+        if log_decisions and (unmodelled := self.unmodelled_settings()):  # no replay could follow it
             raise ValueError(f"--log-decisions: {unmodelled[0]}")
         self.monitor = (
             Monitor(
@@ -115,10 +114,11 @@ class PolicyScheduler(AsyncScheduler):
         self._recording = self.decisions is not None or log_decisions
         # The serving policy's spec, logged on the first record and on each whole-policy swap (None:
         # swapped in by a caller that gave none, which a replay cannot rebuild).
-        self._policy_spec: str | None = os.environ.get("ADAPT_POLICY", "fcfs")
+        spec = os.environ.get("ADAPT_POLICY", "fcfs")
+        self._policy_spec: str | None = spec
         self._spec_to_log: bool = True
         self._logged_versions: dict[str, str] | None = None  # as the decision log last named them
-        self.adapt_policy = make_policy_from_spec(os.environ.get("ADAPT_POLICY", "fcfs"))
+        self.adapt_policy = make_policy_from_spec(spec)
         self._check(self.adapt_policy)
         # Model calls of the serving policy run in background workers, never inside a step.
         self.prediction_queues: list[PredictionQueue] = []

@@ -2,8 +2,8 @@
 
 A server started with `adapt serve --log-dir DIR --log-decisions` writes every scheduling step's
 decisions (`decisions-*.jsonl`) beside its limits (`engine.json`). This command replays each
-engine run in that log under the policy the server served -- pinned to the component versions the
-log names -- with the live steps' times (`adapt.conformance.replay_decisions`), and prints the
+engine run in that log under the policy the server served -- with the component versions the log
+names -- with the live steps' times (`adapt.conformance.replay_decisions`), and prints the
 share of identical steps and the first divergence with both engines' queues. It is the check of
 `tests/integration/test_conformance.py`, on an operator's own traffic, engine and GPU: answers
 that end on EOS, async scheduling, the real model's step times, and what went live while it served
@@ -20,38 +20,25 @@ from typing import Any
 
 from adapt.cli.usage import UsageError
 from adapt.conformance import compare, read_decision_log, replay_decisions
+from adapt.registry import load_reference
 from adapt.replay.engine import ENGINE_FILE, EngineConfig
-
-
-def pinned(spec: str, components: dict[str, str]) -> str:
-    """`spec` with each of `components` (attribute -> `NAME@vN`) pinned, in place of what it said."""
-    name, *assignments = spec.split(":")
-    kept = [a for a in assignments if a.partition("=")[0] not in components]
-    return ":".join([name, *kept, *(f"{attribute}={ref}" for attribute, ref in components.items())])
 
 
 def load_component(reference: str) -> Any:
     """The registered version a log names (`NAME@vN`)."""
-    from adapt.registry import Registry
-
     name, _, version = reference.rpartition("@")
     if not name or not version[1:].isdigit():
         raise ValueError(f"decision log: {reference!r} is not a registered version (NAME@vN)")
-    return Registry().load(name, version=int(version[1:]))
+    return load_reference(name, version)
 
 
 def logged_policy(spec: str, components: dict[str, str]) -> Any:
-    """The policy `spec` names, serving the component versions a log names: pinned in the spec,
-    or -- for a registered `policy-config`, which takes no key=value -- handed to it as a server
-    hands its slots' versions to the policy before the first request."""
-    from serving_hooks.policies import POLICY_CONFIG, make_policy_from_spec
+    """The policy `spec` names (a `policy-config@vN` too), built with the component versions a log
+    names (`attribute -> NAME@vN`) in place of any the spec gives."""
+    from serving_hooks.policies import make_policy, parse_policy_spec
 
-    if not spec.startswith(f"{POLICY_CONFIG}@"):
-        return make_policy_from_spec(pinned(spec, components))
-    policy = make_policy_from_spec(spec)
-    for attribute, reference in components.items():
-        policy.use_component(attribute, load_component(reference))
-    return policy
+    name, params = parse_policy_spec(spec)
+    return make_policy(name, **{**params, **components})
 
 
 def run_conformance(log_dir: str, policy: str | None, json_path: str | None) -> int:

@@ -167,7 +167,7 @@ class ReplayEngine:
         policy.use_predictions(self._predictions)
         capacity = self.config.kv_capacity_tokens or cost.kv_capacity_tokens()
         self.kv = BlockPool(capacity // self.config.block_size, self.config.block_size)
-        self.token_budget = self.config.token_budget if policy.token_budget is None else policy.token_budget
+        self.token_budget = self._budget_of(policy)
         self.now = 0.0
         self.step_index = 0
         self.mean_batch_time = 0.0
@@ -238,7 +238,11 @@ class ReplayEngine:
             if state.id in running:
                 policy.on_admit(state, self.now)
         self.policy = policy
-        self.token_budget = self.config.token_budget if policy.token_budget is None else policy.token_budget
+        self.token_budget = self._budget_of(policy)
+
+    def _budget_of(self, policy: Policy) -> int:
+        """A step's token budget under `policy`: its own (Sarathi's chunks) or the engine's."""
+        return self.config.token_budget if policy.token_budget is None else policy.token_budget
 
     def use_component(self, attribute: str, component: Any) -> None:
         """Serve a new version of one of the policy's learned components from the next step on:

@@ -1,11 +1,11 @@
-"""Reading a server's decision log (`adapt.conformance.read_decision_log`) and pinning the logged
-component versions into a policy spec (`adapt conformance`)."""
+"""Reading a server's decision log (`adapt.conformance.read_decision_log`) and building its policy
+with the logged component versions (`adapt conformance`)."""
 
 import json
 
 import pytest
 
-from adapt.cli.conformance import pinned
+from adapt.cli.conformance import logged_policy
 from adapt.conformance import read_decision_log
 
 
@@ -70,9 +70,23 @@ def test_a_missing_or_broken_log_says_what_to_do(tmp_path):
         read_decision_log(tmp_path)
 
 
-def test_logged_versions_replace_what_the_spec_said():
-    assert pinned("jitserve", {}) == "jitserve"
-    assert (
-        pinned("jitserve:qrf=v1:waiting_time_s=5", {"qrf": "neural-length@v2"})
-        == "jitserve:waiting_time_s=5:qrf=neural-length@v2"
-    )
+def test_logged_versions_replace_what_the_spec_said(tmp_path):
+    from adapt.registry import Registry
+    from adapt.workloads.compound import generate_graphs
+    from predictors.pattern_graph import PatternGraph
+    from serving_hooks.policies.config import PolicyConfig
+
+    registry = Registry(cache_dir=tmp_path / "cache")  # the test's own sqlite store (conftest)
+    for seed in (1, 2):
+        registry.log(PatternGraph().fit(generate_graphs(40, seed=seed)))
+    registry.log(PolicyConfig("jitserve", {"waiting_time_s": 7.0}))
+
+    def version(component):
+        return component.metadata["registry_version"]
+
+    policy = logged_policy("jitserve:patterns=v1:waiting_time_s=5", {})
+    assert (version(policy.patterns), policy.waiting_time_s) == (1, 5)
+    policy = logged_policy("jitserve:patterns=v1:waiting_time_s=5", {"patterns": "pattern-graph@v2"})
+    assert (version(policy.patterns), policy.waiting_time_s) == (2, 5)
+    policy = logged_policy("policy-config@v1", {"patterns": "pattern-graph@v2"})
+    assert (policy.name, version(policy.patterns), policy.waiting_time_s) == ("jitserve", 2, 7.0)
