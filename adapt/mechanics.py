@@ -42,7 +42,8 @@ MECHANICS: dict[str, Mechanic] = {
             "admission",
             "`Plan.admit`: waiting requests admitted in this order, stopping at the first that does"
             " not fit (running cap, token budget, or its whole known sequence in the free KV blocks);"
-            " none in a step that preempted; unlisted requests wait",
+            " none in a step that preempted; unlisted requests wait. With prefix caching on, a"
+            " request first takes the cached blocks its prompt matches and computes only the rest",
             _always,
         ),
         Mechanic(

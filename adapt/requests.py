@@ -7,6 +7,7 @@ importer, an HTTP request, a log line), not deep inside a scheduler step where t
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -130,7 +131,10 @@ class Request:
     the client's cap, which policies do see (unset: whatever the context leaves; a live engine's
     decision log sets it to what the client asked for). `prompt_embedding` is the prompt's vector
     where the request arrives with it (as `adapt serve --embed-prompts` sends it to the engine), a
-    float32 array of `predictors.embedding.DIMENSION`; left out of comparisons.
+    float32 array of `predictors.embedding.DIMENSION`; left out of comparisons. `prompt_blocks`
+    names the content of the prompt's full KV blocks, one key per block, each standing for the
+    whole prefix up to its block's end (vLLM's block hashes): requests whose keys agree share those
+    blocks under prefix caching (`EngineConfig.prefix_caching`); empty, nothing is shared.
     """
 
     request_id: str
@@ -143,6 +147,7 @@ class Request:
     label: str | None = None
     max_tokens: int | None = None
     prompt_embedding: Any = field(default=None, compare=False, repr=False)
+    prompt_blocks: tuple[Hashable, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -159,6 +164,8 @@ class Request:
             raise ValidationError(f"slo: expected an SLO, got {type(self.slo).__name__}")
         if self.slo.kind == "compound" and self.program is None:
             raise ValidationError("program: a compound-SLO request needs a program reference")
+        if not isinstance(self.prompt_blocks, tuple):
+            raise ValidationError(f"prompt_blocks: expected a tuple, got {type(self.prompt_blocks).__name__}")
 
 
 @dataclass(frozen=True, slots=True)

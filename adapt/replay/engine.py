@@ -20,6 +20,10 @@ token in flight gets that token and waits for it before it can resume) -- as vLL
 `AsyncScheduler` does. Trace-driven steps (`TraceStep`) take their start, number and duration from
 a live engine's decision log, so a replay can be compared with it step by step (`adapt.conformance`).
 
+Prefix caching (`EngineConfig.prefix_caching`, vLLM's default): a waiting request first takes the
+cached blocks its tokens match and computes only the rest, and freed blocks keep their content
+until reused, in vLLM's order (`adapt.replay.prefix_cache`).
+
 Compound programs: a request whose `program.parent_ids` are set is held back when added and
 arrives `program.after_parents_s` (a tool call) after its last parent finishes; if a parent is
 dropped, its dependants are dropped too, with that reason, so no request disappears unreported.
@@ -55,6 +59,7 @@ from adapt.policy import EngineView, Plan, Policy, RequestState, WaitingView
 from adapt.predictions import Delayed, QueueFactory
 from adapt.replay.kv import BlockPool
 from adapt.replay.metrics import Recorder, ReplayResult
+from adapt.replay.prefix_cache import PrefixCachingBlockPool
 from adapt.requests import Request
 from adapt.steplog import CostModel, StepBatch, step_batch
 
@@ -103,6 +108,11 @@ class EngineConfig:
     # (`prompt_embedder.mean_wait_s` in the server's status). The policy sees the request from
     # then on, as live; its latencies and SLOs count from its arrival, as its client's do.
     intake_delay_s: float = 0.0
+    # vLLM's automatic prefix caching (`adapt.replay.prefix_cache`): a request reuses the cached
+    # blocks its prompt shares (`Request.prompt_blocks`), and a preempted one its own. Off by
+    # default (a trace has no prompt content); a live server's `engine.json` says what it ran.
+    # Replays with it step one by one (no decode runs).
+    prefix_caching: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -166,7 +176,9 @@ class ReplayEngine:
         self._predictions = predictions or functools.partial(Delayed, delay_s=self.config.prediction_delay_s)
         policy.use_predictions(self._predictions)
         capacity = self.config.kv_capacity_tokens or cost.kv_capacity_tokens()
-        self.kv = BlockPool(capacity // self.config.block_size, self.config.block_size)
+        pool = PrefixCachingBlockPool if self.config.prefix_caching else BlockPool
+        self.kv = pool(capacity // self.config.block_size, self.config.block_size)
+        self._prefix_cache = self.kv if isinstance(self.kv, PrefixCachingBlockPool) else None
         self.token_budget = self._budget_of(policy)
         self.now = 0.0
         self.step_index = 0
@@ -382,6 +394,8 @@ class ReplayEngine:
             del self._true_len[state.id]
             self._parent_done(state.id, finished=False)
             return
+        if self._prefix_cache is not None:
+            self._prefix_cache.register(state.id, request.prompt_blocks)
         self.waiting[state.id] = state
         self.policy.on_arrival(state, self.now)
 
@@ -489,6 +503,8 @@ class ReplayEngine:
             plan.admit = itertools.chain(read, candidates)
         if head is None:
             return True
+        if self._prefix_cache is not None and self._prefix_cache.lookup(head.id, head.tokens_to_compute):
+            return False  # its hits may be free blocks the decodes take: `_admit` will see
         need = head.tokens_to_compute
         fits = need if self.config.reserve_full_sequence else min(need, budget)
         kv = self.kv
@@ -539,6 +555,8 @@ class ReplayEngine:
             if self.waiting.pop(state.id, None) is not None:
                 self.recorder.dropped(state, self.now, "admission control")
                 del self._true_len[state.id]
+                if self._prefix_cache is not None:
+                    self._prefix_cache.forget(state.id)
                 self._note_freed(state)
                 state.phase = "finished"
                 self.policy.on_finish(state, self.now)
@@ -609,6 +627,8 @@ class ReplayEngine:
                     preempted = True
                     if victim is state:
                         return budget, preempted
+            if self._prefix_cache is not None:
+                self._prefix_cache.cache(state.id, min(target, state.prompt_tokens + state.tokens_generated))
             scheduled.append((state, tokens))
             budget -= tokens
         return budget, preempted
@@ -634,6 +654,12 @@ class ReplayEngine:
                 or state.id in preempted  # preempted this step: back in the queue next step
             ):
                 continue
+            if self._prefix_cache is not None:
+                if not self._admit_cached(self._prefix_cache, state, budget, chunked, admitted):
+                    break
+                budget -= admitted[-1][1]
+                room -= 1
+                continue
             need = state.tokens_to_compute
             tokens = min(need, budget) if chunked else need
             fits = need if self.config.reserve_full_sequence else tokens
@@ -649,6 +675,34 @@ class ReplayEngine:
             self._join_running(state)
             self.policy.on_admit(state, self.now)
         return admitted
+
+    def _admit_cached(
+        self,
+        cache: PrefixCachingBlockPool,
+        state: RequestState,
+        budget: int,
+        chunked: bool,
+        admitted: list[tuple[RequestState, int]],
+    ) -> bool:
+        """`_admit`'s step for one request with prefix caching on: the request first takes the
+        cached blocks its tokens match, then computes only the rest, as vLLM's scheduler does
+        for a waiting request (`get_computed_blocks`, then `allocate_slots`). False if it does
+        not fit (the head-of-line rule stops admission)."""
+        total = state.prompt_tokens + state.tokens_generated  # a resumed request recomputes its output too
+        hits = cache.lookup(state.id, total)
+        cached = len(hits) * cache.block_size
+        need = total - cached
+        tokens = min(need, budget) if chunked else need
+        if tokens > budget and admitted:
+            return False
+        if not cache.fits(state.id, hits, total if self.config.reserve_full_sequence else cached + tokens):
+            return False
+        cache.adopt(state.id, hits)
+        cache.grow(state.id, cached + tokens)
+        cache.cache(state.id, cached + tokens)
+        state.tokens_computed = cached
+        admitted.append((state, tokens))
+        return True
 
     def _join_running(self, state: RequestState) -> None:
         self.running.append(state)
@@ -745,9 +799,14 @@ class ReplayEngine:
         output_at, states, sample = previous
         if sample is not None:
             self._note_batch_time(sample)
+        cache = self._prefix_cache
         for state in states:
             if state.phase != "finished":  # else a token sampled after its stop: vLLM drops it
                 self._placeholders[state.id] -= 1
+                if cache is not None and state.phase != "preempted":
+                    # vLLM's `AsyncScheduler` caches what is computed and no longer in flight as
+                    # each output comes, before a request that ends with it is freed.
+                    cache.cache(state.id, state.tokens_computed - self._placeholders[state.id])
                 self._emit_tokens([state], output_at)
         return bool(states)
 
@@ -783,6 +842,8 @@ class ReplayEngine:
         else:
             self._leave_running(state)
         self.kv.release(state.id)
+        if self._prefix_cache is not None:
+            self._prefix_cache.forget(state.id)
         self._placeholders.pop(state.id, None)
         del self._true_len[state.id]
         self._note_freed(state)
@@ -840,6 +901,8 @@ class ReplayEngine:
             kv.grow(state.id, state.tokens_computed + 1)
         for state, tokens in chunks:
             kv.grow(state.id, state.tokens_computed + tokens)
+            if self._prefix_cache is not None:
+                self._prefix_cache.cache(state.id, state.tokens_computed + tokens)
         admitted = self._admit(plan, budget, chunked=True) if plan.admit is not None and budget > 0 else []
         chunks.extend(admitted)
         work, sampled = [], []
@@ -1043,6 +1106,10 @@ class ReplayEngine:
         fewest tokens any of them had left -- in fewer steps none finishes, and none is looked at
         for it."""
         self._all_sampled_at = self._decodes_sampled_at = now
+        if self._prefix_cache is not None:
+            # What the run's last step cached: every decode's tokens up to the one it computed
+            # then (as `_schedule_running` caches each step), before any finished one is freed.
+            self._prefix_cache.cache_many((state.id, state.tokens_computed + k) for state in running)
         if k < remaining:
             for state in running:
                 state.tokens_computed += k

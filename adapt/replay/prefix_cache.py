@@ -1,0 +1,182 @@
+"""vLLM's automatic prefix caching, as block accounting the replay engine can run.
+
+With prefix caching on (vLLM's default) a KV block whose tokens are all computed is remembered by
+its content, and a request admitted later whose prompt starts with the same content reuses it
+instead of computing it again. Three things follow that the plain `BlockPool` cannot model:
+- a request that shares a prefix (a system prompt, an earlier turn) schedules only its uncached
+  tokens, so its prefill is shorter and cheaper;
+- a request preempted by recompute finds its own blocks again when it resumes, if nothing has
+  reused them since;
+- a free block still holds content, so *which* free block an allocation takes decides what stays
+  cached.
+
+So this pool keeps block identities and vLLM's free-block order (its `FreeKVCacheBlockQueue`):
+new blocks come from the head of the queue, and a freed request's blocks go back in reverse order,
+those never cached to the head (reused first), cached ones to the tail (kept longest). A hit
+takes a cached block out of the queue. The rules are vLLM V1's for a model with full attention
+only: no sliding window, no KV connector, no speculative decoding.
+
+A block's content is a key. A request's prompt blocks take the keys it arrived with
+(`Request.prompt_blocks`: vLLM's block hashes, from a decision log, or a workload's shared
+prefixes); every other block gets a key of its own, so output tokens are taken to differ between
+requests.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+
+import numpy as np
+
+from adapt.replay.kv import BlockPool
+
+
+class PrefixCachingBlockPool(BlockPool):
+    """`BlockPool` with vLLM's prefix cache. The engine asks `lookup` for an arriving request's
+    cached prefix, checks room with `fits`, takes it with `adopt`, and after each allocation
+    registers the blocks whose tokens are computed with `cache`; `release` frees in vLLM's order."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+        super().__init__(num_blocks, block_size)
+        self._queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._content: list[Hashable | None] = [None] * num_blocks  # the key a block is cached under
+        self._cached: dict[Hashable, dict[int, None]] = {}  # key -> blocks with it, oldest first
+        self._blocks: dict[str, list[int]] = {}
+        self._registered: dict[str, int] = {}  # how many of a request's blocks are cached
+        self._prompt_keys: dict[str, tuple[Hashable, ...]] = {}
+        self.hit_tokens = 0  # tokens found in the cache, over the pool's life (vLLM's hits metric)
+
+    # ------------------------------------------------------------- requests' content
+    def register(self, request_id: str, prompt_blocks: Sequence[Hashable]) -> None:
+        """The content keys of a request's full prompt blocks (may be empty: nothing shared)."""
+        self._prompt_keys[request_id] = tuple(prompt_blocks)
+
+    def forget(self, request_id: str) -> None:
+        """The request left the engine: its blocks' content stays cached, its keys are not needed."""
+        self._prompt_keys.pop(request_id, None)
+
+    def _key(self, request_id: str, index: int) -> Hashable:
+        keys = self._prompt_keys.get(request_id, ())
+        return keys[index] if index < len(keys) else (request_id, index)
+
+    # ------------------------------------------------------------- hits
+    def lookup(self, request_id: str, num_tokens: int) -> list[int]:
+        """The cached blocks the request's first tokens match, longest prefix first, leaving at
+        least its last token to compute (vLLM needs its logits): `get_computed_blocks`."""
+        hits = []
+        for index in range((num_tokens - 1) // self.block_size):
+            blocks = self._cached.get(self._key(request_id, index))
+            if not blocks:
+                break
+            hits.append(next(iter(blocks)))
+        return hits
+
+    def fits(self, request_id: str, hits: Sequence[int], tokens: int) -> bool:
+        """Whether the request can hold `tokens` tokens, `hits` among its blocks. A hit on a free
+        block takes that block out of the free queue, so it counts against the room as vLLM's
+        `get_num_blocks_to_allocate` counts it."""
+        needed = max(self.blocks_for(tokens) - self._held.get(request_id, 0) - len(hits), 0)
+        evictable = sum(1 for block in hits if self._refs[block] == 0)
+        return needed + evictable <= self.free_blocks
+
+    def adopt(self, request_id: str, hits: Sequence[int]) -> None:
+        """The request takes its cached prefix (vLLM's `touch`), before any new block."""
+        if not hits:
+            return
+        for block in hits:
+            if self._refs[block] == 0:
+                del self._queue[block]
+                self.free_blocks -= 1
+            self._refs[block] += 1
+        self._blocks[request_id] = list(hits)
+        self._held[request_id] = len(hits)
+        self._registered[request_id] = len(hits)
+        self.hit_tokens += len(hits) * self.block_size
+
+    def cache(self, request_id: str, tokens: int) -> None:
+        """Remember the content of the request's blocks that `tokens` fills (vLLM's
+        `cache_blocks`, run after each allocation with the tokens computed by the end of the
+        step, capped at the tokens the request has)."""
+        full = tokens // self.block_size
+        start = self._registered.get(request_id, 0)
+        if full <= start:
+            return
+        blocks = self._blocks[request_id]
+        for index in range(start, full):
+            block, key = blocks[index], self._key(request_id, index)
+            self._content[block] = key
+            self._cached.setdefault(key, {})[block] = None
+        self._registered[request_id] = full
+
+    def cache_many(self, requests: Iterable[tuple[str, int]]) -> None:
+        """`cache` for each (request, tokens) pair: a decode run's end, where most requests fill
+        no new block (looked at without a call each)."""
+        registered, block_size = self._registered, self.block_size
+        for request_id, tokens in requests:
+            if tokens // block_size > registered.get(request_id, 0):
+                self.cache(request_id, tokens)
+
+    # ------------------------------------------------------------- allocation
+    def try_grow(self, request_id: str, tokens: int) -> bool:
+        held = self._held.get(request_id, 0)
+        extra = -(-tokens // self.block_size) - held
+        if extra <= 0:
+            return True
+        if extra > self.free_blocks:
+            return False
+        blocks = self._blocks.setdefault(request_id, [])
+        for _ in range(extra):
+            block, _ = self._queue.popitem(last=False)
+            self._evict(block)
+            self._refs[block] = 1
+            blocks.append(block)
+        self._held[request_id] = held + extra
+        self.free_blocks -= extra
+        return True
+
+    def grow(self, request_id: str, tokens: int) -> None:
+        if not self.try_grow(request_id, tokens):
+            raise RuntimeError(f"KV pool exhausted: {request_id} needs more than {self.free_blocks} free")
+
+    def grow_many(self, request_ids: Sequence[str], held: np.ndarray, tokens: np.ndarray) -> None:
+        """`grow` each request to its `tokens` (a decode run's blocks, taken at once). Which free
+        blocks each request gets differs from taking them step by step, but not what is evicted
+        (the same blocks from the head of the queue) nor what each block will hold: a block is
+        only a place for its request's content."""
+        needed = np.maximum(-(-tokens // self.block_size) - held, 0)
+        if (total := int(needed.sum())) > self.free_blocks:
+            raise RuntimeError(f"KV pool exhausted: a decode run needs {total}, {self.free_blocks} free")
+        for i in np.flatnonzero(needed).tolist():
+            self.try_grow(request_ids[i], int(tokens[i]))
+
+    def _evict(self, block: int) -> None:
+        """A free block is reused: its old content is no longer cached."""
+        key = self._content[block]
+        if key is None:
+            return
+        self._content[block] = None
+        holders = self._cached[key]
+        del holders[block]
+        if not holders:
+            del self._cached[key]
+
+    def release(self, request_id: str) -> None:
+        """Free the request's blocks last first: those holding no cached content go to the head
+        of the free queue (reused first), cached ones to the tail (`BlockPool.free_blocks`)."""
+        blocks = self._blocks.pop(request_id, [])
+        self._held.pop(request_id, None)
+        self._registered.pop(request_id, None)
+        uncached = []
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if self._content[block] is None:
+                    uncached.append(block)
+                else:
+                    self._queue[block] = None
+                self.free_blocks += 1
+        for block in reversed(uncached):
+            self._queue[block] = None
+            self._queue.move_to_end(block, last=False)

@@ -1,0 +1,191 @@
+"""The replay's prefix cache against hand-worked cases of vLLM's rules (hits, the free-block order,
+eviction, shared blocks), and the engine with it: a shared prompt computes only its uncached
+tokens, a preempted request finds its own blocks, and with nothing to share the replay is the one
+without prefix caching. Step-by-step agreement with vLLM's scheduler is checked in
+tests/integration/test_scheduler_harness.py."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adapt.replay.engine import EngineConfig, ReplayEngine
+from adapt.replay.prefix_cache import PrefixCachingBlockPool
+from adapt.requests import Request
+from serving_hooks.policies import make_policy
+from tests.replay_helpers import CheckedEngine, ConstantCost
+
+
+def filled(pool: PrefixCachingBlockPool, request_id: str, tokens: int, keys=()) -> None:
+    """A request that computed `tokens` tokens, its full blocks cached."""
+    pool.register(request_id, keys)
+    assert pool.try_grow(request_id, tokens)
+    pool.cache(request_id, tokens)
+
+
+def test_a_prompt_finds_the_blocks_another_cached_and_always_computes_its_last_token():
+    pool = PrefixCachingBlockPool(10, 16)
+    filled(pool, "a", 48, keys=("p0", "p1", "p2"))
+    pool.register("b", ("p0", "p1", "x2"))
+    assert pool.lookup("b", 60) == [0, 1]  # the third block differs
+    pool.register("c", ("p0", "p1", "p2"))
+    assert pool.lookup("c", 48) == [0, 1]  # 48 tokens all cached: the last block is computed again
+    assert pool.lookup("c", 49) == [0, 1, 2]
+    pool.register("d", ())
+    assert pool.lookup("d", 100) == []  # no keys: nothing shared
+
+
+def test_partial_blocks_are_not_cached_and_cache_follows_the_computed_tokens():
+    pool = PrefixCachingBlockPool(10, 16)
+    pool.register("a", ("p0", "p1", "p2"))
+    assert pool.try_grow("a", 40)  # 3 blocks, 2 full
+    pool.cache("a", 40)
+    pool.register("b", ("p0", "p1", "p2"))
+    assert pool.lookup("b", 100) == [0, 1]
+    pool.cache("a", 48)
+    assert pool.lookup("b", 100) == [0, 1, 2]
+
+
+def test_freed_blocks_go_back_uncached_to_the_head_and_cached_to_the_tail_last_first():
+    pool = PrefixCachingBlockPool(6, 16)
+    filled(pool, "a", 40)  # blocks 0, 1 full and cached, block 2 partial
+    assert list(pool._queue) == [3, 4, 5]
+    pool.release("a")
+    assert list(pool._queue) == [2, 3, 4, 5, 1, 0]  # reversed: 2 uncached to the head; 1, 0 to the tail
+    assert pool.free_blocks == 6
+    pool.register("b", ())
+    assert pool.try_grow("b", 16 * 5)  # takes 2, 3, 4, 5 and then evicts 1
+    pool.register("a", ())  # a comes back: only block 0 still holds its first 16 tokens
+    assert pool.lookup("a", 40) == [0]
+
+
+def test_a_hit_on_a_free_block_counts_against_the_room_and_shared_blocks_are_freed_once():
+    pool = PrefixCachingBlockPool(4, 16)
+    filled(pool, "a", 32, keys=("p0", "p1"))
+    pool.release("a")  # blocks 0, 1 cached and free; 4 free in all
+    pool.register("b", ("p0", "p1"))
+    hits = pool.lookup("b", 40)
+    assert hits == [0, 1]
+    # 40 tokens: 3 blocks, 2 of them hits -- 1 new block, and both hits leave the free queue.
+    assert pool.fits("b", hits, 40)
+    assert pool.fits("b", hits, 64) and not pool.fits("b", hits, 65)
+    pool.adopt("b", hits)
+    assert pool.try_grow("b", 40) and pool.free_blocks == 1 and pool.held("b") == 3
+    assert pool.hit_tokens == 32
+    pool.register("c", ("p0", "p1"))
+    hits = pool.lookup("c", 40)
+    pool.adopt("c", hits)  # shared with b: taken from no queue
+    assert pool.free_blocks == 1
+    pool.release("b")
+    assert pool.free_blocks == 2  # its own third block only; 0 and 1 are still c's
+    pool.release("c")
+    assert pool.free_blocks == 4
+
+
+def test_a_shared_system_prompt_is_computed_once():
+    """Three requests open with the same 64-token system prompt, one after the other: the first
+    computes all 80 prompt tokens, the others only the 16 after the cached 64."""
+    system = tuple(f"sys{i}" for i in range(4))
+    requests = [Request(f"r{i}", 10.0 * i, 80, 4, prompt_blocks=(*system, f"own{i}")) for i in range(3)]
+    engine = ReplayEngine(
+        make_policy("fcfs"), ConstantCost(), EngineConfig(prefix_caching=True, record_decisions=True)
+    )
+    engine.run(requests)
+    first_steps = {}
+    for decision in engine.decisions:
+        for request_id, tokens in decision["scheduled"].items():
+            first_steps.setdefault(request_id, tokens)
+    assert first_steps == {"r0": 80, "r1": 16, "r2": 16}
+    assert engine.kv.hit_tokens == 128
+
+
+def test_a_preempted_request_resumes_from_its_own_cached_blocks():
+    """Two 40-token prompts with 60-token answers on 8 blocks, by hand. After step 24 each holds 4
+    full (cached) blocks; at step 25 a needs a fifth and b, the last admitted, is preempted: its
+    blocks go to the tail of the free queue last first (b3, b2, b1, b0). a's growth to 100 tokens
+    takes b3, b2 and b1; when a finishes (step 59), b comes back with 65 tokens and finds b0:
+    it computes 49 of them, against 65 without prefix caching."""
+    requests = [Request("a", 0.0, 40, 60), Request("b", 0.0, 40, 60)]
+    config = dict(record_decisions=True, kv_capacity_tokens=16 * 8, reserve_full_sequence=False)
+    resumed = {}
+    for on in (False, True):
+        engine = ReplayEngine(make_policy("fcfs"), ConstantCost(), EngineConfig(prefix_caching=on, **config))
+        result = engine.run(requests)
+        assert len(result.records) == 2 and result.preemptions == 1
+        assert next(d["index"] for d in engine.decisions if d["preempted"]) == 25
+        resumed[on] = next(d["scheduled"] for d in engine.decisions if d["index"] == 60)
+    assert resumed == {False: {"b": 65}, True: {"b": 49}}
+    assert engine.kv.hit_tokens == 16
+
+
+arrivals = st.lists(
+    st.tuples(st.floats(0, 5), st.integers(1, 300), st.integers(1, 60)), min_size=1, max_size=30
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(arrivals=arrivals, policy=st.sampled_from(["fcfs", "spf", "sarathi"]))
+def test_with_nothing_to_share_and_room_for_all_prefix_caching_changes_nothing(arrivals, policy):
+    """No shared keys and a KV cache large enough that nothing is preempted: no hit is possible,
+    so every request is served exactly as without prefix caching."""
+    requests = [
+        Request(f"r{i}", at, prompt, output) for i, (at, prompt, output) in enumerate(sorted(arrivals))
+    ]
+    engines = [
+        CheckedEngine(make_policy(policy), ConstantCost(), EngineConfig(prefix_caching=on))
+        for on in (False, True)
+    ]
+    results = [engine.run(requests) for engine in engines]
+    assert not engines[1].violations and not results[1].preemptions and engines[1].kv.hit_tokens == 0
+    off, on = ({r.request_id: (r.first_token_s, r.finish_s) for r in result.records} for result in results)
+    assert off == on
+
+
+shared_prompts = st.lists(
+    st.tuples(
+        st.floats(0, 3),  # arrival
+        st.integers(1, 400),  # prompt tokens
+        st.integers(1, 80),  # output tokens
+        st.sampled_from([None, 0, 1, 2]),  # the system prompt it opens with, if any
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=shared_prompts,
+    policy=st.sampled_from(["fcfs", "spf", "sarathi", "slai", "fastserve"]),
+    kv_blocks=st.integers(30, 80),
+    max_running=st.integers(1, 12),
+)
+def test_decode_runs_with_prefix_caching_serve_as_step_by_step(rows, policy, kv_blocks, max_running):
+    """The replay's fast paths (a decode run's blocks taken at once, its blocks cached at its end,
+    bulk decode steps) serve every request as stepping one by one does, with shared system
+    prompts (3, 6 and 12 blocks) and a KV cache small enough to preempt."""
+    system_blocks = {0: 3, 1: 6, 2: 12}
+    requests = [
+        Request(
+            f"r{i}",
+            at,
+            prompt,
+            output,
+            prompt_blocks=()
+            if group is None
+            else tuple(f"s{group}-{b}" for b in range(min(system_blocks[group], prompt // 16))),
+        )
+        for i, (at, prompt, output, group) in enumerate(sorted(rows, key=lambda row: row[0]))
+    ]
+    outcomes = []
+    for skip in (True, False):
+        config = EngineConfig(
+            prefix_caching=True,
+            kv_capacity_tokens=kv_blocks * 16,
+            max_running=max_running,
+            skip_decode_runs=skip,
+        )
+        engine = ReplayEngine(make_policy(policy), ConstantCost(0.01), config)
+        result = engine.run(requests)
+        records = {r.request_id: (r.first_token_s, r.finish_s, r.dropped) for r in result.records}
+        outcomes.append((records, result.preemptions, engine.kv.hit_tokens, engine.kv.free_blocks))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][3] == kv_blocks  # every block free at the end
