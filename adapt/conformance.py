@@ -9,10 +9,12 @@ number, lasts until the next live step, and sees arrivals at the same step bound
 whose every input is the same in both engines must then decide the same; `compare` counts the
 steps where it did and shows the first where it did not, with both engines' queues.
 
-Conformance needs the live run to be one the replay can describe: no prefix caching, no KV
-watermark, and requests that end where the scheduler sees it -- at `max_tokens` or on a stop or EOS
-token, whose output length the log keeps (`finished`); a stop *string*, which vLLM's API server
-applies by aborting the request, is not.
+Conformance needs the live run to be one the replay can describe: no KV watermark, and requests
+that end where the scheduler sees it -- at `max_tokens` or on a stop or EOS token, whose output
+length the log keeps (`finished`); a stop *string*, which vLLM's API server applies by aborting
+the request, is not. With prefix caching on, each arrival carries its prompt blocks' keys, and the
+replay's prefix cache finds the hits vLLM found, taking different requests' answers to differ
+(two requests with the same prompt *and* the same answer would share answer blocks live only).
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ def requests_from_log(decisions: Sequence[dict[str, Any]]) -> list[Request]:
                     prompt_text=extra.get("prompt_text"),
                     max_tokens=int(max_tokens),
                     prompt_embedding=logged_embedding(extra.get("prompt_embedding")),
+                    prompt_blocks=tuple(extra.get("prompt_blocks", ())),
                 )
             )
     return requests

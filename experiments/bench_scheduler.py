@@ -29,6 +29,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,10 +103,16 @@ def make_scheduler(
 
 
 def make_requests(
-    count: int, start: int, seed: int, max_tokens: int = 1024, prompt_tokens: int = PROMPT_TOKENS
+    count: int,
+    start: int,
+    seed: int,
+    max_tokens: int = 1024,
+    prompt_tokens: int = PROMPT_TOKENS,
+    prefix: Sequence[int] = (),
 ) -> list[Any]:
-    """Random prompts (64 tokens by default), hashed into blocks as vLLM's engine core does for
-    prefix caching. Each ends at `max_tokens`, or earlier where its driver samples `STOP_TOKEN`."""
+    """Random prompts (64 tokens by default) after a `prefix` they all share (a system prompt),
+    hashed into blocks as vLLM's engine core does for prefix caching. Each ends at `max_tokens`,
+    or earlier where its driver samples `STOP_TOKEN`."""
     import random
 
     from vllm.sampling_params import SamplingParams
@@ -121,7 +128,7 @@ def make_requests(
     return [
         Request(
             request_id=f"r{start + i}",
-            prompt_token_ids=[rng.randrange(1, 500) for _ in range(prompt_tokens)],
+            prompt_token_ids=[*prefix, *(rng.randrange(1, 500) for _ in range(prompt_tokens))],
             sampling_params=params,
             pooling_params=None,
             block_hasher=hasher,

@@ -107,10 +107,21 @@ def workload(requests: int, rate: float, offset: int) -> list[dict[str, Any]]:
 
 def prompt_token_ids(rows: list[dict[str, Any]]) -> list[list[int]]:
     """The prompt each row is served with: random token ids (a seeded stream over the rows in
-    order), as many as the row's prompt length. One function for the engine worker and
+    order), as many as the row's prompt length. A row with a `system` entry ([seed, length])
+    opens with that shared system prompt -- the same tokens in every row that names it -- and is
+    still as long as its prompt length in all. One function for the engine worker and
     `prompt_vectors`, so that what is embedded is what is served."""
     rng = np.random.default_rng(0)
-    return [rng.integers(5, 500, size=row["prompt"]).tolist() for row in rows]
+    prompts = []
+    for row in rows:
+        system: list[int] = []
+        if row.get("system"):
+            seed, length = row["system"]
+            if length >= row["prompt"]:
+                raise ValueError(f"a system prompt of {length} tokens in a prompt of {row['prompt']}")
+            system = np.random.default_rng(seed).integers(5, 500, size=length).tolist()
+        prompts.append(system + rng.integers(5, 500, size=row["prompt"] - len(system)).tolist())
+    return prompts
 
 
 def prompt_vectors(rows: list[dict[str, Any]], model: str, kept: Path, reuse: bool) -> np.ndarray:
@@ -164,7 +175,7 @@ def worker(model: str, policy: str, rows: list[dict[str, Any]], out: Path, setti
         max_num_batched_tokens=settings["token_budget"],
         block_size=BLOCK_SIZE,
         num_gpu_blocks_override=settings["kv_blocks"],
-        enable_prefix_caching=False,
+        enable_prefix_caching=bool(settings.get("prefix_caching", False)),
         enforce_eager=True,
         dtype="float32",
         gpu_memory_utilization=0.3,

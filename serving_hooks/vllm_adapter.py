@@ -201,6 +201,8 @@ class PolicyScheduler(AsyncScheduler):
                 extra["program"] = dataclasses.asdict(program)
             if embedding is not None:
                 extra["prompt_embedding"] = embedding.tolist()
+            if self.vllm_config.cache_config.enable_prefix_caching:
+                extra["prompt_blocks"] = prompt_block_keys(request)
             self._arrived_since.append(
                 [request.request_id, now, request.num_prompt_tokens, request.max_tokens or 0, extra]
             )
@@ -322,10 +324,8 @@ class PolicyScheduler(AsyncScheduler):
 
     def unmodelled_settings(self) -> list[str]:
         """What this engine does that a replay does not model, each as what to change."""
-        cache, sched = self.vllm_config.cache_config, self.scheduler_config
+        sched = self.scheduler_config
         found = []
-        if cache.enable_prefix_caching:
-            found.append("replay does not model prefix caching: start vLLM with it off")
         if getattr(sched, "watermark", 0.0):
             found.append("replay does not model vLLM's KV watermark: start vLLM without one")
         if getattr(sched, "long_prefill_token_threshold", 0):
@@ -349,12 +349,14 @@ class PolicyScheduler(AsyncScheduler):
             kv_capacity_tokens=usable_blocks * int(self.block_size),
             async_scheduling=bool(sched.async_scheduling),
             reserve_full_sequence=bool(getattr(sched, "scheduler_reserve_full_isl", False)),
+            prefix_caching=bool(self.vllm_config.cache_config.enable_prefix_caching),
         )
 
     def _log_engine(self) -> None:
         """This engine's limits beside its logs, for the retrain gates that replay them. A gate
-        compares candidates on one load, so what the replay leaves out (prefix caching's hits)
-        costs it some accuracy, not the comparison: written anyway, and said."""
+        compares candidates on one load, so what its replay cannot know (which logged prompts
+        shared a prefix: the request logs carry no content) or does not model costs it some
+        accuracy, not the comparison: written anyway, and said."""
         try:
             self.monitor.engine(self.engine_limits())  # type: ignore[union-attr]
         except OSError:  # like the logs themselves: trouble is logged, never stops the engine
@@ -815,3 +817,11 @@ class PolicyScheduler(AsyncScheduler):
             self.metrics.preempted("policy", min(preempted, self._policy_preempts))
             self.metrics.preempted("kv_pressure", max(0, preempted - self._policy_preempts))
         self._policy_preempts = 0
+
+
+def prompt_block_keys(request: Any) -> list[str]:
+    """The content of a request's full prompt blocks as vLLM's prefix cache keys them (its block
+    hashes, each covering the whole prefix up to its block's end; on arrival a request has one
+    per full prompt block), short enough for a log line: 8 bytes of each in hex. A replay given
+    them (`Request.prompt_blocks`) finds the hits vLLM finds."""
+    return [bytes(block_hash)[:8].hex() for block_hash in request.block_hashes]

@@ -69,12 +69,13 @@ KV_CACHE_MANAGER_ATTRIBUTES: tuple[str, ...] = ("usage", "block_pool")
 BLOCK_POOL_ATTRIBUTES: tuple[str, ...] = ("get_num_free_blocks", "num_gpu_blocks")
 WAITING_QUEUE_METHODS: tuple[str, ...] = ("add_request", "remove_requests", "prepend_requests")
 REQUEST_STATUSES: tuple[str, ...] = ("RUNNING", "PREEMPTED", "FINISHED_ABORTED")
-# Read on every Request (instance attributes or properties); the last five when a dropped request's
-# client is told (`PolicyScheduler.update_from_output`).
+# Read on every Request (instance attributes or properties); "client_index" to "take_events" when a
+# dropped request's client is told (`PolicyScheduler.update_from_output`), "block_hashes" (the
+# prompt's content per KV block) when a decision log is kept with prefix caching on.
 REQUEST_ATTRIBUTES: tuple[str, ...] = (
     "request_id", "status", "sampling_params", "prompt_token_ids", "max_tokens",
     "num_prompt_tokens", "num_computed_tokens", "num_output_tokens", "num_tokens",
-    "client_index", "trace_headers", "get_finished_reason", "take_events",
+    "client_index", "trace_headers", "get_finished_reason", "take_events", "block_hashes",
 )  # fmt: skip
 # Fields of the step's SchedulerOutput the adapter reads (decision log, token delivery).
 SCHEDULER_OUTPUT_FIELDS: tuple[str, ...] = ("num_scheduled_tokens", "preempted_req_ids")

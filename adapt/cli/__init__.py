@@ -532,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-decisions",
         action="store_true",
         help="with --log-dir: also write every step's decisions (decisions-*.jsonl), for adapt"
-        " conformance to replay; vLLM must run without prefix caching (--no-enable-prefix-caching)",
+        " conformance to replay (with prefix caching on, each prompt's block hashes go with it)",
     )
     serve.add_argument(
         "--follow-policy-config",

@@ -52,6 +52,39 @@ def test_every_policy_decides_identically_in_both_engines(tiny_model, tmp_path, 
     assert result.agreement == 1.0, result.describe()
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "slai"])
+def test_prefix_caching_decides_identically_in_both_engines(tiny_model, tmp_path, policy):
+    """vLLM's default, prefix caching, on the real engine: 70% of the requests open with one of
+    two system prompts (2 and 5 blocks), so they reuse each other's blocks and preempted ones
+    their own; the replay, given each prompt's block hashes from the decision log, finds the
+    same hits. Replayed without prefix caching the same log diverges."""
+    import dataclasses
+    import random
+
+    from adapt.conformance import compare, replay_decisions
+    from experiments.fidelity import PREDICTED_OFFSET, conformance, engine_config, serve, workload
+    from serving_hooks.policies import make_policy_from_spec
+
+    rng = random.Random(0)
+    rows = []
+    for row in workload(150, 60.0, PREDICTED_OFFSET):
+        system = rng.choice([[1, 64], [2, 160]])
+        rows.append(
+            {**row, "system": system} if row["prompt"] > system[1] + 1 and rng.random() < 0.7 else row
+        )
+    assert sum("system" in row for row in rows) > 60
+    out = tmp_path / "run"
+    serve(str(tiny_model), policy, rows, out, {**SETTINGS, "prefix_caching": 1})
+    live = json.loads((out / "decisions.json").read_text())
+    assert sum(len(step["preempted"]) for step in live) > 0
+    config = engine_config(out)
+    assert config.prefix_caching
+    result = conformance(out, policy)
+    assert result.agreement == 1.0, result.describe()
+    uncached = dataclasses.replace(config, prefix_caching=False)
+    assert compare(live, replay_decisions(live, make_policy_from_spec(policy), uncached)).agreement < 1.0
+
+
 def test_the_lockstep_runs_cover_every_servable_policy():
     from serving_hooks.policies import servable_policies
 

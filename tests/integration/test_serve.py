@@ -90,7 +90,7 @@ def test_serve_swaps_a_promoted_component_live_with_zero_failed_requests(tmp_pat
         status_file=tmp_path / "status.json",
         log_dir=tmp_path / "logs",
         log_decisions=True,
-        extra=[*VLLM_CPU_ARGS, "--no-enable-prefix-caching"],
+        extra=VLLM_CPU_ARGS,  # vLLM's defaults, prefix caching on
     )
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
