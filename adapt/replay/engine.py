@@ -111,7 +111,6 @@ class EngineConfig:
     # vLLM's automatic prefix caching (`adapt.replay.prefix_cache`): a request reuses the cached
     # blocks its prompt shares (`Request.prompt_blocks`), and a preempted one its own. Off by
     # default (a trace has no prompt content); a live server's `engine.json` says what it ran.
-    # Replays with it step one by one (no decode runs).
     prefix_caching: bool = False
 
     def to_json(self) -> str:
