@@ -642,6 +642,7 @@ class ReplayEngine:
         `chunked=False` is vLLM V0's prefill-first mode: whole prompts only (the first one even if
         it exceeds the budget), and such a step runs nothing but those prefills."""
         admitted: list[tuple[RequestState, int]] = []
+        kv = self.kv
         room = self.config.max_running - len(self.running)
         preempted = {state.id for state in self._preempted_step}
         for state in plan.admit or ():
@@ -653,18 +654,19 @@ class ReplayEngine:
                 or state.id in preempted  # preempted this step: back in the queue next step
             ):
                 continue
-            if self._prefix_cache is not None:
-                if not self._admit_cached(self._prefix_cache, state, budget, chunked, admitted):
-                    break
-                budget -= admitted[-1][1]
-                room -= 1
-                continue
-            need = state.tokens_to_compute
+            # With prefix caching, it first takes the cached blocks its tokens match (vLLM's
+            # `get_computed_blocks`, then `allocate_slots`); a resumed request's output counts.
+            hits = kv.lookup(state.id, state.prompt_tokens + state.tokens_generated)
+            cached = len(hits) * kv.block_size
+            need = state.tokens_to_compute - cached
             tokens = min(need, budget) if chunked else need
             fits = need if self.config.reserve_full_sequence else tokens
-            if (tokens > budget and admitted) or not self.kv.can_grow(state.id, fits):
+            if (tokens > budget and admitted) or not kv.fits(state.id, hits, cached + fits):
                 break
-            self.kv.grow(state.id, tokens)
+            kv.adopt(state.id, hits)
+            kv.grow(state.id, cached + tokens)
+            kv.cache(state.id, cached + tokens)
+            state.tokens_computed += cached
             admitted.append((state, tokens))
             budget -= tokens
             room -= 1
@@ -674,34 +676,6 @@ class ReplayEngine:
             self._join_running(state)
             self.policy.on_admit(state, self.now)
         return admitted
-
-    def _admit_cached(
-        self,
-        cache: PrefixCachingBlockPool,
-        state: RequestState,
-        budget: int,
-        chunked: bool,
-        admitted: list[tuple[RequestState, int]],
-    ) -> bool:
-        """`_admit`'s step for one request with prefix caching on: the request first takes the
-        cached blocks its tokens match, then computes only the rest, as vLLM's scheduler does
-        for a waiting request (`get_computed_blocks`, then `allocate_slots`). False if it does
-        not fit (the head-of-line rule stops admission)."""
-        total = state.prompt_tokens + state.tokens_generated  # a resumed request recomputes its output too
-        hits = cache.lookup(state.id, total)
-        cached = len(hits) * cache.block_size
-        need = total - cached
-        tokens = min(need, budget) if chunked else need
-        if tokens > budget and admitted:
-            return False
-        if not cache.fits(state.id, hits, total if self.config.reserve_full_sequence else cached + tokens):
-            return False
-        cache.adopt(state.id, hits)
-        cache.grow(state.id, cached + tokens)
-        cache.cache(state.id, cached + tokens)
-        state.tokens_computed = cached
-        admitted.append((state, tokens))
-        return True
 
     def _join_running(self, state: RequestState) -> None:
         self.running.append(state)
@@ -1108,7 +1082,8 @@ class ReplayEngine:
         if self._prefix_cache is not None:
             # What the run's last step cached: every decode's tokens up to the one it computed
             # then (as `_schedule_running` caches each step), before any finished one is freed.
-            self._prefix_cache.cache_many((state.id, state.tokens_computed + k) for state in running)
+            for state in running:
+                self._prefix_cache.cache(state.id, state.tokens_computed + k)
         if k < remaining:
             for state in running:
                 state.tokens_computed += k

@@ -37,6 +37,22 @@ class BlockPool:
     def can_grow(self, request_id: str, tokens: int) -> bool:
         return self.extra_blocks(request_id, tokens) <= self.free_blocks
 
+    # What a prefix cache (`adapt.replay.prefix_cache`) does at admission; without one nothing is
+    # ever cached, so a request computes all its tokens and only the room counts.
+    def lookup(self, request_id: str, num_tokens: int) -> list[int]:
+        """The cached blocks the request's first tokens match: none here."""
+        return []
+
+    def fits(self, request_id: str, hits: Sequence[int], tokens: int) -> bool:
+        """Whether the request can hold `tokens` tokens, `hits` among its blocks."""
+        return self.can_grow(request_id, tokens)
+
+    def adopt(self, request_id: str, hits: Sequence[int]) -> None:
+        """The request takes its cached blocks: there are none here."""
+
+    def cache(self, request_id: str, tokens: int) -> None:
+        """Remember the content of the request's computed blocks: nothing is remembered here."""
+
     def try_grow(self, request_id: str, tokens: int) -> bool:
         """`grow` if the blocks are free, else False: the scheduler's check and allocation in one
         call (it runs once per scheduled request per step)."""
@@ -46,6 +62,7 @@ class BlockPool:
             return True
         if extra > self.free_blocks:
             return False
+        self._take(request_id, extra)
         self._held[request_id] = held + extra
         self.free_blocks -= extra
         return True
@@ -58,8 +75,13 @@ class BlockPool:
             return
         if extra > self.free_blocks:
             raise RuntimeError(f"KV pool exhausted: {request_id} needs {extra}, {self.free_blocks} free")
+        self._take(request_id, extra)
         self._held[request_id] = held + extra
         self.free_blocks -= extra
+
+    def _take(self, request_id: str, count: int) -> None:
+        """Which free blocks a growing request takes: only their count matters here (a prefix
+        cache overrides this, as there a block holds content)."""
 
     @property
     def held_by_request(self) -> dict[str, int]:

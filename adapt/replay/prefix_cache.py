@@ -25,7 +25,7 @@ requests.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -110,35 +110,15 @@ class PrefixCachingBlockPool(BlockPool):
             self._cached.setdefault(key, {})[block] = None
         self._registered[request_id] = full
 
-    def cache_many(self, requests: Iterable[tuple[str, int]]) -> None:
-        """`cache` for each (request, tokens) pair: a decode run's end, where most requests fill
-        no new block (looked at without a call each)."""
-        registered, block_size = self._registered, self.block_size
-        for request_id, tokens in requests:
-            if tokens // block_size > registered.get(request_id, 0):
-                self.cache(request_id, tokens)
-
     # ------------------------------------------------------------- allocation
-    def try_grow(self, request_id: str, tokens: int) -> bool:
-        held = self._held.get(request_id, 0)
-        extra = -(-tokens // self.block_size) - held
-        if extra <= 0:
-            return True
-        if extra > self.free_blocks:
-            return False
+    def _take(self, request_id: str, count: int) -> None:
+        """New blocks come from the head of the free queue, and lose the content they held."""
         blocks = self._blocks.setdefault(request_id, [])
-        for _ in range(extra):
+        for _ in range(count):
             block, _ = self._queue.popitem(last=False)
             self._evict(block)
             self._refs[block] = 1
             blocks.append(block)
-        self._held[request_id] = held + extra
-        self.free_blocks -= extra
-        return True
-
-    def grow(self, request_id: str, tokens: int) -> None:
-        if not self.try_grow(request_id, tokens):
-            raise RuntimeError(f"KV pool exhausted: {request_id} needs more than {self.free_blocks} free")
 
     def grow_many(self, request_ids: Sequence[str], held: np.ndarray, tokens: np.ndarray) -> None:
         """`grow` each request to its `tokens` (a decode run's blocks, taken at once). Which free

@@ -931,6 +931,24 @@ def test_arbitrary_plans_mean_the_same_in_both_engines(tiny_model, monkeypatch, 
     assert preemptions > 200 and 300 < finished < 480  # plans preempted; some requests were dropped
 
 
+def _serving(tiny_model, monkeypatch, policy: str, seed: int, budget, running: int, blocks: int, **settings):
+    """A harness scheduler (`running` at most, `blocks` KV blocks, `settings` for
+    `make_scheduler`) serving `policy`, or `Scrambled(seed, budget)` for "scrambled"; and a maker
+    of a fresh copy of that policy for the replay."""
+    from experiments.bench_scheduler import make_scheduler
+    from serving_hooks.policies import make_policy_from_spec
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    def fresh_policy() -> Policy:
+        return Scrambled(seed, budget) if policy == "scrambled" else make_policy_from_spec(policy)
+
+    monkeypatch.setenv("ADAPT_POLICY", "fcfs" if policy == "scrambled" else policy)
+    scheduler = make_scheduler(tiny_model, PolicyScheduler, running, blocks, **settings)
+    if policy == "scrambled":
+        scheduler._switch_policy(fresh_policy())
+    return scheduler, fresh_policy
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_edge_inputs_mean_the_same_in_both_engines(tiny_model, monkeypatch, async_scheduling):
     """The lockstep check on inputs at the edges of vLLM's arithmetic, where an off-by-one in a
@@ -943,32 +961,28 @@ def test_edge_inputs_mean_the_same_in_both_engines(tiny_model, monkeypatch, asyn
     import random
 
     from adapt.conformance import compare, replay_decisions
-    from experiments.bench_scheduler import BLOCK_SIZE, make_requests, make_scheduler
-    from serving_hooks.policies import make_policy_from_spec, servable_policies
-    from serving_hooks.vllm_adapter import PolicyScheduler
+    from experiments.bench_scheduler import BLOCK_SIZE, make_requests
+    from serving_hooks.policies import servable_policies
 
     monkeypatch.setenv("ADAPT_RECORD_DECISIONS", "1")
     disagreements, steps, preemptions, one_token = {}, 0, 0, 0
     for seed, policy in enumerate(["scrambled", *servable_policies()]):
         rng = random.Random(seed)
-        monkeypatch.setenv("ADAPT_POLICY", "fcfs" if policy == "scrambled" else policy)
         blocks = rng.choice([12, 20, 33, 40])
-        scheduler = make_scheduler(
+        running, reserve = rng.choice([1, 2, 3, 8]), rng.random() < 0.5
+        budget = rng.choice([None, 16, 17, 64, 100])
+        scheduler, fresh_policy = _serving(
             tiny_model,
-            PolicyScheduler,
-            rng.choice([1, 2, 3, 8]),
+            monkeypatch,
+            policy,
+            seed,
+            budget,
+            running,
             blocks,
             prefix_caching=False,
             async_scheduling=async_scheduling,
-            reserve_full_sequence=rng.random() < 0.5,
+            reserve_full_sequence=reserve,
         )
-        budget = rng.choice([None, 16, 17, 64, 100])
-
-        def fresh_policy(policy=policy, seed=seed, budget=budget) -> Policy:
-            return Scrambled(seed, budget) if policy == "scrambled" else make_policy_from_spec(policy)
-
-        if policy == "scrambled":
-            scheduler._switch_policy(fresh_policy())
         capacity = (blocks - 1) * BLOCK_SIZE
         arrivals: dict[int, list] = {}
         stop_after: dict[str, int] = {}
@@ -1012,31 +1026,27 @@ def test_prefix_caching_means_the_same_in_both_engines(tiny_model, monkeypatch, 
     import random
 
     from adapt.conformance import compare, replay_decisions
-    from experiments.bench_scheduler import make_requests, make_scheduler
-    from serving_hooks.policies import make_policy_from_spec, servable_policies
-    from serving_hooks.vllm_adapter import PolicyScheduler
+    from experiments.bench_scheduler import make_requests
+    from serving_hooks.policies import servable_policies
 
     monkeypatch.setenv("ADAPT_RECORD_DECISIONS", "1")
     disagreements, steps, without_cache, runs = {}, 0, 0, 0
     for seed, policy in enumerate(["scrambled", *servable_policies()]):
         rng = random.Random(seed)
-        monkeypatch.setenv("ADAPT_POLICY", "fcfs" if policy == "scrambled" else policy)
-        scheduler = make_scheduler(
+        running, blocks, reserve = rng.choice([2, 4, 8, 16]), rng.choice([40, 60, 90]), rng.random() < 0.5
+        budget = rng.choice([None, 64, 512])
+        scheduler, fresh_policy = _serving(
             tiny_model,
-            PolicyScheduler,
-            rng.choice([2, 4, 8, 16]),
-            rng.choice([40, 60, 90]),
+            monkeypatch,
+            policy,
+            seed,
+            budget,
+            running,
+            blocks,
             prefix_caching=True,
             async_scheduling=async_scheduling,
-            reserve_full_sequence=rng.random() < 0.5,
+            reserve_full_sequence=reserve,
         )
-        budget = rng.choice([None, 64, 512])
-
-        def fresh_policy(policy=policy, seed=seed, budget=budget) -> Policy:
-            return Scrambled(seed, budget) if policy == "scrambled" else make_policy_from_spec(policy)
-
-        if policy == "scrambled":
-            scheduler._switch_policy(fresh_policy())
         system_prompts = [
             [rng.randrange(1, 500) for _ in range(rng.choice([16, 32, 40, 100, 200]))] for _ in range(4)
         ]
