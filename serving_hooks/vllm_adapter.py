@@ -48,6 +48,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.request import RequestStatus
 
 from adapt.mechanics import check_policy
@@ -334,6 +335,21 @@ class PolicyScheduler(AsyncScheduler):
             found.append("replay chunks prompts larger than a step's budget: start vLLM with chunked prefill")
         if getattr(self.vllm_config, "speculative_config", None) is not None:
             found.append("replay does not model speculative decoding: start vLLM without it")
+        groups = self.kv_cache_config.kv_cache_groups
+        if len(groups) != 1 or type(groups[0].kv_cache_spec) not in (FullAttentionSpec, MLAAttentionSpec):
+            kinds = ", ".join(type(group.kv_cache_spec).__name__ for group in groups)
+            found.append(
+                f"replay models one KV cache group of full attention, this model has {kinds}: sliding"
+                " windows, Mamba and hybrid models free and cache blocks otherwise"
+            )
+        if getattr(self.vllm_config, "kv_transfer_config", None) is not None:
+            found.append(
+                "replay does not model KV connectors (offloading, disaggregation): start vLLM without one"
+            )
+        parallel = self.vllm_config.parallel_config
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            if getattr(parallel, name, 1) > 1:
+                found.append(f"replay does not model context parallelism's KV blocks: leave {name} at 1")
         return found
 
     def engine_limits(self) -> EngineConfig:

@@ -726,6 +726,9 @@ def test_plans_that_list_a_request_twice_or_drop_a_running_one_do_not_break_the_
 
 
 def test_settings_the_replay_does_not_model_are_named(tiny_model, monkeypatch):
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec
+
     from experiments.bench_scheduler import make_scheduler
     from serving_hooks.vllm_adapter import PolicyScheduler
 
@@ -738,6 +741,19 @@ def test_settings_the_replay_does_not_model_are_named(tiny_model, monkeypatch):
     ]
     with pytest.raises(ValueError, match="chunked prefill"):
         scheduler.replay_config()
+    scheduler.scheduler_config.enable_chunked_prefill = True
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=64
+    )
+    scheduler.kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(["window"], window))
+    scheduler.vllm_config.kv_transfer_config = object()  # what vLLM holds once a connector is named
+    scheduler.vllm_config.parallel_config.decode_context_parallel_size = 2
+    assert scheduler.unmodelled_settings() == [
+        "replay models one KV cache group of full attention, this model has FullAttentionSpec,"
+        " SlidingWindowSpec: sliding windows, Mamba and hybrid models free and cache blocks otherwise",
+        "replay does not model KV connectors (offloading, disaggregation): start vLLM without one",
+        "replay does not model context parallelism's KV blocks: leave decode_context_parallel_size at 1",
+    ]
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
