@@ -12,9 +12,10 @@ steps where it did and shows the first where it did not, with both engines' queu
 Conformance needs the live run to be one the replay can describe: no KV watermark, and requests
 that end where the scheduler sees it -- at `max_tokens` or on a stop or EOS token, whose output
 length the log keeps (`finished`); a stop *string*, which vLLM's API server applies by aborting
-the request, is not. With prefix caching on, each arrival carries its prompt blocks' keys, and the
-replay's prefix cache finds the hits vLLM found, taking different requests' answers to differ
-(two requests with the same prompt *and* the same answer would share answer blocks live only).
+the request, is not. With prefix caching on, each arrival carries its prompt blocks' keys and
+each request that left its answer blocks' keys, and the replay's prefix cache finds the hits vLLM
+found: on shared system prompts, on a conversation's earlier turns (answers included), on a
+preempted request's own blocks.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def _followable(run: list[dict[str, Any]]) -> LoggedRun:
     switches: dict[int, str] = {}
     swaps: dict[int, dict[str, str]] = {}
     for i, record in enumerate(run[1:], 1):
+        if record.get("prefix_cache_reset") == "preempting":
+            stopped_by = f"the prefix cache was reset with requests running at step {record['index']}"
+            return LoggedRun(run[:i], policy, components, switches, swaps, stopped_by)
         if "policy" in record:
             if record["policy"] is None:
                 stopped_by = f"a policy the log does not name went live at step {record['index']}"
@@ -102,6 +106,7 @@ def requests_from_log(decisions: Sequence[dict[str, Any]]) -> list[Request]:
     """The requests a live decision log saw arrive, each as long as the log says it finished (a
     stop token ends it early) or, if it never finished there, its client's `max_tokens`."""
     lengths = {key: n for step in decisions for key, n in step.get("finished", {}).items()}
+    answers = {key: keys for step in decisions for key, keys in step.get("answer_blocks", {}).items()}
     requests = []
     for step in decisions:
         for arrival in step["arrived"]:
@@ -119,6 +124,8 @@ def requests_from_log(decisions: Sequence[dict[str, Any]]) -> list[Request]:
                     max_tokens=int(max_tokens),
                     prompt_embedding=logged_embedding(extra.get("prompt_embedding")),
                     prompt_blocks=tuple(extra.get("prompt_blocks", ())),
+                    answer_blocks=tuple(answers.get(request_id, ())),
+                    skip_reading_prefix_cache=bool(extra.get("skip_reading_prefix_cache", False)),
                 )
             )
     return requests
@@ -160,7 +167,8 @@ def replay_decisions(
     (`config`, which must give the KV capacity) in lockstep with the live steps; returns the
     replay's own decision log, one record per live step. `switches` (whole policies) and `swaps`
     (attribute -> component) went live at the step at that position: they are handed over as
-    the live engine applied them (`ReplayEngine.switch_policy`, then `use_component`)."""
+    the live engine applied them (`ReplayEngine.switch_policy`, then `use_component`); a prefix
+    cache reset before the step it was logged with."""
     if config.kv_capacity_tokens is None:
         raise ValueError("config.kv_capacity_tokens: give the live engine's KV capacity")
     config = dataclasses.replace(config, skip_decode_runs=False, record_decisions=True)
@@ -175,6 +183,8 @@ def replay_decisions(
         while pending is not None and pending.request_id in arrived:
             engine.add(pending)
             pending = next(arrivals, None)
+        if live.get("prefix_cache_reset"):
+            engine.reset_prefix_cache()
         if switches and i in switches:
             engine.switch_policy(switches[i])
         for attribute, component in (swaps or {}).get(i, {}).items():

@@ -43,7 +43,9 @@ MECHANICS: dict[str, Mechanic] = {
             "`Plan.admit`: waiting requests admitted in this order, stopping at the first that does"
             " not fit (running cap, token budget, or its whole known sequence in the free KV blocks);"
             " none in a step that preempted; unlisted requests wait. With prefix caching on, a"
-            " request first takes the cached blocks its prompt matches and computes only the rest",
+            " request first takes the cached blocks its tokens match (another prompt's or answer's,"
+            " or its own before a preemption) and computes only the rest; one that asked for prompt"
+            " logprobs takes none",
             _always,
         ),
         Mechanic(

@@ -135,6 +135,12 @@ class Request:
     names the content of the prompt's full KV blocks, one key per block, each standing for the
     whole prefix up to its block's end (vLLM's block hashes): requests whose keys agree share those
     blocks under prefix caching (`EngineConfig.prefix_caching`); empty, nothing is shared.
+    `answer_blocks` goes on where it stops, naming the full blocks the answer fills (those past
+    the prompt's full blocks, as a live engine hashed them by the request's end): a later prompt
+    that contains this answer, a conversation's next turn, shares them; empty, the answer's
+    blocks are its own. It needs the key of every full prompt block before it.
+    `skip_reading_prefix_cache` is vLLM's flag of that name: such a request (one that asked for
+    its prompt's logprobs) computes its whole prompt, cached or not, and still caches it.
     """
 
     request_id: str
@@ -148,6 +154,8 @@ class Request:
     max_tokens: int | None = None
     prompt_embedding: Any = field(default=None, compare=False, repr=False)
     prompt_blocks: tuple[Hashable, ...] = field(default=(), compare=False, repr=False)
+    answer_blocks: tuple[Hashable, ...] = field(default=(), compare=False, repr=False)
+    skip_reading_prefix_cache: bool = field(default=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -164,8 +172,9 @@ class Request:
             raise ValidationError(f"slo: expected an SLO, got {type(self.slo).__name__}")
         if self.slo.kind == "compound" and self.program is None:
             raise ValidationError("program: a compound-SLO request needs a program reference")
-        if not isinstance(self.prompt_blocks, tuple):
-            raise ValidationError(f"prompt_blocks: expected a tuple, got {type(self.prompt_blocks).__name__}")
+        for name in ("prompt_blocks", "answer_blocks"):
+            if not isinstance(keys := getattr(self, name), tuple):
+                raise ValidationError(f"{name}: expected a tuple, got {type(keys).__name__}")
 
 
 @dataclass(frozen=True, slots=True)

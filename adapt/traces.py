@@ -512,6 +512,9 @@ def _load_requestlog(path: Path) -> Trace:
             "logged_arrival_s": [r.arrival_s for r in records],
             # `prompt_text` is set only when every row has one; this column keeps each row's (or None)
             "logged_prompt_text": texts,
+            # Content keys, where the engine ran prefix caching (`Request.prompt_blocks`, ...)
+            "prompt_blocks": [tuple(r.extra.get("prompt_blocks", ())) for r in records],
+            "answer_blocks": [tuple(r.extra.get("answer_blocks", ())) for r in records],
         },
     )
 

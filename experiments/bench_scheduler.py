@@ -109,10 +109,12 @@ def make_requests(
     max_tokens: int = 1024,
     prompt_tokens: int = PROMPT_TOKENS,
     prefix: Sequence[int] = (),
+    prompt_logprobs: int | None = None,
 ) -> list[Any]:
     """Random prompts (64 tokens by default) after a `prefix` they all share (a system prompt),
     hashed into blocks as vLLM's engine core does for prefix caching. Each ends at `max_tokens`,
-    or earlier where its driver samples `STOP_TOKEN`."""
+    or earlier where its driver samples `STOP_TOKEN`; with `prompt_logprobs` it asks for its
+    prompt's logprobs (and so reads nothing from the prefix cache)."""
     import random
 
     from vllm.sampling_params import SamplingParams
@@ -124,7 +126,9 @@ def make_requests(
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop_token_ids=[STOP_TOKEN])
+    params = SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, stop_token_ids=[STOP_TOKEN], prompt_logprobs=prompt_logprobs
+    )
     return [
         Request(
             request_id=f"r{start + i}",

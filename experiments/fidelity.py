@@ -110,7 +110,9 @@ def prompt_token_ids(rows: list[dict[str, Any]]) -> list[list[int]]:
     order), as many as the row's prompt length. A row with a `system` entry ([seed, length])
     opens with that shared system prompt -- the same tokens in every row that names it -- and is
     still as long as its prompt length in all. One function for the engine worker and
-    `prompt_vectors`, so that what is embedded is what is served."""
+    `prompt_vectors`, so that what is embedded is what is served. A row that `follows` an
+    earlier one (a conversation's next turn) is sent after that one's prompt and answer, known
+    only once it is served: here it is its new message alone."""
     rng = np.random.default_rng(0)
     prompts = []
     for row in rows:
@@ -136,6 +138,10 @@ def prompt_vectors(rows: list[dict[str, Any]], model: str, kept: Path, reuse: bo
 
     from predictors.embedding import embed
 
+    if any(row.get("follows") is not None for row in rows):
+        raise ValueError(
+            "a conversation's next turn holds its earlier answers: it cannot be embedded before serving"
+        )
     tokenizer = AutoTokenizer.from_pretrained(model)
     vectors = embed([tokenizer.decode(ids, skip_special_tokens=True) for ids in prompt_token_ids(rows)])
     np.save(kept, vectors)
@@ -153,9 +159,43 @@ def with_prompt_vectors(rows: list[dict[str, Any]], vectors: np.ndarray) -> list
     ]
 
 
+class Conversations:
+    """The worker's view of which rows are a conversation's next turn (`follows`: an earlier
+    row's index): such a row is sent once the turn it follows is answered, with that turn's
+    whole prompt and answer before its own message, as a chat client sends its history."""
+
+    def __init__(self, rows: list[dict[str, Any]], own_tokens: list[list[int]]) -> None:
+        for index, row in enumerate(rows):
+            if row.get("follows") is not None and not 0 <= row["follows"] < index:
+                raise ValueError(f"row {index} follows row {row['follows']}: a turn follows an earlier row")
+        self.rows, self.own_tokens = rows, own_tokens
+        self.sent: dict[int, list[int]] = {}
+        self.answers: dict[int, tuple[list[int], float]] = {}  # row -> its answer, and when it came
+
+    def ready(self, index: int, now: float) -> bool:
+        follows = self.rows[index].get("follows")
+        return self.rows[index]["arrival_s"] <= now and (follows is None or follows in self.answers)
+
+    def arrival_s(self, index: int) -> float:
+        follows = self.rows[index].get("follows")
+        answered = self.answers[follows][1] if follows is not None else 0.0
+        return max(self.rows[index]["arrival_s"], answered)
+
+    def prompt(self, index: int) -> list[int]:
+        follows = self.rows[index].get("follows")
+        history = [] if follows is None else self.sent[follows] + self.answers[follows][0]
+        self.sent[index] = history + self.own_tokens[index]
+        return self.sent[index]
+
+    def answered(self, request_id: str, token_ids: list[int], now: float) -> None:
+        self.answers[int(request_id.removeprefix("r"))] = (token_ids, now)
+
+
 def worker(model: str, policy: str, rows: list[dict[str, Any]], out: Path, settings: dict[str, int]) -> None:
     """Serve `rows` open-loop in this process (each added when its arrival time comes) and write
-    the decision log, the replay config, the client's times and the monitor's step log."""
+    the decision log, the replay config, the client's times and the monitor's step log. A row
+    that `follows` row j is a conversation's next turn: sent once j's answer has come (or at its
+    own arrival time, if later), with j's prompt and answer before its own message."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["ADAPT_POLICY"] = policy
     os.environ["ADAPT_LOG_DIR"] = str(out)
@@ -185,18 +225,19 @@ def worker(model: str, policy: str, rows: list[dict[str, Any]], out: Path, setti
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     prompts = prompt_token_ids(rows)
+    conversations = Conversations(rows, prompts)
     pending = list(enumerate(rows))
     seen: dict[str, list[float | None]] = {}  # request id -> [arrival, first token, finish], client side
     started = time.monotonic()
     while pending or engine.has_unfinished_requests():
         now = time.monotonic() - started
-        while pending and pending[0][1]["arrival_s"] <= now:
-            index, row = pending.pop(0)
+        for index, row in [(i, row) for i, row in pending if conversations.ready(i, now)]:
+            pending.remove((index, row))
             params = SamplingParams(max_tokens=row["output"], ignore_eos=True, extra_args=row["slo"] or None)
-            engine.add_request(f"r{index}", {"prompt_token_ids": prompts[index]}, params)
+            engine.add_request(f"r{index}", {"prompt_token_ids": conversations.prompt(index)}, params)
             # Arrived when the open-loop schedule says, not when this loop got to add it: a server
             # also only takes a request in between steps, and that wait is part of its latency.
-            seen[f"r{index}"] = [row["arrival_s"], None, None]
+            seen[f"r{index}"] = [conversations.arrival_s(index), None, None]
         if engine.has_unfinished_requests():
             for output in engine.step():  # what a client would receive, when it would receive it
                 times, now = seen[output.request_id], time.monotonic() - started
@@ -204,6 +245,7 @@ def worker(model: str, policy: str, rows: list[dict[str, Any]], out: Path, setti
                     times[1] = now
                 if output.finished:
                     times[2] = now
+                    conversations.answered(output.request_id, list(output.outputs[0].token_ids), now)
         elif pending:
             time.sleep(max(0.0, pending[0][1]["arrival_s"] - (time.monotonic() - started)))
     scheduler._flush_logs()

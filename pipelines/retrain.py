@@ -203,10 +203,20 @@ def logged_requests(logs: list[Trace], most: int = REPLAY_MOST) -> list[Request]
     arrivals = np.concatenate([np.asarray(log.columns["logged_arrival_s"], dtype=np.float64) for log in logs])
     prompts = np.concatenate([log.prompt_tokens for log in logs])
     outputs = np.concatenate([log.output_tokens for log in logs])
+    # Content keys where the server ran prefix caching, so the gate's replay finds its hits.
+    prompt_blocks = [keys for log in logs for keys in log.columns.get("prompt_blocks", [()] * len(log))]
+    answer_blocks = [keys for log in logs for keys in log.columns.get("answer_blocks", [()] * len(log))]
     keep = np.argsort(arrivals, kind="stable")[-most:]
     start = float(arrivals[keep[0]]) if len(keep) else 0.0
     return [
-        Request(f"log{i}", float(arrivals[row]) - start, int(prompts[row]), int(outputs[row]))
+        Request(
+            f"log{i}",
+            float(arrivals[row]) - start,
+            int(prompts[row]),
+            int(outputs[row]),
+            prompt_blocks=prompt_blocks[row],
+            answer_blocks=answer_blocks[row],
+        )
         for i, row in enumerate(keep.tolist())
         if outputs[row] > 0
     ]

@@ -40,6 +40,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import vllm
@@ -154,6 +155,10 @@ class PolicyScheduler(AsyncScheduler):
         # Output lengths of the requests that finished since the last step (a stop token or
         # max_tokens): what a replay of this log gives each request (`adapt.conformance`).
         self._finished_since: dict[str, int] = {}
+        # With prefix caching on, the content keys of the answers' full blocks of the requests
+        # freed since the last step: a later prompt that contains an answer hits them.
+        self._answer_blocks_since: dict[str, list[str]] = {}
+        self._cache_reset: str | None = None  # a prefix cache reset since the last step
         self._undelivered: deque[dict] = deque()  # decision records whose output is still coming
         self._preempt_order: list[str] = []  # this step's possible victims, in eviction order
         self._output_at: float | None = None  # while vLLM processes a step's output: its moment
@@ -203,7 +208,9 @@ class PolicyScheduler(AsyncScheduler):
             if embedding is not None:
                 extra["prompt_embedding"] = embedding.tolist()
             if self.vllm_config.cache_config.enable_prefix_caching:
-                extra["prompt_blocks"] = prompt_block_keys(request)
+                extra["prompt_blocks"] = block_keys(request.block_hashes)
+                if getattr(request, "skip_reading_prefix_cache", False):  # asked for prompt logprobs
+                    extra["skip_reading_prefix_cache"] = True
             self._arrived_since.append(
                 [request.request_id, now, request.num_prompt_tokens, request.max_tokens or 0, extra]
             )
@@ -226,6 +233,16 @@ class PolicyScheduler(AsyncScheduler):
         self._tokenizer = AutoTokenizer.from_pretrained(self.vllm_config.model_config.tokenizer)
         return self._tokenizer
 
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        """vLLM's reset (an operator's `/reset_prefix_cache`, e.g. after new weights), noted in
+        the decision log: a replay forgets its cached blocks at the same step. A reset that
+        preempted running requests to free their blocks is noted as such; a replay stops there."""
+        running = bool(self.running)
+        reset = super().reset_prefix_cache(*args, **kwargs)
+        if reset and self._recording:
+            self._cache_reset = "preempting" if running else "idle"
+        return reset
+
     def _free_request(self, request: Any, *args: Any, **kwargs: Any):
         state = self._states.pop(request.request_id, None)
         self._running_ids.discard(request.request_id)
@@ -235,6 +252,10 @@ class PolicyScheduler(AsyncScheduler):
             self._freed_since.append(request.request_id)
             if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
                 self._finished_since[request.request_id] = int(request.num_output_tokens)
+            if self.vllm_config.cache_config.enable_prefix_caching:
+                answer = self._content_keys(request)[1]
+                if answer:
+                    self._answer_blocks_since[request.request_id] = answer
         dropped = request.request_id in self._dropped_ids
         self._dropped_ids.discard(request.request_id)
         if state is not None:
@@ -276,8 +297,17 @@ class PolicyScheduler(AsyncScheduler):
         except Exception:
             log.exception("monitor: could not flush the logs")
 
+    def _content_keys(self, request: Any) -> tuple[list[str], list[str]]:
+        """A request's prompt and answer blocks' content keys as the prefix cache holds them by
+        its end (`block_keys`): the prompt's full blocks, then those its answer filled."""
+        full_prompt = request.num_prompt_tokens // self.block_size
+        return block_keys(request.block_hashes[:full_prompt]), block_keys(request.block_hashes[full_prompt:])
+
     def _log_request(self, request: Any, state: RequestState, freed_at: float, dropped: bool) -> None:
-        """One request-log record; logging trouble is reported, never raised into the engine."""
+        """One request-log record; logging trouble is reported, never raised into the engine.
+        With prefix caching on it carries the request's content keys (about 19 bytes per KV block
+        of prompt and answer), so that a retrain gate replaying the log finds the hits this
+        engine found."""
         try:
             output = int(request.num_output_tokens)
             finished = not dropped and request.status != RequestStatus.FINISHED_ABORTED and output > 0
@@ -296,6 +326,8 @@ class PolicyScheduler(AsyncScheduler):
                 preemptions=state.num_preemptions,
                 prompt_text=self._prompt_text(request) if self.monitor.log_prompts else None,
             )
+            if self.vllm_config.cache_config.enable_prefix_caching:
+                record.extra["prompt_blocks"], record.extra["answer_blocks"] = self._content_keys(request)
             self.monitor.request(record)
         except Exception:
             log.exception("request log: could not record %s", request.request_id)
@@ -370,8 +402,7 @@ class PolicyScheduler(AsyncScheduler):
 
     def _log_engine(self) -> None:
         """This engine's limits beside its logs, for the retrain gates that replay them. A gate
-        compares candidates on one load, so what its replay cannot know (which logged prompts
-        shared a prefix: the request logs carry no content) or does not model costs it some
+        compares candidates on one load, so what its replay does not model costs it some
         accuracy, not the comparison: written anyway, and said."""
         try:
             self.monitor.engine(self.engine_limits())  # type: ignore[union-attr]
@@ -567,6 +598,8 @@ class PolicyScheduler(AsyncScheduler):
             "preempted": sorted(output.preempted_req_ids),
             "freed": sorted(self._freed_since),
             "finished": self._finished_since,
+            **({"answer_blocks": self._answer_blocks_since} if self._answer_blocks_since else {}),
+            **({"prefix_cache_reset": self._cache_reset} if self._cache_reset else {}),
             "delivered_t": None,
             "predicted": [key for queue in self.prediction_queues for key in queue.handed_over or ()],
             **self._queues,
@@ -583,6 +616,7 @@ class PolicyScheduler(AsyncScheduler):
             self.decisions.append(record)
         self._undelivered.append(record)
         self._arrived_since, self._freed_since, self._finished_since = [], [], {}
+        self._answer_blocks_since, self._cache_reset = {}, None
 
     def _live_versions(self) -> dict[str, str]:
         """The component versions serving (`attribute -> NAME@vN`), as a policy spec pins them;
@@ -835,9 +869,10 @@ class PolicyScheduler(AsyncScheduler):
         self._policy_preempts = 0
 
 
-def prompt_block_keys(request: Any) -> list[str]:
-    """The content of a request's full prompt blocks as vLLM's prefix cache keys them (its block
-    hashes, each covering the whole prefix up to its block's end; on arrival a request has one
-    per full prompt block), short enough for a log line: 8 bytes of each in hex. A replay given
-    them (`Request.prompt_blocks`) finds the hits vLLM finds."""
-    return [bytes(block_hash)[:8].hex() for block_hash in request.block_hashes]
+def block_keys(block_hashes: Sequence[Any]) -> list[str]:
+    """Blocks' content as vLLM's prefix cache keys it (its block hashes, each covering the whole
+    sequence up to its block's end), short enough for a log line: 8 bytes of each in hex. On
+    arrival a request has one per full prompt block, and by its end one per full block of prompt
+    and answer. A replay given them (`Request.prompt_blocks`, `Request.answer_blocks`) finds the
+    hits vLLM finds."""
+    return [bytes(block_hash)[:8].hex() for block_hash in block_hashes]

@@ -233,6 +233,12 @@ class ReplayEngine:
         self._component_swaps: list[tuple[str, Any]] = []  # `use_component`, for the next step
         self._next_policy: Policy | None = None  # `switch_policy`, for the next step
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block, as vLLM's `reset_prefix_cache` does (an operator's call,
+        e.g. after new weights). Like vLLM's, it needs every block free."""
+        if self._prefix_cache is not None and not self._prefix_cache.reset():
+            raise RuntimeError("reset_prefix_cache: blocks are in use (vLLM refuses such a reset)")
+
     def switch_policy(self, policy: Policy) -> None:
         """Serve a whole new policy from the next step on, handed over as `adapt serve` swaps one
         live (`PolicyScheduler._switch_policy`, at the start of `schedule()`): after that step's
@@ -268,6 +274,7 @@ class ReplayEngine:
         with parents) is held until its parents finish; its own `arrival_s` is then ignored, but
         its parents must have been added before it. Each reaches the engine
         `config.intake_delay_s` after it arrives."""
+        self._check_block_keys(request)
         parents = request.program.parent_ids if request.program is not None else ()
         if parents:
             self._hold(request, parents)
@@ -394,9 +401,37 @@ class ReplayEngine:
             self._parent_done(state.id, finished=False)
             return
         if self._prefix_cache is not None:
-            self._prefix_cache.register(state.id, request.prompt_blocks)
+            keys = request.prompt_blocks + request.answer_blocks
+            self._prefix_cache.register(state.id, keys, reads=not request.skip_reading_prefix_cache)
         self.waiting[state.id] = state
         self.policy.on_arrival(state, self.now)
+
+    def _check_block_keys(self, request: Request) -> None:
+        """With prefix caching on, a request's content keys must fit its full blocks at this
+        engine's block size: keys a log wrote with another block size would name other content,
+        and answer keys only line up after a key for every full prompt block. (Without it they
+        are not read.)"""
+        if not self.config.prefix_caching:
+            return
+        full_prompt = request.prompt_tokens // self.config.block_size
+        if len(request.prompt_blocks) > full_prompt:
+            raise ValueError(
+                f"{request.request_id}: {len(request.prompt_blocks)} prompt block keys for "
+                f"{request.prompt_tokens} tokens, which fill {full_prompt} blocks of "
+                f"{self.config.block_size} (keys made with another block size?)"
+            )
+        if not request.answer_blocks:
+            return
+        full = (request.prompt_tokens + request.output_tokens) // self.config.block_size
+        if (
+            len(request.prompt_blocks) < full_prompt
+            or len(request.prompt_blocks) + len(request.answer_blocks) > full
+        ):
+            raise ValueError(
+                f"{request.request_id}: answer block keys need one key per full prompt block "
+                f"({full_prompt}, got {len(request.prompt_blocks)}) and at most "
+                f"{full - full_prompt} of their own (got {len(request.answer_blocks)})"
+            )
 
     # ----------------------------------------------------------------- one step
     def step(self, trace: TraceStep | None = None) -> None:
@@ -870,12 +905,18 @@ class ReplayEngine:
         for state in prefills:
             counts[state.label] -= 1
         latency = [s for s in self._running_latency.values() if s.phase == "decode"]
+        cache = self._prefix_cache
         for state in growing:
             kv.grow(state.id, state.tokens_computed + 1)
+        if cache is not None:  # as vLLM caches them when scheduled: before this step's admissions look
+            for state in decodes:  # (capped at the tokens it has, as `_schedule_running` caps it)
+                cache.cache(
+                    state.id, min(state.tokens_computed + 1, state.prompt_tokens + state.tokens_generated)
+                )
         for state, tokens in chunks:
             kv.grow(state.id, state.tokens_computed + tokens)
-            if self._prefix_cache is not None:
-                self._prefix_cache.cache(state.id, state.tokens_computed + tokens)
+            if cache is not None:
+                cache.cache(state.id, state.tokens_computed + tokens)
         admitted = self._admit(plan, budget, chunked=True) if plan.admit is not None and budget > 0 else []
         chunks.extend(admitted)
         work, sampled = [], []

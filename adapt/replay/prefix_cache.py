@@ -16,10 +16,10 @@ those never cached to the head (reused first), cached ones to the tail (kept lon
 takes a cached block out of the queue. The rules are vLLM V1's for a model with full attention
 only: no sliding window, no KV connector, no speculative decoding.
 
-A block's content is a key. A request's prompt blocks take the keys it arrived with
-(`Request.prompt_blocks`: vLLM's block hashes, from a decision log, or a workload's shared
-prefixes); every other block gets a key of its own, so output tokens are taken to differ between
-requests.
+A block's content is a key. A request's blocks take the keys it comes with
+(`Request.prompt_blocks` and `Request.answer_blocks`: vLLM's block hashes, from a decision log,
+or a workload's shared prefixes); every other block gets a key of its own, taken to differ from
+every other request's.
 """
 
 from __future__ import annotations
@@ -45,27 +45,37 @@ class PrefixCachingBlockPool(BlockPool):
         self._cached: dict[Hashable, dict[int, None]] = {}  # key -> blocks with it, oldest first
         self._blocks: dict[str, list[int]] = {}
         self._registered: dict[str, int] = {}  # how many of a request's blocks are cached
-        self._prompt_keys: dict[str, tuple[Hashable, ...]] = {}
-        self.hit_tokens = 0  # tokens found in the cache, over the pool's life (vLLM's hits metric)
+        self._keys: dict[str, tuple[Hashable, ...]] = {}
+        self._not_reading: set[str] = set()
+        # Tokens found in the cache over the pool's life, resumed requests' own included (vLLM's
+        # hits metric counts those apart, as preempted hits).
+        self.hit_tokens = 0
 
     # ------------------------------------------------------------- requests' content
-    def register(self, request_id: str, prompt_blocks: Sequence[Hashable]) -> None:
-        """The content keys of a request's full prompt blocks (may be empty: nothing shared)."""
-        self._prompt_keys[request_id] = tuple(prompt_blocks)
+    def register(self, request_id: str, block_keys: Sequence[Hashable], reads: bool = True) -> None:
+        """The content keys of a request's first full blocks (may be empty: nothing shared);
+        without `reads` it never takes cached blocks (vLLM's `skip_reading_prefix_cache`), but
+        what it computes is cached all the same."""
+        self._keys[request_id] = tuple(block_keys)
+        if not reads:
+            self._not_reading.add(request_id)
 
     def forget(self, request_id: str) -> None:
         """The request left the engine: its blocks' content stays cached, its keys are not needed."""
-        self._prompt_keys.pop(request_id, None)
+        self._keys.pop(request_id, None)
+        self._not_reading.discard(request_id)
 
     def _key(self, request_id: str, index: int) -> Hashable:
-        keys = self._prompt_keys.get(request_id, ())
+        keys = self._keys.get(request_id, ())
         return keys[index] if index < len(keys) else (request_id, index)
 
     # ------------------------------------------------------------- hits
     def lookup(self, request_id: str, num_tokens: int) -> list[int]:
         """The cached blocks the request's first tokens match, longest prefix first, leaving at
         least its last token to compute (vLLM needs its logits): `get_computed_blocks`."""
-        hits = []
+        hits: list[int] = []
+        if request_id in self._not_reading:
+            return hits
         for index in range((num_tokens - 1) // self.block_size):
             blocks = self._cached.get(self._key(request_id, index))
             if not blocks:
@@ -109,6 +119,15 @@ class PrefixCachingBlockPool(BlockPool):
             self._content[block] = key
             self._cached.setdefault(key, {})[block] = None
         self._registered[request_id] = full
+
+    def reset(self) -> bool:
+        """Forget all cached content (vLLM's `BlockPool.reset_prefix_cache`): only when no block
+        is in use, else False and nothing changes. The free queue keeps its order."""
+        if self.free_blocks != self.num_blocks:
+            return False
+        self._cached.clear()
+        self._content = [None] * self.num_blocks
+        return True
 
     # ------------------------------------------------------------- allocation
     def _take(self, request_id: str, count: int) -> None:

@@ -4,6 +4,9 @@ tokens, a preempted request finds its own blocks, and with nothing to share the 
 without prefix caching. Step-by-step agreement with vLLM's scheduler is checked in
 tests/integration/test_scheduler_harness.py."""
 
+import re
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -95,6 +98,48 @@ def test_a_shared_system_prompt_is_computed_once():
             first_steps.setdefault(request_id, tokens)
     assert first_steps == {"r0": 80, "r1": 16, "r2": 16}
     assert engine.kv.hit_tokens == 128
+
+
+def test_a_conversations_next_turn_finds_the_answer_before_it():
+    """Turn 1: a 32-token prompt and a 40-token answer (blocks of 16: 2 prompt blocks, and by its
+    end 2 more full of prompt and answer: 72 tokens, 4 full blocks, the last token never
+    computed). Turn 2 sends all 72 tokens and 20 more: it finds the 4 blocks and computes 28 --
+    only when turn 1's answer keys say what its answer blocks hold."""
+    first_turn = dict(prompt_blocks=("p0", "p1"), answer_blocks=("a2", "a3"))
+    second_turn = dict(prompt_blocks=("p0", "p1", "a2", "a3", "n4"))
+    computed = {}
+    for answer_known in (True, False):
+        turn_1 = Request(
+            "t1", 0.0, 32, 40, **(first_turn if answer_known else {"prompt_blocks": ("p0", "p1")})
+        )
+        turn_2 = Request("t2", 100.0, 92, 4, **second_turn)
+        config = EngineConfig(prefix_caching=True, record_decisions=True, block_size=16)
+        engine = ReplayEngine(make_policy("fcfs"), ConstantCost(), config)
+        engine.run([turn_1, turn_2])
+        computed[answer_known] = next(
+            d["scheduled"]["t2"] for d in engine.decisions if "t2" in d["scheduled"]
+        )
+    assert computed == {True: 28, False: 60}
+
+
+@pytest.mark.parametrize(
+    ("prompt_blocks", "answer_blocks", "complaint"),
+    [
+        (("p0", "p1", "p2"), (), "3 prompt block keys for 40 tokens, which fill 2 blocks of 16"),
+        (("p0",), ("a2",), "one key per full prompt block (2, got 1)"),
+        (("p0", "p1"), ("a2", "a3", "a4"), "at most 2 of their own (got 3)"),
+    ],
+)
+def test_block_keys_that_do_not_fit_the_request_are_refused_when_added(
+    prompt_blocks, answer_blocks, complaint
+):
+    """Keys from a log written with another block size, or answer keys without the prompt's."""
+    request = Request("r", 0.0, 40, 30, prompt_blocks=prompt_blocks, answer_blocks=answer_blocks)
+    engine = ReplayEngine(
+        make_policy("fcfs"), ConstantCost(), EngineConfig(prefix_caching=True, block_size=16)
+    )
+    with pytest.raises(ValueError, match=re.escape(complaint)):
+        engine.add(request)
 
 
 def test_a_preempted_request_resumes_from_its_own_cached_blocks():
@@ -189,3 +234,64 @@ def test_decode_runs_with_prefix_caching_serve_as_step_by_step(rows, policy, kv_
         outcomes.append((records, result.preemptions, engine.kv.hit_tokens, engine.kv.free_blocks))
     assert outcomes[0] == outcomes[1]
     assert outcomes[0][3] == kv_blocks  # every block free at the end
+
+
+conversations = st.lists(
+    st.tuples(
+        st.floats(0, 3),  # arrival
+        st.integers(1, 200),  # its own message's tokens
+        st.integers(1, 60),  # output tokens
+        st.one_of(st.none(), st.integers(0, 1_000)),  # the earlier request it is the next turn of
+    ),
+    min_size=1,
+    max_size=30,
+)
+
+
+def conversation_requests(rows) -> list[Request]:
+    """Requests in arrival order, some the next turn of an earlier one: its prompt is that one's
+    prompt and answer (the same block keys, answer keys included) and its own message. A next turn
+    may arrive before the turn it continues has finished: no client does, but it puts a hit on an
+    answer block in the very step that fills it."""
+    requests, keys_of = [], []
+    for i, (at, own, output, follows) in enumerate(sorted(rows, key=lambda row: row[0])):
+        inherited, history = (), 0
+        if follows is not None and i:
+            earlier = requests[follows % i]
+            inherited, history = keys_of[follows % i], earlier.prompt_tokens + earlier.output_tokens
+        prompt = history + own
+        prompt_keys = inherited + tuple(f"r{i}-{b}" for b in range(len(inherited), prompt // 16))
+        answer_keys = tuple(f"r{i}-{b}" for b in range(prompt // 16, (prompt + output) // 16))
+        requests.append(
+            Request(f"r{i}", at, prompt, output, prompt_blocks=prompt_keys, answer_blocks=answer_keys)
+        )
+        keys_of.append(prompt_keys + answer_keys)
+    return requests
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=conversations,
+    policy=st.sampled_from(["fcfs", "spf", "sarathi", "slai", "fastserve"]),
+    kv_blocks=st.integers(30, 80),
+    max_running=st.integers(1, 12),
+)
+def test_decode_runs_with_conversations_serve_as_step_by_step(rows, policy, kv_blocks, max_running):
+    """As above, with next turns whose prompts hold earlier answers: the fast paths cache a
+    decode's blocks when vLLM does (as it is scheduled, before the step's admissions look up
+    theirs), so a next turn finds the same blocks either way."""
+    requests = conversation_requests(rows)
+    outcomes = []
+    for skip in (True, False):
+        config = EngineConfig(
+            prefix_caching=True,
+            kv_capacity_tokens=kv_blocks * 16,
+            max_running=max_running,
+            skip_decode_runs=skip,
+        )
+        engine = ReplayEngine(make_policy(policy), ConstantCost(0.01), config)
+        result = engine.run(requests)
+        records = {r.request_id: (r.first_token_s, r.finish_s, r.dropped) for r in result.records}
+        outcomes.append((records, result.preemptions, engine.kv.hit_tokens, engine.kv.free_blocks))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][3] == kv_blocks

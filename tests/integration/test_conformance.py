@@ -85,6 +85,45 @@ def test_prefix_caching_decides_identically_in_both_engines(tiny_model, tmp_path
     assert compare(live, replay_decisions(live, make_policy_from_spec(policy), uncached)).agreement < 1.0
 
 
+def test_a_conversations_next_turn_hits_its_earlier_answers_in_the_real_engine(tiny_model, tmp_path):
+    """Multi-turn chat on the real engine with prefix caching: half of 60 requests are the next
+    turn of an earlier one, sent once its answer came, with that whole conversation (prompts and
+    the answers the model gave) before the new message. vLLM finds the earlier turns' blocks,
+    answers included, where they are still cached; the replay finds them through the answer
+    blocks' keys the decision log keeps. Replayed without those keys, the same log diverges.
+    At a load the engine keeps up with (2 req/s, 96 blocks): above it, a next turn waits in the
+    queue until its conversation's blocks are reused (150 requests at 15-60 req/s on 48 blocks:
+    no answer block still cached when its next turn came, 2026-11-29)."""
+    import random
+
+    from adapt.conformance import compare, replay_decisions
+    from experiments.fidelity import PREDICTED_OFFSET, conformance, engine_config, serve, workload
+    from serving_hooks.policies import make_policy_from_spec
+
+    rng = random.Random(1)
+    rows, length = [], []  # length: a row's whole conversation so far, its answer included
+    for i, row in enumerate(workload(60, 2.0, PREDICTED_OFFSET)):
+        own = row["prompt"] + row["output"]
+        earlier = [j for j in range(max(0, i - 15), i) if length[j] + own <= 1000]
+        if earlier and rng.random() < 0.5:
+            follows = rng.choice(earlier)
+            rows.append({**row, "follows": follows})
+            length.append(length[follows] + own)
+        else:
+            rows.append(row)
+            length.append(own)
+    assert sum("follows" in row for row in rows) > 15
+    out = tmp_path / "run"
+    serve(str(tiny_model), "fcfs", rows, out, {**SETTINGS, "kv_blocks": 96, "prefix_caching": 1})
+    live = json.loads((out / "decisions.json").read_text())
+    assert sum(len(step.get("answer_blocks", {})) for step in live) > 30
+    result = conformance(out, "fcfs")
+    assert result.agreement == 1.0, result.describe()
+    forgotten = [{key: value for key, value in step.items() if key != "answer_blocks"} for step in live]
+    config = engine_config(out)
+    assert compare(live, replay_decisions(forgotten, make_policy_from_spec("fcfs"), config)).agreement < 1.0
+
+
 def test_the_lockstep_runs_cover_every_servable_policy():
     from serving_hooks.policies import servable_policies
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -190,6 +192,58 @@ def test_a_server_stopped_under_load_keeps_every_record_it_made(tiny_model, monk
     assert records("steps") == steps
     # The engine's limits beside the logs, for the retrain gates that replay them.
     assert EngineConfig.from_json((tmp_path / ENGINE_FILE).read_text()) == scheduler.engine_limits()
+
+
+def test_request_logs_carry_content_keys_so_a_gates_replay_finds_the_servers_hits(
+    tiny_model, monkeypatch, tmp_path
+):
+    """With prefix caching on, each request-log record carries the request's prompt and answer
+    blocks' keys, the same the decision log has; a retrain gate's replay of the log
+    (`pipelines.retrain.logged_requests` on the server's `engine.json`) then finds the shared
+    system prompt cached, where without the keys it computes every prompt in full."""
+    import dataclasses
+    import random
+
+    from adapt.replay.engine import ENGINE_FILE, EngineConfig, ReplayEngine
+    from adapt.traces import load_trace
+    from pipelines.retrain import logged_requests
+    from serving_hooks.policies import make_policy
+    from tests.replay_helpers import ConstantCost
+
+    monkeypatch.setenv("ADAPT_LOG_DIR", str(tmp_path))
+    monkeypatch.setenv("ADAPT_RECORD_DECISIONS", "1")
+    scheduler, _ = _serving(tiny_model, monkeypatch, "fcfs", 0, None, 8, 200, prefix_caching=True)
+    rng = random.Random(0)
+    system = [rng.randrange(1, 500) for _ in range(64)]
+    chats = _Conversations(rng, 0)
+    for _ in range(20):
+        chats.turn(system if rng.random() < 0.5 else [], rng.randint(1, 3), rng.randint(0, 100))
+    _run(scheduler, 20_000, chats.arrivals, chats.stop_after, on_finish=chats.next_turn)
+    scheduler.shutdown()
+    logged = {}
+    for step in scheduler.decisions:
+        for arrival in step["arrived"]:
+            logged[arrival[0]] = [tuple(arrival[4]["prompt_blocks"]), ()]
+        for request_id, keys in step.get("answer_blocks", {}).items():
+            logged[request_id][1] = tuple(keys)
+    (trace,) = [load_trace(path, "requestlog") for path in tmp_path.glob("requests-*.jsonl")]
+    columns = trace.columns
+    keys = zip(columns["prompt_blocks"], columns["answer_blocks"], strict=True)
+    by_id = dict(zip(columns["request_id"], keys, strict=True))
+    assert by_id == {key: tuple(keys) for key, keys in logged.items()}
+    assert sum(len(answer) for _, answer in by_id.values()) > 20
+
+    config = EngineConfig.from_json((tmp_path / ENGINE_FILE).read_text())
+    assert config.prefix_caching
+    hits = []
+    for requests in (
+        logged_requests([trace]),
+        [dataclasses.replace(r, prompt_blocks=(), answer_blocks=()) for r in logged_requests([trace])],
+    ):
+        engine = ReplayEngine(make_policy("fcfs"), ConstantCost(0.01), config)
+        engine.run(requests)
+        hits.append(engine.kv.hit_tokens)
+    assert hits[0] >= 16 * 4 * 5 and hits[1] == 0  # the 4-block system prompt, cached for 5+ others
 
 
 def test_jitserve_serves_with_a_registered_neural_length_off_the_step(tiny_model, tmp_path, monkeypatch):
@@ -551,18 +605,29 @@ def test_a_policy_that_reads_prompts_has_its_tokenizer_before_the_first_request(
     assert loaded == {"spf": False, "sagesched": True}
 
 
-def _run(scheduler, steps: int = 5_000, arrivals: dict | None = None, stop_after: dict | None = None) -> None:
+def _own_token(key: str) -> int:
+    """The token the harness's "model" samples for a request, every step: answers differ between
+    requests, as a model's would, and are known before they are sampled."""
+    return 10 + zlib.crc32(key.encode()) % 480
+
+
+def _run(
+    scheduler,
+    steps: int = 5_000,
+    arrivals: dict | None = None,
+    stop_after: dict | None = None,
+    on_finish: Callable[[int, Any], None] | None = None,
+) -> None:
     """Step the harness as vLLM's engine core does until every request is done: no schedule()
     while the engine is empty, and with async scheduling two steps in flight (its batch queue:
     step k+1 is scheduled before step k's output reaches the scheduler). `arrivals`: requests
     added before turn k; `stop_after`: request id -> the output length at which the "model"
-    samples the stop token (as an EOS ends an answer before its `max_tokens`)."""
+    samples the stop token (as an EOS ends an answer before its `max_tokens`); `on_finish(k,
+    request)`: told at turn k of each request that left, it may add later arrivals (a client's
+    next turn)."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     from experiments.bench_scheduler import STOP_TOKEN
-
-    def own_token(key: str) -> int:  # answers differ between requests, as a model's would
-        return 10 + zlib.crc32(key.encode()) % 480
 
     arrivals, stop_after = arrivals or {}, stop_after or {}
     depth = 2 if scheduler.scheduler_config.async_scheduling else 1
@@ -588,13 +653,17 @@ def _run(scheduler, steps: int = 5_000, arrivals: dict | None = None, stop_after
         for key in ids:
             request = scheduler.requests.get(key)
             stops = request is not None and request.num_output_tokens + 1 == stop_after.get(key)
-            tokens.append([] if key not in sampling else [STOP_TOKEN] if stops else [own_token(key)])
+            tokens.append([] if key not in sampling else [STOP_TOKEN] if stops else [_own_token(key)])
+        before = {key: scheduler.requests[key] for key in ids if key in scheduler.requests}
         scheduler.update_from_output(
             output,
             ModelRunnerOutput(
                 req_ids=ids, req_id_to_index={key: i for i, key in enumerate(ids)}, sampled_token_ids=tokens
             ),
         )
+        for key, request in before.items():
+            if on_finish is not None and key not in scheduler.requests:
+                on_finish(k, request)
     raise AssertionError(f"requests left after {steps} steps: {sorted(scheduler.requests)}")
 
 
@@ -1033,7 +1102,8 @@ def test_edge_inputs_mean_the_same_in_both_engines(tiny_model, monkeypatch, asyn
 def test_prefix_caching_means_the_same_in_both_engines(tiny_model, monkeypatch, async_scheduling):
     """The lockstep check with vLLM's prefix caching on (its default): 60 requests, 70% of them
     opening with one of four shared system prompts of 16-200 tokens (a fifth of those are that
-    prompt alone, so some prompts are cached whole), on 40-90 blocks, so that
+    prompt alone, so some prompts are cached whole; 15% ask for prompt logprobs, which vLLM
+    computes in full, reading nothing from the cache), on 40-90 blocks, so that
     requests reuse each other's blocks, preempted ones find their own, and the free-block order
     decides what stays cached. Every servable policy and `Scrambled` plans, one seed each (four
     each on 2026-11-28: 104 runs, all identical; also under upstream vLLM 0.28.0 and 0.33.0).
@@ -1078,6 +1148,7 @@ def test_prefix_caching_means_the_same_in_both_engines(tiny_model, monkeypatch, 
                 max_tokens=max_tokens,
                 prompt_tokens=rng.randint(1, 200) if not prefix or rng.random() < 0.8 else 0,
                 prefix=prefix,
+                prompt_logprobs=1 if rng.random() < 0.15 else None,
             )
             arrivals.setdefault(rng.randint(0, 160), []).append(request)
             if rng.random() < 0.5:
@@ -1099,6 +1170,155 @@ def test_prefix_caching_means_the_same_in_both_engines(tiny_model, monkeypatch, 
     assert not disagreements, "\n".join(f"{k}: {v}" for k, v in disagreements.items())
     # Without it: 13 of 13 runs diverge under vLLM 0.32, async and sync; 6 and 8 under 0.28.0.
     assert steps > 3_000 and without_cache >= runs // 3
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_conversations_next_turn_hits_its_earlier_answers_in_both_engines(
+    tiny_model, monkeypatch, async_scheduling
+):
+    """Multi-turn chat under prefix caching: each next turn's prompt is the whole conversation
+    so far, earlier answers included, sent 1-30 steps after the last answer ended or, for some,
+    early (`_Conversations`); a fifth of the conversations open with a shared system prompt.
+    vLLM caches an answer's blocks as they are computed, so the next turn hits them; the replay
+    finds them through the answer blocks' keys the decision log keeps (`Request.answer_blocks`).
+    Every servable policy and `Scrambled` plans, one seed each (exploring two each on
+    2026-11-29: 52 runs, 20,195 steps, all identical). Replayed without the answers' keys, the
+    same logs diverge."""
+    import random
+
+    from adapt.conformance import compare, replay_decisions
+    from serving_hooks.policies import servable_policies
+
+    monkeypatch.setenv("ADAPT_RECORD_DECISIONS", "1")
+    disagreements, steps, follow_ups, early, without_answers, runs = {}, 0, 0, 0, 0, 0
+    for seed, policy in enumerate(["scrambled", *servable_policies()]):
+        rng = random.Random(seed)
+        running, blocks, reserve = rng.choice([2, 4, 8]), rng.choice([50, 70, 90]), rng.random() < 0.5
+        budget = rng.choice([None, 64, 512])
+        scheduler, fresh_policy = _serving(
+            tiny_model,
+            monkeypatch,
+            policy,
+            seed,
+            budget,
+            running,
+            blocks,
+            prefix_caching=True,
+            async_scheduling=async_scheduling,
+            reserve_full_sequence=reserve,
+        )
+        chats = _Conversations(rng, seed)
+        system = [rng.randrange(1, 500) for _ in range(48)]
+        for _ in range(25):
+            chats.turn(system if rng.random() < 0.2 else [], rng.randint(1, 4), rng.randint(0, 150))
+        _run(scheduler, 50_000, chats.arrivals, chats.stop_after, on_finish=chats.next_turn)
+        assert not scheduler.policy_errors, policy
+        follow_ups += chats.follow_ups
+        early += chats.early
+        config = scheduler.replay_config()
+        agreement = compare(
+            scheduler.decisions, replay_decisions(scheduler.decisions, fresh_policy(), config)
+        )
+        steps += agreement.steps
+        runs += 1
+        if agreement.identical != agreement.steps:
+            disagreements[f"{policy} seed {seed}"] = agreement.describe()
+        forgotten = [
+            {key: value for key, value in d.items() if key != "answer_blocks"} for d in scheduler.decisions
+        ]
+        plain = compare(scheduler.decisions, replay_decisions(forgotten, fresh_policy(), config))
+        without_answers += plain.identical != plain.steps
+    assert not disagreements, "\n".join(f"{k}: {v}" for k, v in disagreements.items())
+    assert steps > 3_000 and follow_ups > 30 * runs and early > runs and without_answers >= runs // 3
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_prefix_cache_reset_between_requests_is_replayed(tiny_model, monkeypatch, async_scheduling):
+    """An operator resets the prefix cache on an idle engine (`/reset_prefix_cache`, e.g. after
+    new weights): requests after it that open with the system prompt cached before it compute it
+    again. The decision log notes the reset, and the replay forgets its cache at the same step;
+    replayed without the note, it finds the system prompt still cached."""
+    import random
+
+    from adapt.conformance import compare, replay_decisions
+    from experiments.bench_scheduler import make_requests
+
+    monkeypatch.setenv("ADAPT_RECORD_DECISIONS", "1")
+    scheduler, fresh_policy = _serving(
+        tiny_model,
+        monkeypatch,
+        "fcfs",
+        0,
+        None,
+        4,
+        60,
+        prefix_caching=True,
+        async_scheduling=async_scheduling,
+    )
+    rng = random.Random(0)
+    system = [rng.randrange(1, 500) for _ in range(100)]
+    for batch in range(3):
+        arrivals: dict[int, list] = {}
+        for i in range(10):
+            request = make_requests(1, 10 * batch + i, seed=i, max_tokens=rng.randint(2, 30), prefix=system)[
+                0
+            ]
+            arrivals.setdefault(rng.randint(0, 20), []).append(request)
+        _run(scheduler, arrivals=arrivals)
+        assert scheduler.reset_prefix_cache()
+    resets = [d for d in scheduler.decisions if d.get("prefix_cache_reset")]
+    assert [d["prefix_cache_reset"] for d in resets] == ["idle", "idle"]
+    config = scheduler.replay_config()
+    agreement = compare(scheduler.decisions, replay_decisions(scheduler.decisions, fresh_policy(), config))
+    assert agreement.identical == agreement.steps, agreement.describe()
+    unnoted = [
+        {key: value for key, value in d.items() if key != "prefix_cache_reset"} for d in scheduler.decisions
+    ]
+    assert compare(scheduler.decisions, replay_decisions(unnoted, fresh_policy(), config)).agreement < 1.0
+
+
+class _Conversations:
+    """Chat clients for the harness: each turn's prompt is the conversation so far (its earlier
+    prompts and answers, as vLLM returned them) and a new message; the next turn is sent 1-30
+    steps after the answer ends (`_run`'s `on_finish`). A fifth of the next turns of answers no
+    stop token ends are sent early instead, 0-60 steps after the turn before arrived, with its
+    whole answer (the harness knows it in advance, `_own_token`): no client does that, but it
+    asks for an answer block in the very step that fills it, where the order in which vLLM
+    caches a decode's blocks and looks up an admission's decides the hit."""
+
+    def __init__(self, rng, seed: int) -> None:
+        self.rng, self.seed = rng, seed
+        self.arrivals: dict[int, list] = {}
+        self.stop_after: dict[str, int] = {}
+        self.turns_left: dict[str, int] = {}
+        self.follow_ups = self.early = 0
+
+    def turn(self, history: list[int], turns: int, at: int) -> None:
+        from experiments.bench_scheduler import make_requests
+
+        n, max_tokens = len(self.turns_left), self.rng.randint(2, 40)
+        (request,) = make_requests(
+            1,
+            n,
+            seed=1000 * self.seed + n,
+            max_tokens=max_tokens,
+            prompt_tokens=self.rng.randint(1, 80),
+            prefix=history,
+        )
+        self.arrivals.setdefault(at, []).append(request)
+        self.turns_left[request.request_id] = turns - 1
+        if self.rng.random() < 0.4:
+            self.stop_after[request.request_id] = self.rng.randint(1, max_tokens - 1)
+        elif turns > 1 and self.rng.random() < 0.2:
+            self.turns_left[request.request_id] = 0
+            self.early += 1
+            answer = [_own_token(request.request_id)] * max_tokens
+            self.turn([*request.prompt_token_ids, *answer], turns - 1, at + self.rng.randint(0, 60))
+
+    def next_turn(self, k: int, request: Any) -> None:
+        if (left := self.turns_left[request.request_id]) > 0:
+            self.follow_ups += 1
+            self.turn(list(request.all_token_ids), left, k + self.rng.randint(1, 30))
 
 
 def test_a_servers_decision_log_replays_step_by_step_with_adapt_conformance(
