@@ -183,8 +183,8 @@ def replay_decisions(
         while pending is not None and pending.request_id in arrived:
             engine.add(pending)
             pending = next(arrivals, None)
-        if live.get("prefix_cache_reset"):
-            engine.reset_prefix_cache()
+        if live.get("prefix_cache_reset"):  # the live engine was idle; a replay that is not keeps its
+            engine.reset_prefix_cache()  # cache, as vLLM would, and shows where it diverged
         if switches and i in switches:
             engine.switch_policy(switches[i])
         for attribute, component in (swaps or {}).get(i, {}).items():

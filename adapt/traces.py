@@ -515,6 +515,7 @@ def _load_requestlog(path: Path) -> Trace:
             # Content keys, where the engine ran prefix caching (`Request.prompt_blocks`, ...)
             "prompt_blocks": [tuple(r.extra.get("prompt_blocks", ())) for r in records],
             "answer_blocks": [tuple(r.extra.get("answer_blocks", ())) for r in records],
+            "skip_reading_prefix_cache": [bool(r.extra.get("skip_reading_prefix_cache")) for r in records],
         },
     )
 

@@ -23,6 +23,7 @@ would live, on the decoded prompts, so the figure includes sharing the process w
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -102,6 +103,20 @@ def make_scheduler(
     )
 
 
+@functools.cache
+def _block_hasher() -> Any:
+    """vLLM's block hasher, its chain seeded once per process as an engine seeds it at start: the
+    same tokens then hash alike in every request made here. (vLLMs before 0.32 draw a random
+    seed each time the seed is set, unless PYTHONHASHSEED is; seeded per call, requests made
+    in different calls would share nothing.)"""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(BLOCK_SIZE, hash_fn)
+
+
 def make_requests(
     count: int,
     start: int,
@@ -118,13 +133,9 @@ def make_requests(
     import random
 
     from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    hash_fn = get_hash_fn_by_name("sha256")
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
+    hasher = _block_hasher()
     rng = random.Random(seed)
     params = SamplingParams(
         max_tokens=max_tokens, ignore_eos=True, stop_token_ids=[STOP_TOKEN], prompt_logprobs=prompt_logprobs

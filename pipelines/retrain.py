@@ -152,7 +152,7 @@ def retrain_ewsjf_layout(registry: Registry, data_dir: Path, margin: float) -> R
         promote_if_better=True,
         margin=margin,
         skip_unchanged=True,
-        replay_requests=logged_requests(logs),
+        replay_requests=logged_requests(logs, block_size=engine[1].block_size if engine else None),
         replay_engine=engine,
     )
     queues = outcome.metrics.get("queues", float("nan"))
@@ -194,32 +194,61 @@ def _unique_requests(logs: list[Trace]) -> list[Trace]:
     return unique
 
 
-def logged_requests(logs: list[Trace], most: int = REPLAY_MOST) -> list[Request]:
+def logged_requests(
+    logs: list[Trace], most: int = REPLAY_MOST, block_size: int | None = None
+) -> list[Request]:
     """The most recent `most` finished requests of request logs, as requests to replay: their
     logged arrivals (shifted to start at 0) and true lengths -- the traffic a gate should judge
     a scheduling component on. Arrivals are taken as logged, on the server's clock: each log's own
     (which start at 0) would lay the logs of consecutive windows on top of each other, and the gate
-    would judge at their summed rate."""
+    would judge at their summed rate. With the served engine's `block_size`, each request keeps
+    the content keys its record carries where they fit that block size exactly (a server
+    restarted with another block size wrote others), so a replay with prefix caching finds the
+    server's hits."""
     arrivals = np.concatenate([np.asarray(log.columns["logged_arrival_s"], dtype=np.float64) for log in logs])
     prompts = np.concatenate([log.prompt_tokens for log in logs])
     outputs = np.concatenate([log.output_tokens for log in logs])
-    # Content keys where the server ran prefix caching, so the gate's replay finds its hits.
-    prompt_blocks = [keys for log in logs for keys in log.columns.get("prompt_blocks", [()] * len(log))]
-    answer_blocks = [keys for log in logs for keys in log.columns.get("answer_blocks", [()] * len(log))]
     keep = np.argsort(arrivals, kind="stable")[-most:]
     start = float(arrivals[keep[0]]) if len(keep) else 0.0
+    content = _content(logs, prompts, outputs, block_size)
     return [
-        Request(
-            f"log{i}",
-            float(arrivals[row]) - start,
-            int(prompts[row]),
-            int(outputs[row]),
-            prompt_blocks=prompt_blocks[row],
-            answer_blocks=answer_blocks[row],
-        )
+        Request(f"log{i}", float(arrivals[row]) - start, int(prompts[row]), int(outputs[row]), **content[row])
         for i, row in enumerate(keep.tolist())
         if outputs[row] > 0
     ]
+
+
+def _content(
+    logs: list[Trace], prompts: np.ndarray, outputs: np.ndarray, block_size: int | None
+) -> list[dict[str, Any]]:
+    """Each logged request's prefix-cache content (`Request.prompt_blocks`, `answer_blocks`,
+    `skip_reading_prefix_cache`) where its keys fit `block_size`: a key per full prompt block and
+    per full block its answer filled; none without a block size."""
+
+    def column(name: str, default: Any) -> list[Any]:
+        return [value for log in logs for value in log.columns.get(name, [default] * len(log))]
+
+    if block_size is None:
+        return [{}] * len(prompts)
+    rows = zip(
+        prompts.tolist(),
+        outputs.tolist(),
+        column("prompt_blocks", ()),
+        column("answer_blocks", ()),
+        strict=True,
+    )
+    skips = column("skip_reading_prefix_cache", False)
+    content = []
+    for (prompt, output, prompt_keys, answer_keys), skip in zip(rows, skips, strict=True):
+        fits = len(prompt_keys) == prompt // block_size
+        fits = fits and len(prompt_keys) + len(answer_keys) == (prompt + output) // block_size
+        keys = (
+            {"prompt_blocks": prompt_keys, "answer_blocks": answer_keys}
+            if fits and prompt_keys + answer_keys
+            else {}
+        )
+        content.append({**keys, **({"skip_reading_prefix_cache": True} if skip else {})})
+    return content
 
 
 @dataclass

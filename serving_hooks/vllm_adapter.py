@@ -239,7 +239,7 @@ class PolicyScheduler(AsyncScheduler):
         preempted running requests to free their blocks is noted as such; a replay stops there."""
         running = bool(self.running)
         reset = super().reset_prefix_cache(*args, **kwargs)
-        if reset and self._recording:
+        if reset and self._recording and self._cache_reset != "preempting":  # one that preempted stays noted
             self._cache_reset = "preempting" if running else "idle"
         return reset
 
@@ -328,6 +328,8 @@ class PolicyScheduler(AsyncScheduler):
             )
             if self.vllm_config.cache_config.enable_prefix_caching:
                 record.extra["prompt_blocks"], record.extra["answer_blocks"] = self._content_keys(request)
+                if getattr(request, "skip_reading_prefix_cache", False):
+                    record.extra["skip_reading_prefix_cache"] = True
             self.monitor.request(record)
         except Exception:
             log.exception("request log: could not record %s", request.request_id)

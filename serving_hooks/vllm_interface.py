@@ -47,6 +47,7 @@ SCHEDULER_METHODS: dict[str, str] = {
     "_update_request_with_output": "O (private): likewise",
     "_preempt_request": "C (private): preemptions the plan asks for, by recompute",
     "finish_requests": "C: drops, as aborted requests",
+    "reset_prefix_cache": "O: an operator's cache reset is noted in the decision log",
 }
 # Attributes vLLM sets in the scheduler's __init__: read (R) or rearranged for a step (W).
 SCHEDULER_ATTRIBUTES: dict[str, str] = {
@@ -55,6 +56,8 @@ SCHEDULER_ATTRIBUTES: dict[str, str] = {
     "waiting": "W: the plan's admission order (an FCFSRequestQueue)",
     "requests": "R: request id -> Request",
     "kv_cache_manager": "R: usage and block_pool (free blocks, total blocks)",
+    "kv_cache_config": "R: the KV cache groups and their kinds (`FullAttentionSpec`, `MLAAttentionSpec`"
+    " from `vllm.v1.kv_cache_interface` are the ones a replay models)",
     "max_num_scheduled_tokens": "W: the policy's token budget for the step",
     # Releases with `max_num_active_seqs` also set `max_num_active_reqs`, a lower admission cap
     # the adapter reads where present (the policy sees it as its batch cap); it is not required.
@@ -63,7 +66,8 @@ SCHEDULER_ATTRIBUTES: dict[str, str] = {
     "current_step": "R: the step index in decision logs",
     "max_model_len": "R: the engine's limits a replay models (`engine_limits`)",
     "scheduler_config": "R: async scheduling, and settings a replay does not model",
-    "vllm_config": "R: prefix caching (cache_config); the tokenizer, for policies that read prompts",
+    "vllm_config": "R: prefix caching (cache_config), KV connector, context parallelism (settings a"
+    " replay does not model); the tokenizer, for policies that read prompts",
 }
 KV_CACHE_MANAGER_ATTRIBUTES: tuple[str, ...] = ("usage", "block_pool")
 BLOCK_POOL_ATTRIBUTES: tuple[str, ...] = ("get_num_free_blocks", "num_gpu_blocks")
@@ -71,7 +75,8 @@ WAITING_QUEUE_METHODS: tuple[str, ...] = ("add_request", "remove_requests", "pre
 REQUEST_STATUSES: tuple[str, ...] = ("RUNNING", "PREEMPTED", "FINISHED_ABORTED")
 # Read on every Request (instance attributes or properties); "client_index" to "take_events" when a
 # dropped request's client is told (`PolicyScheduler.update_from_output`), "block_hashes" (the
-# prompt's content per KV block) when a decision log is kept with prefix caching on.
+# content per KV block of prompt and answer) on arrival and when a request leaves, for the logs,
+# with prefix caching on.
 REQUEST_ATTRIBUTES: tuple[str, ...] = (
     "request_id", "status", "sampling_params", "prompt_token_ids", "max_tokens",
     "num_prompt_tokens", "num_computed_tokens", "num_output_tokens", "num_tokens",

@@ -233,11 +233,11 @@ class ReplayEngine:
         self._component_swaps: list[tuple[str, Any]] = []  # `use_component`, for the next step
         self._next_policy: Policy | None = None  # `switch_policy`, for the next step
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> bool:
         """Forget every cached block, as vLLM's `reset_prefix_cache` does (an operator's call,
-        e.g. after new weights). Like vLLM's, it needs every block free."""
-        if self._prefix_cache is not None and not self._prefix_cache.reset():
-            raise RuntimeError("reset_prefix_cache: blocks are in use (vLLM refuses such a reset)")
+        e.g. after new weights). Like vLLM's, it needs every block free: False (nothing reset)
+        while a request holds any, or without prefix caching."""
+        return self._prefix_cache is not None and self._prefix_cache.reset()
 
     def switch_policy(self, policy: Policy) -> None:
         """Serve a whole new policy from the next step on, handed over as `adapt serve` swaps one
@@ -909,10 +909,8 @@ class ReplayEngine:
         for state in growing:
             kv.grow(state.id, state.tokens_computed + 1)
         if cache is not None:  # as vLLM caches them when scheduled: before this step's admissions look
-            for state in decodes:  # (capped at the tokens it has, as `_schedule_running` caps it)
-                cache.cache(
-                    state.id, min(state.tokens_computed + 1, state.prompt_tokens + state.tokens_generated)
-                )
+            for state in decodes:
+                cache.cache(state.id, state.tokens_computed + 1)
         for state, tokens in chunks:
             kv.grow(state.id, state.tokens_computed + tokens)
             if cache is not None:

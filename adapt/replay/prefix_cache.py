@@ -17,9 +17,9 @@ takes a cached block out of the queue. The rules are vLLM V1's for a model with 
 only: no sliding window, no KV connector, no speculative decoding.
 
 A block's content is a key. A request's blocks take the keys it comes with
-(`Request.prompt_blocks` and `Request.answer_blocks`: vLLM's block hashes, from a decision log,
-or a workload's shared prefixes); every other block gets a key of its own, taken to differ from
-every other request's.
+(`Request.prompt_blocks` and `Request.answer_blocks`: vLLM's block hashes, from a decision or
+request log); every other block gets a key of its own, taken to differ from every other
+request's.
 """
 
 from __future__ import annotations
