@@ -204,6 +204,8 @@ class CompletedRequest:
         _check_count("prompt_tokens", self.prompt_tokens, minimum=1)
         _check_count("output_tokens", self.output_tokens, minimum=0)
         _check_count("preemptions", self.preemptions)
+        if not isinstance(self.extra, dict):
+            raise ValidationError(f"extra: expected an object, got {type(self.extra).__name__}")
         if self.outcome not in OUTCOMES:
             raise ValidationError(f"outcome: expected one of {', '.join(OUTCOMES)}, got {self.outcome!r}")
         if self.outcome == "finished":

@@ -488,6 +488,10 @@ def _load_requestlog(path: Path) -> Trace:
             raise TraceError(path, str(exc), line=lineno) from exc
         _count(path, lineno, "prompt_tokens", record.prompt_tokens)
         _count(path, lineno, "output_tokens", record.output_tokens)
+        for name in ("prompt_blocks", "answer_blocks"):  # prefix-cache content keys (`Request.prompt_blocks`)
+            keys = record.extra.get(name, [])
+            if not isinstance(keys, list) or not all(isinstance(key, str) for key in keys):
+                raise TraceError(path, f"extra.{name}: expected a list of block keys (strings)", line=lineno)
         for name in ("arrival_s", "first_token_s", "finish_s"):
             value = getattr(record, name)
             if value is not None:

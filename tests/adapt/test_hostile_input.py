@@ -312,6 +312,31 @@ def test_hostile_json_records_are_an_error_at_their_line_or_sane(fmt, row, value
 @FUZZ
 @given(
     row=st.integers(0, 2),
+    key=st.sampled_from(["prompt_blocks", "answer_blocks"]),
+    value=st.sampled_from([*sorted(JSON_VALUES), "[1, 2]", '["a1", null]', '{"a": 1}', '["00ff", "ab12"]']),
+)
+def test_hostile_content_keys_in_a_request_log_are_an_error_at_their_line_or_kept(row, key, value):
+    """A request-log record's prefix-cache keys (`extra`, as a server with prefix caching writes
+    them): anything but a list of strings is an error at its line, never a crash in a gate."""
+    name, text = SEEDS["requestlog"]
+    lines = text.strip().split("\n")
+    record = json.loads(lines[row])
+    record["extra"] = {key: "__VALUE__"}
+    lines[row] = json.dumps(record).replace('"__VALUE__"', value)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _write(Path(tmp), name, ("\n".join(lines) + "\n").encode())
+        try:
+            trace = _load(path)
+        except TraceError as err:
+            _check_error(err, path, line=row + 1)
+        else:
+            _check_trace(trace)
+            assert trace.columns[key][row] == tuple(json.loads(value))
+
+
+@FUZZ
+@given(
+    row=st.integers(0, 2),
     column=st.sampled_from(["start_s", "tokens", "sampled", "num_decodes", "duration_s"]),
     cell=st.sampled_from(sorted(COUNT_CELLS)),
 )
