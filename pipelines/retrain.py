@@ -210,45 +210,38 @@ def logged_requests(
     outputs = np.concatenate([log.output_tokens for log in logs])
     keep = np.argsort(arrivals, kind="stable")[-most:]
     start = float(arrivals[keep[0]]) if len(keep) else 0.0
-    content = _content(logs, prompts, outputs, block_size)
-    return [
-        Request(f"log{i}", float(arrivals[row]) - start, int(prompts[row]), int(outputs[row]), **content[row])
-        for i, row in enumerate(keep.tolist())
-        if outputs[row] > 0
-    ]
+    prompt_keys, answer_keys = _column(logs, "prompt_blocks", ()), _column(logs, "answer_blocks", ())
+    skips = _column(logs, "skip_reading_prefix_cache", False)
+    requests = []
+    for i, row in enumerate(keep.tolist()):
+        prompt, output = int(prompts[row]), int(outputs[row])
+        if output > 0:
+            content = _content(prompt, output, prompt_keys[row], answer_keys[row], skips[row], block_size)
+            requests.append(Request(f"log{i}", float(arrivals[row]) - start, prompt, output, **content))
+    return requests
+
+
+def _column(logs: list[Trace], name: str, default: Any) -> list[Any]:
+    """One column of the logs, end to end; `default` in each row of a log without it."""
+    return [value for log in logs for value in log.columns.get(name, [default] * len(log))]
 
 
 def _content(
-    logs: list[Trace], prompts: np.ndarray, outputs: np.ndarray, block_size: int | None
-) -> list[dict[str, Any]]:
-    """Each logged request's prefix-cache content (`Request.prompt_blocks`, `answer_blocks`,
+    prompt: int, output: int, prompt_keys: tuple, answer_keys: tuple, skip: bool, block_size: int | None
+) -> dict[str, Any]:
+    """A logged request's prefix-cache content (`Request.prompt_blocks`, `answer_blocks`,
     `skip_reading_prefix_cache`) where its keys fit `block_size`: a key per full prompt block and
     per full block its answer filled; none without a block size."""
-
-    def column(name: str, default: Any) -> list[Any]:
-        return [value for log in logs for value in log.columns.get(name, [default] * len(log))]
-
     if block_size is None:
-        return [{}] * len(prompts)
-    rows = zip(
-        prompts.tolist(),
-        outputs.tolist(),
-        column("prompt_blocks", ()),
-        column("answer_blocks", ()),
-        strict=True,
+        return {}
+    fits = len(prompt_keys) == prompt // block_size
+    fits = fits and len(prompt_keys) + len(answer_keys) == (prompt + output) // block_size
+    keys = (
+        {"prompt_blocks": prompt_keys, "answer_blocks": answer_keys}
+        if fits and prompt_keys + answer_keys
+        else {}
     )
-    skips = column("skip_reading_prefix_cache", False)
-    content = []
-    for (prompt, output, prompt_keys, answer_keys), skip in zip(rows, skips, strict=True):
-        fits = len(prompt_keys) == prompt // block_size
-        fits = fits and len(prompt_keys) + len(answer_keys) == (prompt + output) // block_size
-        keys = (
-            {"prompt_blocks": prompt_keys, "answer_blocks": answer_keys}
-            if fits and prompt_keys + answer_keys
-            else {}
-        )
-        content.append({**keys, **({"skip_reading_prefix_cache": True} if skip else {})})
-    return content
+    return {**keys, **({"skip_reading_prefix_cache": True} if skip else {})}
 
 
 @dataclass

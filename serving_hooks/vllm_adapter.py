@@ -110,6 +110,7 @@ class PolicyScheduler(AsyncScheduler):
             if log_dir
             else None
         )
+        self._prefix_caching = bool(self.vllm_config.cache_config.enable_prefix_caching)
         if self.monitor is not None:
             self._log_engine()
         # Each step's decisions are recorded for `self.decisions` (in-process checks) or the log.
@@ -207,7 +208,7 @@ class PolicyScheduler(AsyncScheduler):
                 extra["program"] = dataclasses.asdict(program)
             if embedding is not None:
                 extra["prompt_embedding"] = embedding.tolist()
-            if self.vllm_config.cache_config.enable_prefix_caching:
+            if self._prefix_caching:
                 extra["prompt_blocks"] = block_keys(request.block_hashes)
                 if getattr(request, "skip_reading_prefix_cache", False):  # asked for prompt logprobs
                     extra["skip_reading_prefix_cache"] = True
@@ -248,14 +249,15 @@ class PolicyScheduler(AsyncScheduler):
         self._running_ids.discard(request.request_id)
         self._unplanned.discard(request.request_id)
         self._waiting_states.pop(request.request_id, None)
+        # Its prefix-cache content keys, once, for the decision and request logs that keep them.
+        logged = self._recording or (state is not None and self.monitor is not None)
+        content = self._content_keys(request) if logged and self._prefix_caching else None
         if self._recording:
             self._freed_since.append(request.request_id)
             if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
                 self._finished_since[request.request_id] = int(request.num_output_tokens)
-            if self.vllm_config.cache_config.enable_prefix_caching:
-                answer = self._content_keys(request)[1]
-                if answer:
-                    self._answer_blocks_since[request.request_id] = answer
+            if content is not None and content[1]:
+                self._answer_blocks_since[request.request_id] = content[1]
         dropped = request.request_id in self._dropped_ids
         self._dropped_ids.discard(request.request_id)
         if state is not None:
@@ -268,7 +270,7 @@ class PolicyScheduler(AsyncScheduler):
             state.finish_s = None if aborted else now
             self._call("on_finish", state, now)
             if self.monitor is not None:
-                self._log_request(request, state, now, dropped)
+                self._log_request(request, state, now, dropped, content)
                 if not self._states:  # idle: nothing may sit in the buffers while no step comes
                     self._flush_logs()
             if self.metrics is not None:
@@ -303,10 +305,17 @@ class PolicyScheduler(AsyncScheduler):
         full_prompt = request.num_prompt_tokens // self.block_size
         return block_keys(request.block_hashes[:full_prompt]), block_keys(request.block_hashes[full_prompt:])
 
-    def _log_request(self, request: Any, state: RequestState, freed_at: float, dropped: bool) -> None:
+    def _log_request(
+        self,
+        request: Any,
+        state: RequestState,
+        freed_at: float,
+        dropped: bool,
+        content: tuple[list[str], list[str]] | None,
+    ) -> None:
         """One request-log record; logging trouble is reported, never raised into the engine.
-        With prefix caching on it carries the request's content keys (about 19 bytes per KV block
-        of prompt and answer), so that a retrain gate replaying the log finds the hits this
+        With prefix caching on it carries the request's `content` keys (about 19 bytes per KV
+        block of prompt and answer), so that a retrain gate replaying the log finds the hits this
         engine found."""
         try:
             output = int(request.num_output_tokens)
@@ -326,8 +335,8 @@ class PolicyScheduler(AsyncScheduler):
                 preemptions=state.num_preemptions,
                 prompt_text=self._prompt_text(request) if self.monitor.log_prompts else None,
             )
-            if self.vllm_config.cache_config.enable_prefix_caching:
-                record.extra["prompt_blocks"], record.extra["answer_blocks"] = self._content_keys(request)
+            if content is not None:
+                record.extra["prompt_blocks"], record.extra["answer_blocks"] = content
                 if getattr(request, "skip_reading_prefix_cache", False):
                     record.extra["skip_reading_prefix_cache"] = True
             self.monitor.request(record)
@@ -399,7 +408,7 @@ class PolicyScheduler(AsyncScheduler):
             kv_capacity_tokens=usable_blocks * int(self.block_size),
             async_scheduling=bool(sched.async_scheduling),
             reserve_full_sequence=bool(getattr(sched, "scheduler_reserve_full_isl", False)),
-            prefix_caching=bool(self.vllm_config.cache_config.enable_prefix_caching),
+            prefix_caching=self._prefix_caching,
         )
 
     def _log_engine(self) -> None:

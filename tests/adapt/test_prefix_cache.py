@@ -184,6 +184,21 @@ def test_with_nothing_to_share_and_room_for_all_prefix_caching_changes_nothing(a
     assert off == on
 
 
+def _served(requests, policy: str, kv_blocks: int, max_running: int, skip_decode_runs: bool):
+    """What a prefix-caching replay with or without its fast paths did: each request's times
+    and drop, its preemptions, cached tokens found, and free blocks at the end."""
+    config = EngineConfig(
+        prefix_caching=True,
+        kv_capacity_tokens=kv_blocks * 16,
+        max_running=max_running,
+        skip_decode_runs=skip_decode_runs,
+    )
+    engine = ReplayEngine(make_policy(policy), ConstantCost(0.01), config)
+    result = engine.run(requests)
+    records = {r.request_id: (r.first_token_s, r.finish_s, r.dropped) for r in result.records}
+    return records, result.preemptions, engine.kv.hit_tokens, engine.kv.free_blocks
+
+
 shared_prompts = st.lists(
     st.tuples(
         st.floats(0, 3),  # arrival
@@ -220,18 +235,7 @@ def test_decode_runs_with_prefix_caching_serve_as_step_by_step(rows, policy, kv_
         )
         for i, (at, prompt, output, group) in enumerate(sorted(rows, key=lambda row: row[0]))
     ]
-    outcomes = []
-    for skip in (True, False):
-        config = EngineConfig(
-            prefix_caching=True,
-            kv_capacity_tokens=kv_blocks * 16,
-            max_running=max_running,
-            skip_decode_runs=skip,
-        )
-        engine = ReplayEngine(make_policy(policy), ConstantCost(0.01), config)
-        result = engine.run(requests)
-        records = {r.request_id: (r.first_token_s, r.finish_s, r.dropped) for r in result.records}
-        outcomes.append((records, result.preemptions, engine.kv.hit_tokens, engine.kv.free_blocks))
+    outcomes = [_served(requests, policy, kv_blocks, max_running, skip) for skip in (True, False)]
     assert outcomes[0] == outcomes[1]
     assert outcomes[0][3] == kv_blocks  # every block free at the end
 
@@ -281,17 +285,6 @@ def test_decode_runs_with_conversations_serve_as_step_by_step(rows, policy, kv_b
     decode's blocks when vLLM does (as it is scheduled, before the step's admissions look up
     theirs), so a next turn finds the same blocks either way."""
     requests = conversation_requests(rows)
-    outcomes = []
-    for skip in (True, False):
-        config = EngineConfig(
-            prefix_caching=True,
-            kv_capacity_tokens=kv_blocks * 16,
-            max_running=max_running,
-            skip_decode_runs=skip,
-        )
-        engine = ReplayEngine(make_policy(policy), ConstantCost(0.01), config)
-        result = engine.run(requests)
-        records = {r.request_id: (r.first_token_s, r.finish_s, r.dropped) for r in result.records}
-        outcomes.append((records, result.preemptions, engine.kv.hit_tokens, engine.kv.free_blocks))
+    outcomes = [_served(requests, policy, kv_blocks, max_running, skip) for skip in (True, False)]
     assert outcomes[0] == outcomes[1]
     assert outcomes[0][3] == kv_blocks
