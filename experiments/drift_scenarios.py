@@ -43,7 +43,7 @@ from experiments.drift_windows import mean_after
 from pipelines.ewsjf import train_ewsjf_meta
 from pipelines.jitserve import qrf_length_spec, train_pattern_graph, train_qrf_length
 from pipelines.replay_loop import Decision
-from pipelines.retrain import logged_requests, prompt_responses, request_logs, served_engine
+from pipelines.retrain import prompt_responses, request_logs, served_shares
 from pipelines.runner import Split, run_pipeline
 from predictors.ewsjf_meta import EwsjfMetaPolicy
 from predictors.qrf_length import QrfLength
@@ -166,14 +166,12 @@ class LayoutDrift(Scenario):
         logged requests on the engine the layout retrain's gate uses there."""
         logs = request_logs(data_dir)
         lengths = np.concatenate([log.prompt_tokens for log in logs])
-        engine, _ = served_engine(registry, data_dir)
         outcome = train_ewsjf_meta(
             registry,
             lengths=swapped(lengths),
             promote_if_better=True,
             margin=margin,
-            replay_requests=logged_requests(logs),
-            replay_engine=engine,
+            replay=served_shares(registry, data_dir, logs)[0],
         )
         ours = outcome.metrics.get("replay_ttft_mean", math.nan)
         theirs = (outcome.champion_metrics or {}).get("replay_ttft_mean", math.nan)

@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from adapt.plots import figure, save
 from adapt.registry import Registry, StoreLocked
 from adapt.replay.cost import roofline
 from adapt.replay.engine import EngineConfig, ReplayEngine
+from adapt.replay.metrics import ReplayResult
 from adapt.requests import Request
 from adapt.steplog import CostModel
 from adapt.workloads import WORKLOADS
@@ -99,6 +101,15 @@ def ewsjf_objective(requests: list[Request], lengths: np.ndarray) -> EwsjfObject
     return EwsjfObjective(requests, lengths, baseline.metrics()["ttft_mean"])
 
 
+class ServedShare(NamedTuple):
+    """Requests a layout's gate replays and the engine -- cost model and limits -- they were served
+    on (None: ewsjf-mixed's). A fleet's logs give one share per replica
+    (`pipelines.retrain.served_shares`): each replica saw only its router's share of the load."""
+
+    requests: list[Request]
+    engine: tuple[CostModel, EngineConfig] | None = None
+
+
 def train_ewsjf_meta(
     registry: Registry,
     *,
@@ -107,14 +118,13 @@ def train_ewsjf_meta(
     promote_if_better: bool = False,
     margin: float = 0.0,
     skip_unchanged: bool = False,
-    replay_requests: list[Request] | None = None,
-    replay_engine: tuple[CostModel, EngineConfig] | None = None,
+    replay: Sequence[ServedShare] = (),
 ) -> TrainOutcome:
     """Refit the layout on a window of prompt lengths (default: a fresh ewsjf-mixed history) with the
-    champion's Theta (or the defaults) and gate it against the champion. The gate: with `replay_requests`
-    (the served traffic, e.g. rebuilt from a request log), the mean TTFT of EWSJF replaying them with each
-    layout on `replay_engine` (cost model and limits; default ewsjf-mixed's engine) (`replay_ttft_mean`,
-    lower is better); without, equation 5 without its latency term, scored on the same window. The layout
+    champion's Theta (or the defaults) and gate it against the champion. The gate: with `replay`
+    (the served traffic, e.g. rebuilt from request logs: one share per replica that served it), the
+    mean TTFT of EWSJF replaying it with each layout (`replay_ttft`: `replay_ttft_mean`, lower is
+    better); without, equation 5 without its latency term, scored on the same window. The layout
     score alone can prefer a stale layout: after chat traffic gains long prompts, a 3-queue layout fitted
     on chat scored 1.18 on the new mix against 0.75 for a 14-queue one refitted to it (few queues are
     rewarded for balance and penalised less for proliferation), though the refitted layouts serve short
@@ -132,26 +142,27 @@ def train_ewsjf_meta(
         champion_metrics = champion.evaluate(lengths)
         champion_metrics["layout_score"] = equation5(champion_metrics)
     gate = Gate("layout_score", lower_is_better=False, margin=margin)
-    if replay_requests:
+    if any(share.requests for share in replay):
         gate = Gate("replay_ttft_mean", lower_is_better=True, margin=margin)
-        metrics["replay_ttft_mean"] = replay_ttft(candidate, replay_requests, replay_engine)
+        metrics["replay_ttft_mean"] = replay_ttft(candidate, replay)
         if champion_metrics is not None:
-            champion_metrics["replay_ttft_mean"] = replay_ttft(champion, replay_requests, replay_engine)
+            champion_metrics["replay_ttft_mean"] = replay_ttft(champion, replay)
     return register_and_gate(
         registry, candidate, metrics, champion_metrics, gate, promote_if_better=promote_if_better
     )
 
 
-def replay_ttft(
-    meta: EwsjfMetaPolicy, requests: list[Request], engine: tuple[CostModel, EngineConfig] | None = None
-) -> float:
-    """Mean TTFT of `ewsjf` with this layout replaying `requests` on `engine` (default:
-    ewsjf-mixed's)."""
-    if engine is None:
-        spec = WORKLOADS["ewsjf-mixed"]
-        engine = roofline(spec.model, spec.gpu, tp=spec.tp), spec.engine_config()
-    cost, config = engine
-    return float(ReplayEngine(EWSJF(meta), cost, config).run(requests).metrics()["ttft_mean"])
+def replay_ttft(meta: EwsjfMetaPolicy, shares: Sequence[ServedShare]) -> float:
+    """Mean TTFT of `ewsjf` with this layout over every request of `shares`, each share replayed
+    on its own engine by its own copy of the policy, as each replica ran one."""
+    results = []
+    for requests, engine in shares:
+        if engine is None:
+            spec = WORKLOADS["ewsjf-mixed"]
+            engine = roofline(spec.model, spec.gpu, tp=spec.tp), spec.engine_config()
+        cost, config = engine
+        results.append(ReplayEngine(EWSJF(meta), cost, config).run(requests))
+    return float(ReplayResult.merge(results, 0.0).metrics()["ttft_mean"])
 
 
 def tune_ewsjf(

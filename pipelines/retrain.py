@@ -13,7 +13,7 @@ subdirectories included, e.g. one per replica of a fleet on shared storage; a fi
 was read already, a step or a request logged twice, counts once):
 `steps*.csv|jsonl|parquet` step logs for `cost-model`, `requests*.jsonl` request logs for
 `ewsjf-meta-policy` (its queue layout is refit on the logged prompt lengths, keeping Theta, and
-gated on a replay of the logged requests),
+gated on a replay of the logged requests, each replica's on its own engine),
 `prompts*.jsonl[.gz]` prompt/response files for `semantic-history`, `qrf-length` and
 `neural-length` -- and, for these three, the request logs themselves when the server logged prompt
 texts (`adapt serve --log-dir DIR --log-prompts`): each finished request is a prompt with the
@@ -48,7 +48,7 @@ from adapt.requests import Request
 from adapt.steplog import CostModel, load_step_log
 from adapt.traces import Trace, load_trace
 from pipelines.cost_model import train_cost_model
-from pipelines.ewsjf import train_ewsjf_meta
+from pipelines.ewsjf import ServedShare, train_ewsjf_meta
 from pipelines.jitserve import train_pattern_graph
 from pipelines.outcome import TrainOutcome
 
@@ -145,15 +145,14 @@ def retrain_ewsjf_layout(registry: Registry, data_dir: Path, margin: float) -> R
     if not logs:
         return RetrainResult("ewsjf-meta-policy", "no data", detail=f"no requests*.jsonl in {data_dir}")
     lengths = np.concatenate([log.prompt_tokens for log in logs]).astype(np.float64)
-    engine, on = served_engine(registry, data_dir)
+    shares, on = served_shares(registry, data_dir, logs)
     outcome = train_ewsjf_meta(
         registry,
         lengths=lengths,
         promote_if_better=True,
         margin=margin,
         skip_unchanged=True,
-        replay_requests=logged_requests(logs, block_size=engine[1].block_size if engine else None),
-        replay_engine=engine,
+        replay=shares,
     )
     queues = outcome.metrics.get("queues", float("nan"))
     ttft = outcome.metrics.get("replay_ttft_mean", float("nan"))
@@ -177,6 +176,35 @@ def served_engine(registry: Registry, data_dir: Path) -> tuple[tuple[CostModel, 
     return (cost, config), f"on the server's engine (cost-model v{cost.metadata.get('registry_version')})"
 
 
+def served_shares(
+    registry: Registry, data_dir: Path, logs: list[Trace], most: int = REPLAY_MOST
+) -> tuple[list[ServedShare], str]:
+    """The logged traffic as a gate replays it: one share per replica -- the request logs of one
+    directory, as `adapt serve --log-dir DIR` writes them -- each on its own timeline and its own
+    engine (the `ENGINE_FILE` beside its logs, else `served_engine`'s), the newest `most` requests
+    split evenly between replicas. Each replica of a fleet saw only its router's share of the load,
+    and its arrivals are on its own clock (`time.monotonic()`, unrelated between machines):
+    replayed as one stream on one engine, a gate would judge the whole fleet's load on one replica,
+    with arrivals from unrelated clocks interleaved. The string says which engine was used."""
+    fallback, said = served_engine(registry, data_dir)
+    by_directory: dict[Path, list[Trace]] = {}
+    for log in logs:
+        if len(log):  # a copy whose every request another log already holds adds nothing
+            by_directory.setdefault(Path(log.report.path).parent, []).append(log)  # type: ignore[union-attr]
+    each = -(-most // max(1, len(by_directory)))
+    shares = []
+    for replica, (directory, replica_logs) in enumerate(sorted(by_directory.items())):
+        engine, own = fallback, directory / ENGINE_FILE
+        if fallback is not None and own.is_file():
+            engine = (fallback[0], EngineConfig.from_json(own.read_text(), source=str(own)))
+        prefix = f"r{replica}-log" if len(by_directory) > 1 else "log"
+        block_size = engine[1].block_size if engine else None
+        shares.append(ServedShare(logged_requests(replica_logs, each, block_size, prefix), engine))
+    if len(shares) > 1:
+        said += f", {len(shares)} replicas each on its own"
+    return shares, said
+
+
 def _unique_requests(logs: list[Trace]) -> list[Trace]:
     """Each logged request once, however many logs hold it. Ids are unique per engine only, so a
     request is known by its id, arrival (as logged) and output length together."""
@@ -195,16 +223,17 @@ def _unique_requests(logs: list[Trace]) -> list[Trace]:
 
 
 def logged_requests(
-    logs: list[Trace], most: int = REPLAY_MOST, block_size: int | None = None
+    logs: list[Trace], most: int = REPLAY_MOST, block_size: int | None = None, prefix: str = "log"
 ) -> list[Request]:
-    """The most recent `most` finished requests of request logs, as requests to replay: their
-    logged arrivals (shifted to start at 0) and true lengths -- the traffic a gate should judge
-    a scheduling component on. Arrivals are taken as logged, on the server's clock: each log's own
-    (which start at 0) would lay the logs of consecutive windows on top of each other, and the gate
-    would judge at their summed rate. With the served engine's `block_size`, each request keeps
-    the content keys its record carries where they fit that block size exactly (a server
-    restarted with another block size wrote others), so a replay with prefix caching finds the
-    server's hits."""
+    """The most recent `most` finished requests of one server's request logs, as requests to
+    replay (ids `prefix` + a number): their logged arrivals (shifted to start at 0) and true
+    lengths -- the traffic a gate should judge a scheduling component on. Arrivals are taken as
+    logged, on the server's clock: each log's own (which start at 0) would lay the logs of
+    consecutive windows on top of each other, and the gate would judge at their summed rate. (A
+    fleet's replicas are on different clocks: `served_shares` takes each one's logs apart.) With
+    the served engine's `block_size`, each request keeps the content keys its record carries
+    where they fit that block size exactly (a server restarted with another block size wrote
+    others), so a replay with prefix caching finds the server's hits."""
     arrivals = np.concatenate([np.asarray(log.columns["logged_arrival_s"], dtype=np.float64) for log in logs])
     prompts = np.concatenate([log.prompt_tokens for log in logs])
     outputs = np.concatenate([log.output_tokens for log in logs])
@@ -217,7 +246,7 @@ def logged_requests(
         prompt, output = int(prompts[row]), int(outputs[row])
         if output > 0:
             content = _content(prompt, output, prompt_keys[row], answer_keys[row], skips[row], block_size)
-            requests.append(Request(f"log{i}", float(arrivals[row]) - start, prompt, output, **content))
+            requests.append(Request(f"{prefix}{i}", float(arrivals[row]) - start, prompt, output, **content))
     return requests
 
 

@@ -176,7 +176,7 @@ def test_the_layout_gate_replays_the_logs_on_the_engine_that_served_them(tmp_pat
     scores the layouts as a replay on it does; without either it says it used its default."""
     from adapt.replay.engine import ENGINE_FILE
     from adapt.traces import load_trace
-    from pipelines.ewsjf import replay_ttft, train_ewsjf_meta
+    from pipelines.ewsjf import ServedShare, replay_ttft, train_ewsjf_meta
     from pipelines.retrain import logged_requests, retrain_cost_model, served_engine
 
     data = tmp_path / "data"
@@ -196,10 +196,61 @@ def test_the_layout_gate_replays_the_logs_on_the_engine_that_served_them(tmp_pat
     assert result.detail.endswith("on the server's engine (cost-model v1)")
     requests = logged_requests([load_trace(data / "requests-a.jsonl", "requestlog")])
     champion = registry.load("ewsjf-meta-policy", version=1)
+    served = [ServedShare(requests, (cost, config))]
     assert registry.version_metrics("ewsjf-meta-policy", 2)["replay_ttft_mean"] == pytest.approx(
-        replay_ttft(registry.load("ewsjf-meta-policy", version=2), requests, (cost, config))
+        replay_ttft(registry.load("ewsjf-meta-policy", version=2), served)
     )
-    assert replay_ttft(champion, requests, (cost, config)) != replay_ttft(champion, requests)
+    assert replay_ttft(champion, served) != replay_ttft(champion, [ServedShare(requests)])
+
+
+def test_a_fleets_logs_are_replayed_each_replica_on_its_own_engine_and_clock(tmp_path):
+    """Replicas on other machines log arrivals on unrelated clocks and each served its router's
+    share on its own engine: the gate replays each replica's requests apart, on the `engine.json`
+    beside its logs, the newest split evenly, and pools their TTFTs. Replayed as one stream on
+    one engine (as before), the fleet's load would fall on one replica, its clocks interleaved."""
+    import json
+
+    from adapt.replay.engine import ENGINE_FILE
+    from adapt.traces import load_trace
+    from pipelines.ewsjf import ServedShare, replay_ttft, train_ewsjf_meta
+    from pipelines.retrain import logged_requests, request_logs, retrain_cost_model, served_shares
+
+    shared = tmp_path / "shared"
+    engines = {0: EngineConfig(max_running=4, kv_capacity_tokens=20_000), 1: EngineConfig(max_running=64)}
+    for replica, engine in engines.items():
+        (shared / f"replica-{replica}").mkdir(parents=True)
+        write_logs(shared / f"replica-{replica}", seed=replica, n=300, tag=str(replica))
+        (shared / f"replica-{replica}" / ENGINE_FILE).write_text(engine.to_json())
+    log = shared / "replica-1" / "requests-1.jsonl"  # this machine's clock is 5 days ahead
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    for record in records:
+        for name in ("arrival_s", "first_token_s", "finish_s"):
+            record[name] = None if record[name] is None else record[name] + 432_000.0
+    log.write_text("".join(json.dumps(record) + "\n" for record in records))
+    registry = Registry(f"sqlite:///{tmp_path / 'r.db'}", cache_dir=tmp_path / "c")
+    retrain_cost_model(registry, shared, margin=0.0)
+    cost = registry.champion("cost-model")
+
+    shares, said = served_shares(registry, shared, request_logs(shared), most=100)
+    assert said == "on the server's engine (cost-model v1), 2 replicas each on its own"
+    assert [share.engine[1] for share in shares] == [engines[0], engines[1]]
+    assert {share.engine[0].metadata["registry_version"] for share in shares} == {1}
+    for replica, share in enumerate(shares):
+        own = logged_requests([load_trace(shared / f"replica-{replica}" / f"requests-{replica}.jsonl")], 50)
+        assert [r.request_id for r in share.requests] == [f"r{replica}-log{i}" for i in range(50)]
+        assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in share.requests] == [
+            (r.arrival_s, r.prompt_tokens, r.output_tokens) for r in own
+        ]
+
+    train_ewsjf_meta(registry, lengths=np.full(100, 64.0), promote_if_better=True)
+    result = retrain_ewsjf_layout(registry, shared, margin=0.0)
+    assert result.detail.endswith("2 replicas each on its own")
+    shares, _ = served_shares(registry, shared, request_logs(shared))
+    layout = registry.load("ewsjf-meta-policy", version=2)
+    gated = registry.version_metrics("ewsjf-meta-policy", 2)["replay_ttft_mean"]
+    assert gated == pytest.approx(replay_ttft(layout, shares))
+    one_stream = logged_requests(request_logs(shared))
+    assert gated != pytest.approx(replay_ttft(layout, [ServedShare(one_stream, (cost, engines[0]))]))
 
 
 def test_a_bad_engine_file_fails_the_layout_retrain_with_its_path(tmp_path):
