@@ -88,9 +88,6 @@ def _followable(run: list[dict[str, Any]]) -> LoggedRun:
     switches: dict[int, str] = {}
     swaps: dict[int, dict[str, str]] = {}
     for i, record in enumerate(run[1:], 1):
-        if record.get("prefix_cache_reset") == "preempting":
-            stopped_by = f"the prefix cache was reset with requests running at step {record['index']}"
-            return LoggedRun(run[:i], policy, components, switches, swaps, stopped_by)
         if "policy" in record:
             if record["policy"] is None:
                 stopped_by = f"a policy the log does not name went live at step {record['index']}"
@@ -183,8 +180,11 @@ def replay_decisions(
         while pending is not None and pending.request_id in arrived:
             engine.add(pending)
             pending = next(arrivals, None)
-        if live.get("prefix_cache_reset"):  # the live engine was idle; a replay that is not keeps its
-            engine.reset_prefix_cache()  # cache, as vLLM would, and shows where it diverged
+        reset = live.get("prefix_cache_reset")
+        if reset == "preempting":  # running requests preempted to free their blocks, then the reset
+            engine.reset_prefix_cache(preempt_running=True, at=live.get("prefix_cache_reset_t"))
+        elif reset:  # the live engine was idle; a replay that is not keeps its cache, as vLLM
+            engine.reset_prefix_cache()  # would, and shows where it diverged
         if switches and i in switches:
             engine.switch_policy(switches[i])
         for attribute, component in (swaps or {}).get(i, {}).items():

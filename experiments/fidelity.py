@@ -195,7 +195,9 @@ def worker(model: str, policy: str, rows: list[dict[str, Any]], out: Path, setti
     """Serve `rows` open-loop in this process (each added when its arrival time comes) and write
     the decision log, the replay config, the client's times and the monitor's step log. A row
     that `follows` row j is a conversation's next turn: sent once j's answer has come (or at its
-    own arrival time, if later), with j's prompt and answer before its own message."""
+    own arrival time, if later), with j's prompt and answer before its own message. Before a row
+    with `reset_prefix_cache` is sent, the engine's prefix cache is reset with its running
+    requests preempted (`/reset_prefix_cache?reset_running_requests=true`)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["ADAPT_POLICY"] = policy
     os.environ["ADAPT_LOG_DIR"] = str(out)
@@ -233,6 +235,8 @@ def worker(model: str, policy: str, rows: list[dict[str, Any]], out: Path, setti
         now = time.monotonic() - started
         for index, row in [(i, row) for i, row in pending if conversations.ready(i, now)]:
             pending.remove((index, row))
+            if row.get("reset_prefix_cache"):  # an operator's reset, just before this row is sent
+                engine.reset_prefix_cache(reset_running_requests=True)
             params = SamplingParams(max_tokens=row["output"], ignore_eos=True, extra_args=row["slo"] or None)
             engine.add_request(f"r{index}", {"prompt_token_ids": conversations.prompt(index)}, params)
             # Arrived when the open-loop schedule says, not when this loop got to add it: a server

@@ -160,6 +160,7 @@ class PolicyScheduler(AsyncScheduler):
         # freed since the last step: a later prompt that contains an answer hits them.
         self._answer_blocks_since: dict[str, list[str]] = {}
         self._cache_reset: str | None = None  # a prefix cache reset since the last step
+        self._cache_reset_t = 0.0  # when one that preempted running requests did
         self._undelivered: deque[dict] = deque()  # decision records whose output is still coming
         self._preempt_order: list[str] = []  # this step's possible victims, in eviction order
         self._output_at: float | None = None  # while vLLM processes a step's output: its moment
@@ -236,12 +237,31 @@ class PolicyScheduler(AsyncScheduler):
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         """vLLM's reset (an operator's `/reset_prefix_cache`, e.g. after new weights), noted in
-        the decision log: a replay forgets its cached blocks at the same step. A reset that
-        preempted running requests to free their blocks is noted as such; a replay stops there."""
-        running = bool(self.running)
+        the decision log: a replay forgets its cached blocks before the same step. One asked to
+        reset running requests too (`reset_running_requests`) preempts them all first, between
+        two steps, where the adapter's own bookkeeping does not look: the policy is told of each
+        here, in the order vLLM preempted them (the last running first), so its next plan finds
+        them waiting; the log notes the reset as "preempting" with its time, and a replay
+        preempts the same requests there (`ReplayEngine.reset_prefix_cache`)."""
+        running = list(self.running)
         reset = super().reset_prefix_cache(*args, **kwargs)
-        if reset and self._recording and self._cache_reset != "preempting":  # one that preempted stays noted
-            self._cache_reset = "preempting" if running else "idle"
+        now = time.monotonic()
+        preempted = [r for r in reversed(running) if r.status == RequestStatus.PREEMPTED]
+        for request in preempted:
+            state = self._states.get(request.request_id)
+            self._running_ids.discard(request.request_id)
+            if state is not None:
+                self._waiting_states[request.request_id] = state
+                state.phase = "preempted"
+                state.tokens_computed = 0
+                state.num_preemptions += 1
+                self._call("on_preempt", state, now)
+        if self.metrics is not None:
+            self.metrics.preempted("prefix_cache_reset", len(preempted))
+        if reset and self._recording and self._cache_reset != "preempting":
+            self._cache_reset = "preempting" if preempted else "idle"  # one that preempted stays noted
+            if preempted:
+                self._cache_reset_t = now
         return reset
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any):
@@ -611,6 +631,7 @@ class PolicyScheduler(AsyncScheduler):
             "finished": self._finished_since,
             **({"answer_blocks": self._answer_blocks_since} if self._answer_blocks_since else {}),
             **({"prefix_cache_reset": self._cache_reset} if self._cache_reset else {}),
+            **({"prefix_cache_reset_t": self._cache_reset_t} if self._cache_reset == "preempting" else {}),
             "delivered_t": None,
             "predicted": [key for queue in self.prediction_queues for key in queue.handed_over or ()],
             **self._queues,

@@ -47,7 +47,8 @@ SCHEDULER_METHODS: dict[str, str] = {
     "_update_request_with_output": "O (private): likewise",
     "_preempt_request": "C (private): preemptions the plan asks for, by recompute",
     "finish_requests": "C: drops, as aborted requests",
-    "reset_prefix_cache": "O: an operator's cache reset is noted in the decision log",
+    "reset_prefix_cache": "O: an operator's cache reset is noted in the decision log; the running"
+    " requests one preempts (`reset_running_requests`) are told to the policy there",
 }
 # Attributes vLLM sets in the scheduler's __init__: read (R) or rearranged for a step (W).
 SCHEDULER_ATTRIBUTES: dict[str, str] = {

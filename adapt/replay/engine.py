@@ -219,6 +219,10 @@ class ReplayEngine:
         # This step's preemptions, told to the policy once the step is planned (after its
         # admissions, as the live adapter tells them); none of them is admitted again this step.
         self._preempted_step: list[RequestState] = []
+        # A reset's preemptions (`reset_prefix_cache`), listed with the next step's; and those of
+        # them whose token was in flight, dropped when it comes.
+        self._reset_preempted: list[str] = []
+        self._dropped_in_flight: set[str] = set()
         self._freed_since: list[str] = []
         self._queues: dict[str, list[str]] = {}
         # When every running decode got its last token, if all got it together at the end of the
@@ -233,10 +237,32 @@ class ReplayEngine:
         self._component_swaps: list[tuple[str, Any]] = []  # `use_component`, for the next step
         self._next_policy: Policy | None = None  # `switch_policy`, for the next step
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, preempt_running: bool = False, at: float | None = None) -> bool:
         """Forget every cached block, as vLLM's `reset_prefix_cache` does (an operator's call,
         e.g. after new weights). Like vLLM's, it needs every block free: False (nothing reset)
-        while a request holds any, or without prefix caching."""
+        while a request holds any, or without prefix caching.
+
+        With `preempt_running` (vLLM's `reset_running_requests`) it first preempts every running
+        request by recompute, the last of the running order first, as vLLM does: the policy hears
+        of each at once (at `at`, default now), they may be admitted again in the very next step,
+        whose record lists them as preempted, and under async scheduling a token still in flight
+        for one is dropped when its step's output comes (vLLM's `drop_stale_output`), not
+        delivered: the request computes it again."""
+        if preempt_running and self.running:
+            for state in reversed(self.running):
+                self._leave_running(state)
+                self.kv.release(state.id)
+                state.tokens_computed = 0
+                state.phase = "preempted"
+                state.num_preemptions += 1
+                self.recorder.preempted(state)
+                self.waiting[state.id] = state
+                if self._placeholders.pop(state.id, 0):
+                    self._dropped_in_flight.add(state.id)
+                if self.decisions is not None:
+                    self._reset_preempted.append(state.id)
+                self.policy.on_preempt(state, self.now if at is None else at)
+            self._decodes_sampled_at = self._all_sampled_at = -math.inf  # no decode run from here
         return self._prefix_cache is not None and self._prefix_cache.reset()
 
     def switch_policy(self, policy: Policy) -> None:
@@ -557,12 +583,12 @@ class ReplayEngine:
                 "index": index,
                 "t": self.now,
                 "scheduled": {state.id: n for state, n in scheduled},
-                "preempted": sorted(state.id for state in self._preempted_step),
+                "preempted": sorted([*self._reset_preempted, *(state.id for state in self._preempted_step)]),
                 "freed": sorted(self._freed_since),
                 **self._queues,
             }
         )
-        self._freed_since = []
+        self._freed_since, self._reset_preempted = [], []
 
     def _note_freed(self, state: RequestState) -> None:
         if self.decisions is not None:  # only a decision log reads these; they are reset per step
@@ -808,7 +834,11 @@ class ReplayEngine:
         if sample is not None:
             self._note_batch_time(sample)
         cache = self._prefix_cache
+        dropped = self._dropped_in_flight
         for state in states:
+            if state.id in dropped:  # preempted by a reset while this token was in flight
+                dropped.discard(state.id)
+                continue
             if state.phase != "finished":  # else a token sampled after its stop: vLLM drops it
                 self._placeholders[state.id] -= 1
                 if cache is not None and state.phase != "preempted":

@@ -48,14 +48,19 @@ def test_a_policy_swapped_in_that_the_log_cannot_name_ends_the_run(tmp_path):
     assert len(run.decisions) == 2 and run.stopped_by == "a policy the log does not name went live at step 2"
 
 
-def test_a_prefix_cache_reset_that_preempted_running_requests_ends_the_run(tmp_path):
-    """An idle engine's reset is replayed (`ReplayEngine.reset_prefix_cache`); one that preempted
-    running requests to free their blocks happened outside any step the replay can follow."""
-    records = [step(0, policy="fcfs"), step(1, prefix_cache_reset="idle"), step(2)]
-    write(tmp_path / "decisions-000001.jsonl", [*records, step(3, prefix_cache_reset="preempting"), step(4)])
+def test_prefix_cache_resets_idle_or_preempting_stay_in_the_run(tmp_path):
+    """Both kinds of reset are replayed (`ReplayEngine.reset_prefix_cache`, the preempting one
+    preempting the running requests first), so neither ends the run a replay can follow."""
+    records = [
+        step(0, policy="fcfs"),
+        step(1, prefix_cache_reset="idle"),
+        step(2),
+        step(3, prefix_cache_reset="preempting", prefix_cache_reset_t=2.5),
+        step(4),
+    ]
+    write(tmp_path / "decisions-000001.jsonl", records)
     (run,) = read_decision_log(tmp_path)
-    assert run.decisions == records
-    assert run.stopped_by == "the prefix cache was reset with requests running at step 3"
+    assert run.decisions == records and run.stopped_by is None
 
 
 def test_a_component_swap_is_replayed_at_the_step_it_went_live(tmp_path):

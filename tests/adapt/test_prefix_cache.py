@@ -161,6 +161,37 @@ def test_a_preempted_request_resumes_from_its_own_cached_blocks():
     assert engine.kv.hit_tokens == 16
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_reset_that_preempts_running_requests_recomputes_them_from_scratch(async_scheduling):
+    """Two 40-token prompts (blocks of 16), by hand: step 0 computes both prompts, step 1 decodes
+    both; then an operator resets the cache with running requests (`preempt_running`). Both are
+    preempted (the last running first) and admitted again at step 2, whose record lists them as
+    preempted, each recomputing its prompt and the tokens it has -- none of it cached any more.
+    Under async scheduling step 1's tokens were still in flight: they are dropped (vLLM's
+    `drop_stale_output`), so each has 1 token, not 2, and computes 41 (sync: 42)."""
+    requests = [Request("a", 0.0, 40, 10), Request("b", 0.0, 40, 10)]
+    config = EngineConfig(
+        prefix_caching=True, record_decisions=True, block_size=16, async_scheduling=async_scheduling
+    )
+    engine = ReplayEngine(make_policy("fcfs"), ConstantCost(), config)
+    for request in requests:
+        engine.add(request)
+    engine.step()
+    engine.step()
+    assert engine.reset_prefix_cache(preempt_running=True)
+    assert [state.phase for state in engine.waiting.values()] == ["preempted", "preempted"]
+    assert list(engine.waiting) == ["b", "a"] and not engine.running
+    engine.step()
+    recomputed = 41 if async_scheduling else 42
+    assert engine.decisions[2]["scheduled"] == {"a": recomputed, "b": recomputed}
+    assert engine.decisions[2]["preempted"] == ["a", "b"] and not engine.decisions[3:]
+    assert engine.kv.hit_tokens == 0
+    while engine.has_work:
+        engine.step()
+    result = engine.result(0.0)
+    assert sorted(r.output_tokens for r in result.records) == [10, 10] and result.preemptions == 2
+
+
 arrivals = st.lists(
     st.tuples(st.floats(0, 5), st.integers(1, 300), st.integers(1, 60)), min_size=1, max_size=30
 )

@@ -124,6 +124,39 @@ def test_a_conversations_next_turn_hits_its_earlier_answers_in_the_real_engine(t
     assert compare(live, replay_decisions(forgotten, make_policy_from_spec("fcfs"), config)).agreement < 1.0
 
 
+def test_a_prefix_cache_reset_that_preempts_running_requests_is_replayed_in_the_real_engine(
+    tiny_model, tmp_path
+):
+    """An operator resets the real engine's prefix cache three times under load (80 requests at
+    30 req/s) with `reset_running_requests`: vLLM preempts every running request (4-8 each time
+    on 2026-11-29), async scheduling dropping the tokens in flight, then forgets its cache; most
+    long prompts open with one of two shared system prompts. The replay preempts the same
+    requests before the same steps and decides identically (1,181/1,181 and 1,174/1,174 steps);
+    replayed as if the engine had been idle, the log diverges."""
+    import random
+
+    from adapt.conformance import compare, replay_decisions
+    from experiments.fidelity import PREDICTED_OFFSET, conformance, engine_config, serve, workload
+    from serving_hooks.policies import make_policy_from_spec
+
+    rng = random.Random(2)
+    rows = []
+    for i, row in enumerate(workload(80, 30.0, PREDICTED_OFFSET)):
+        system = rng.choice([None, [7, 64], [8, 96]]) if row["prompt"] > 128 else None
+        system = {"system": system} if system else {}
+        rows.append({**row, **system, "reset_prefix_cache": i in (20, 45, 70)})
+    out = tmp_path / "run"
+    serve(str(tiny_model), "fcfs", rows, out, {**SETTINGS, "prefix_caching": 1})
+    live = json.loads((out / "decisions.json").read_text())
+    resets = [step for step in live if step.get("prefix_cache_reset") == "preempting"]
+    assert len(resets) >= 2 and sum(len(step["preempted"]) for step in resets) >= 2 * len(resets)
+    result = conformance(out, "fcfs")
+    assert result.agreement == 1.0, result.describe()
+    idle = [{**step, "prefix_cache_reset": "idle"} if step in resets else step for step in live]
+    config = engine_config(out)
+    assert compare(live, replay_decisions(idle, make_policy_from_spec("fcfs"), config)).agreement < 1.0
+
+
 def test_the_lockstep_runs_cover_every_servable_policy():
     from serving_hooks.policies import servable_policies
 

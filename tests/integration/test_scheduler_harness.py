@@ -621,6 +621,7 @@ def _run(
     arrivals: dict | None = None,
     stop_after: dict | None = None,
     on_finish: Callable[[int, Any], None] | None = None,
+    calls: dict[int, Callable[[], Any]] | None = None,
 ) -> None:
     """Step the harness as vLLM's engine core does until every request is done: no schedule()
     while the engine is empty, and with async scheduling two steps in flight (its batch queue:
@@ -628,17 +629,20 @@ def _run(
     added before turn k; `stop_after`: request id -> the output length at which the "model"
     samples the stop token (as an EOS ends an answer before its `max_tokens`); `on_finish(k,
     request)`: told at turn k of each request that left, it may add later arrivals (a client's
-    next turn)."""
+    next turn); `calls[k]()`: made after turn k's arrivals, where the engine core runs an
+    operator's utility call (e.g. `/reset_prefix_cache`) between two steps."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     from experiments.bench_scheduler import STOP_TOKEN
 
-    arrivals, stop_after = arrivals or {}, stop_after or {}
+    arrivals, stop_after, calls = arrivals or {}, stop_after or {}, calls or {}
     depth = 2 if scheduler.scheduler_config.async_scheduling else 1
     in_flight: deque = deque()  # (scheduler output, the requests it samples a token for)
     for k in range(steps):
         for request in arrivals.get(k, ()):
             scheduler.add_request(request)
+        if k in calls:
+            calls[k]()
         if scheduler.has_requests():
             output = scheduler.schedule()
             sampling = {
@@ -1279,6 +1283,76 @@ def test_a_prefix_cache_reset_between_requests_is_replayed(tiny_model, monkeypat
         {key: value for key, value in d.items() if key != "prefix_cache_reset"} for d in scheduler.decisions
     ]
     assert compare(scheduler.decisions, replay_decisions(unnoted, fresh_policy(), config)).agreement < 1.0
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_prefix_cache_reset_that_preempts_running_requests_is_replayed(
+    tiny_model, monkeypatch, async_scheduling
+):
+    """`/reset_prefix_cache?reset_running_requests=true` under load: vLLM preempts every running
+    request between two steps (the last running first; under async scheduling the token each has
+    in flight is dropped, not delivered) and then forgets its cache. The adapter tells the policy
+    of each at once, the log notes the reset as "preempting", and the replay preempts the same
+    requests before the same step. Every servable policy and `Scrambled` plans, 2-3 such resets
+    per run on a load whose requests share system prompts. Replayed as if the engine had been
+    idle (nothing preempted), the same logs diverge."""
+    import functools
+    import inspect
+    import random
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from adapt.conformance import compare, replay_decisions
+    from experiments.bench_scheduler import make_requests
+    from serving_hooks.policies import servable_policies
+
+    if "reset_running_requests" not in inspect.signature(Scheduler.reset_prefix_cache).parameters:
+        pytest.skip("this vLLM's reset_prefix_cache cannot preempt running requests")
+    monkeypatch.setenv("ADAPT_RECORD_DECISIONS", "1")
+    disagreements, steps, preempted, as_idle, runs = {}, 0, 0, 0, 0
+    for seed, policy in enumerate(["scrambled", *servable_policies()]):
+        rng = random.Random(seed)
+        running, blocks, budget = rng.choice([2, 4, 8]), rng.choice([40, 60, 90]), rng.choice([None, 64])
+        scheduler, fresh_policy = _serving(
+            tiny_model,
+            monkeypatch,
+            policy,
+            seed,
+            budget,
+            running,
+            blocks,
+            prefix_caching=True,
+            async_scheduling=async_scheduling,
+            reserve_full_sequence=rng.random() < 0.5,
+        )
+        systems = [[rng.randrange(1, 500) for _ in range(rng.choice([16, 40, 64]))] for _ in range(2)]
+        arrivals: dict[int, list] = {}
+        for i in range(40):
+            prefix = rng.choice([[], *systems])
+            (request,) = make_requests(1, i, 100 * seed + i, max_tokens=rng.randint(1, 40), prefix=prefix)
+            arrivals.setdefault(rng.randint(0, 120), []).append(request)
+        reset = functools.partial(scheduler.reset_prefix_cache, reset_running_requests=True)
+        _run(
+            scheduler,
+            20_000,
+            arrivals,
+            calls=dict.fromkeys(rng.sample([15, 50, 90], rng.choice([2, 3])), reset),
+        )
+        assert not scheduler.policy_errors, policy
+        noted = [d for d in scheduler.decisions if d.get("prefix_cache_reset") == "preempting"]
+        preempted += sum(len(d["preempted"]) for d in noted)
+        config = scheduler.replay_config()
+        live = scheduler.decisions
+        agreement = compare(live, replay_decisions(live, fresh_policy(), config))
+        steps += agreement.steps
+        runs += 1
+        if agreement.identical != agreement.steps:
+            disagreements[f"{policy} seed {seed}"] = agreement.describe()
+        idle = [{**d, "prefix_cache_reset": "idle"} if d in noted else d for d in live]
+        if noted:
+            as_idle += compare(live, replay_decisions(idle, fresh_policy(), config)).agreement < 1.0
+    assert not disagreements, "\n".join(f"{k}: {v}" for k, v in disagreements.items())
+    assert preempted > 2 * runs and as_idle >= runs // 2, (preempted, as_idle, runs)
 
 
 class _Conversations:
