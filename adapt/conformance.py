@@ -88,6 +88,10 @@ def _followable(run: list[dict[str, Any]]) -> LoggedRun:
     switches: dict[int, str] = {}
     swaps: dict[int, dict[str, str]] = {}
     for i, record in enumerate(run[1:], 1):
+        if record.get("prefix_cache_reset") == "preempting" and "prefix_cache_reset_t" not in record:
+            # an adapter before 2026-11-29 never told its policy of these preemptions
+            stopped_by = f"the prefix cache was reset with requests running at step {record['index']}"
+            return LoggedRun(run[:i], policy, components, switches, swaps, stopped_by)
         if "policy" in record:
             if record["policy"] is None:
                 stopped_by = f"a policy the log does not name went live at step {record['index']}"

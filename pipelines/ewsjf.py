@@ -102,9 +102,10 @@ def ewsjf_objective(requests: list[Request], lengths: np.ndarray) -> EwsjfObject
 
 
 class ServedShare(NamedTuple):
-    """Requests a layout's gate replays and the engine -- cost model and limits -- they were served
-    on (None: ewsjf-mixed's). A fleet's logs give one share per replica
-    (`pipelines.retrain.served_shares`): each replica saw only its router's share of the load."""
+    """Requests a layout's gate replays and the engine they were served on: a cost model and the
+    replica's limits (None: ewsjf-mixed's engine). A fleet's logs give one share per replica
+    (`pipelines.retrain.served_shares`, all timed by the fleet's cost-model champion): each
+    replica saw only its router's share of the load."""
 
     requests: list[Request]
     engine: tuple[CostModel, EngineConfig] | None = None

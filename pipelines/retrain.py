@@ -182,27 +182,40 @@ def served_shares(
     """The logged traffic as a gate replays it: one share per replica -- the request logs of one
     directory, as `adapt serve --log-dir DIR` writes them -- each on its own timeline and its own
     engine (the `ENGINE_FILE` beside its logs, else `served_engine`'s), the newest `most` requests
-    split evenly between replicas. Each replica of a fleet saw only its router's share of the load,
-    and its arrivals are on its own clock (`time.monotonic()`, unrelated between machines):
-    replayed as one stream on one engine, a gate would judge the whole fleet's load on one replica,
-    with arrivals from unrelated clocks interleaved. The string says which engine was used."""
+    split evenly between replicas (`_even_split`). Each replica of a fleet saw only its router's
+    share of the load, and its arrivals are on its own clock (`time.monotonic()`, unrelated
+    between machines): replayed as one stream on one engine, a gate would judge the whole fleet's
+    load on one replica, with arrivals from unrelated clocks interleaved. The string says which
+    engine was used."""
     fallback, said = served_engine(registry, data_dir)
     by_directory: dict[Path, list[Trace]] = {}
     for log in logs:
         if len(log):  # a copy whose every request another log already holds adds nothing
             by_directory.setdefault(Path(log.report.path).parent, []).append(log)  # type: ignore[union-attr]
-    each = -(-most // max(1, len(by_directory)))
+    replicas = sorted(by_directory.items())
+    quotas = _even_split(most, [sum(len(log) for log in replica_logs) for _, replica_logs in replicas])
     shares = []
-    for replica, (directory, replica_logs) in enumerate(sorted(by_directory.items())):
+    for replica, ((directory, replica_logs), quota) in enumerate(zip(replicas, quotas, strict=True)):
         engine, own = fallback, directory / ENGINE_FILE
         if fallback is not None and own.is_file():
             engine = (fallback[0], EngineConfig.from_json(own.read_text(), source=str(own)))
-        prefix = f"r{replica}-log" if len(by_directory) > 1 else "log"
+        prefix = f"r{replica}-log" if len(replicas) > 1 else "log"
         block_size = engine[1].block_size if engine else None
-        shares.append(ServedShare(logged_requests(replica_logs, each, block_size, prefix), engine))
+        shares.append(ServedShare(logged_requests(replica_logs, quota, block_size, prefix), engine))
     if len(shares) > 1:
         said += f", {len(shares)} replicas each on its own"
     return shares, said
+
+
+def _even_split(most: int, available: list[int]) -> list[int]:
+    """How many of its newest requests each replica gives, `most` in all: an even share each, and
+    what a replica that logged fewer leaves over goes to the others, evenly again."""
+    quotas = [0] * len(available)
+    left = most
+    for rank, replica in enumerate(sorted(range(len(available)), key=available.__getitem__)):
+        quotas[replica] = min(available[replica], left // (len(available) - rank))
+        left -= quotas[replica]
+    return quotas
 
 
 def _unique_requests(logs: list[Trace]) -> list[Trace]:

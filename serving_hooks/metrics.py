@@ -255,7 +255,7 @@ class SchedulerMetrics:
         )
         self.preempted_total = counter(
             "adapt_requests_preempted",
-            "Preemptions by cause: policy plan or vLLM under KV pressure",
+            "Preemptions by cause: policy plan, vLLM under KV pressure, or a prefix-cache reset",
             ("cause",),
         )
         self.dropped_total = counter("adapt_requests_dropped", "Requests dropped by the policy", ("reason",))

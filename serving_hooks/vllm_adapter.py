@@ -242,26 +242,31 @@ class PolicyScheduler(AsyncScheduler):
         two steps, where the adapter's own bookkeeping does not look: the policy is told of each
         here, in the order vLLM preempted them (the last running first), so its next plan finds
         them waiting; the log notes the reset as "preempting" with its time, and a replay
-        preempts the same requests there (`ReplayEngine.reset_prefix_cache`)."""
+        preempts the same requests there (`ReplayEngine.reset_prefix_cache`). Whatever vLLM
+        returns or raises after preempting (a KV connector's blocks still held), the policy is
+        told and the preemptions noted."""
         running = list(self.running)
-        reset = super().reset_prefix_cache(*args, **kwargs)
-        now = time.monotonic()
-        preempted = [r for r in reversed(running) if r.status == RequestStatus.PREEMPTED]
-        for request in preempted:
-            state = self._states.get(request.request_id)
-            self._running_ids.discard(request.request_id)
-            if state is not None:
-                self._waiting_states[request.request_id] = state
-                state.phase = "preempted"
-                state.tokens_computed = 0
-                state.num_preemptions += 1
-                self._call("on_preempt", state, now)
-        if self.metrics is not None:
-            self.metrics.preempted("prefix_cache_reset", len(preempted))
-        if reset and self._recording and self._cache_reset != "preempting":
-            self._cache_reset = "preempting" if preempted else "idle"  # one that preempted stays noted
-            if preempted:
-                self._cache_reset_t = now
+        reset = False
+        try:
+            reset = super().reset_prefix_cache(*args, **kwargs)
+        finally:
+            now = time.monotonic()
+            preempted = [r for r in reversed(running) if r.status == RequestStatus.PREEMPTED]
+            for request in preempted:
+                state = self._states.get(request.request_id)
+                self._running_ids.discard(request.request_id)
+                if state is not None:
+                    self._waiting_states[request.request_id] = state
+                    state.phase = "preempted"
+                    state.tokens_computed = 0
+                    state.num_preemptions += 1
+                    self._call("on_preempt", state, now)
+            if self.metrics is not None:
+                self.metrics.preempted("prefix_cache_reset", len(preempted))
+            if self._recording and (reset or preempted) and self._cache_reset != "preempting":
+                self._cache_reset = "preempting" if preempted else "idle"  # one that preempted stays noted
+                if preempted:
+                    self._cache_reset_t = now
         return reset
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any):

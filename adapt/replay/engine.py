@@ -16,7 +16,8 @@ the scheduler only after the next step has been scheduled, so the next step plan
 decode already in flight counts as one placeholder token, a request whose `max_tokens`-th token
 is in flight is skipped -- one whose answer ends earlier (an EOS) is decoded once more, its stop
 still in flight -- a finished request holds its KV blocks one step longer, a request preempted with a
-token in flight gets that token and waits for it before it can resume) -- as vLLM's
+token in flight gets that token and waits for it before it can resume, unless a prefix-cache reset
+preempted it: that token is dropped) -- as vLLM's
 `AsyncScheduler` does. Trace-driven steps (`TraceStep`) take their start, number and duration from
 a live engine's decision log, so a replay can be compared with it step by step (`adapt.conformance`).
 
@@ -249,6 +250,8 @@ class ReplayEngine:
         for one is dropped when its step's output comes (vLLM's `drop_stale_output`), not
         delivered: the request computes it again."""
         if preempt_running and self.running:
+            if at is not None:  # requests that reached the live engine before the reset: first
+                self._admit_arrivals(until_s=at)
             for state in reversed(self.running):
                 self._leave_running(state)
                 self.kv.release(state.id)
@@ -389,11 +392,11 @@ class ReplayEngine:
             len(self.waiting) + len(self.running) + len(self._pending) - self._pending_pos + len(self._held)
         )
 
-    def _admit_arrivals(self) -> int:
-        """Every request that has arrived by now enters the engine; returns how many."""
-        first = self._pending_pos
+    def _admit_arrivals(self, until_s: float | None = None) -> int:
+        """Every request that has arrived by now (or `until_s`) enters the engine; returns how many."""
+        first, until_s = self._pending_pos, self.now if until_s is None else until_s
         while (
-            self._pending_pos < len(self._pending) and self._pending[self._pending_pos].arrival_s <= self.now
+            self._pending_pos < len(self._pending) and self._pending[self._pending_pos].arrival_s <= until_s
         ):
             request = self._pending[self._pending_pos]
             self._pending_pos += 1

@@ -63,6 +63,16 @@ def test_prefix_cache_resets_idle_or_preempting_stay_in_the_run(tmp_path):
     assert run.decisions == records and run.stopped_by is None
 
 
+def test_a_preempting_reset_logged_before_it_was_replayable_ends_the_run(tmp_path):
+    """A log without the reset's time was written by an adapter that never told its policy of
+    these preemptions: no replay can follow it past there."""
+    records = [step(0, policy="fcfs"), step(1, prefix_cache_reset="idle"), step(2)]
+    write(tmp_path / "decisions-000001.jsonl", [*records, step(3, prefix_cache_reset="preempting"), step(4)])
+    (run,) = read_decision_log(tmp_path)
+    assert run.decisions == records
+    assert run.stopped_by == "the prefix cache was reset with requests running at step 3"
+
+
 def test_a_component_swap_is_replayed_at_the_step_it_went_live(tmp_path):
     serving = {"qrf": "qrf-length@v3", "patterns": "pattern-graph@v1"}
     write(

@@ -253,6 +253,25 @@ def test_a_fleets_logs_are_replayed_each_replica_on_its_own_engine_and_clock(tmp
     assert gated != pytest.approx(replay_ttft(layout, [ServedShare(one_stream, (cost, engines[0]))]))
 
 
+@pytest.mark.parametrize(
+    ("most", "available", "quotas"),
+    [
+        (100, [300, 300], [50, 50]),
+        (100, [10, 300], [10, 90]),
+        (101, [300, 300, 300], [33, 34, 34]),
+        (100, [10, 20, 300], [10, 20, 70]),
+        (100, [5, 5], [5, 5]),
+        (3, [300, 300], [1, 2]),
+    ],
+)
+def test_the_gates_requests_are_split_evenly_and_what_a_quiet_replica_leaves_goes_to_the_others(
+    most, available, quotas
+):
+    from pipelines.retrain import _even_split
+
+    assert _even_split(most, available) == quotas
+
+
 def test_a_bad_engine_file_fails_the_layout_retrain_with_its_path(tmp_path):
     from adapt.replay.engine import ENGINE_FILE
     from pipelines.retrain import retrain_cost_model
