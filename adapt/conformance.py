@@ -46,7 +46,8 @@ class LoggedRun:
     spec serving at its start (None where the log does not say); `switches` the specs of whole
     policies swapped in live and `swaps` the component versions (`attribute -> NAME@vN`) that went
     live, each by the position of the first step it served; `components` the versions serving at
-    the start. It ends at a swap to a policy the log cannot name (`stopped_by`)."""
+    the start. It ends (`stopped_by`) at a swap to a policy the log cannot name, or at a
+    streaming-input session, which the replay does not model."""
 
     decisions: list[dict[str, Any]]
     policy: str | None
@@ -91,6 +92,10 @@ def _followable(run: list[dict[str, Any]]) -> LoggedRun:
         if record.get("prefix_cache_reset") == "preempting" and "prefix_cache_reset_t" not in record:
             # an adapter before 2026-11-29 never told its policy of these preemptions
             stopped_by = f"the prefix cache was reset with requests running at step {record['index']}"
+            return LoggedRun(run[:i], policy, components, switches, swaps, stopped_by)
+        if record.get("streaming_sessions"):
+            session = record["streaming_sessions"][0]
+            stopped_by = f"a streaming-input session ({session}) at step {record['index']}: not modelled"
             return LoggedRun(run[:i], policy, components, switches, swaps, stopped_by)
         if "policy" in record:
             if record["policy"] is None:

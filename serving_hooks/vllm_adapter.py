@@ -161,6 +161,10 @@ class PolicyScheduler(AsyncScheduler):
         self._answer_blocks_since: dict[str, list[str]] = {}
         self._cache_reset: str | None = None  # a prefix cache reset since the last step
         self._cache_reset_t = 0.0  # when one that preempted running requests did
+        # Streaming-input sessions (`_streaming_session`): their ids, and those seen since the
+        # last step (for the decision log).
+        self._sessions: set[str] = set()
+        self._sessions_since: list[str] = []
         self._undelivered: deque[dict] = deque()  # decision records whose output is still coming
         self._preempt_order: list[str] = []  # this step's possible victims, in eviction order
         self._output_at: float | None = None  # while vLLM processes a step's output: its moment
@@ -171,7 +175,12 @@ class PolicyScheduler(AsyncScheduler):
 
     # ----------------------------------------------------------- lifecycle
     def add_request(self, request: Any) -> None:
+        continuing = request.request_id in self._states  # a streaming-input session's next input
         super().add_request(request)
+        if continuing or getattr(request, "resumable", False):
+            self._streaming_session(request.request_id)
+        if continuing:
+            return
         self._arrivals += 1
         extra = getattr(request.sampling_params, "extra_args", None) if request.sampling_params else None
         now = time.monotonic()
@@ -218,6 +227,24 @@ class PolicyScheduler(AsyncScheduler):
             )
         if not self._call("on_arrival", state, now):
             self._unplanned.add(request.request_id)
+
+    def _streaming_session(self, request_id: str) -> None:
+        """A streaming-input session (vLLM's resumable requests: more prompt arrives under the
+        same id after each answer). Between inputs vLLM keeps the request, its KV blocks and a
+        batch slot, and resumes it ahead of the waiting queue, outside the policy's order; the
+        replay models none of it. The policy sees a session as one request that leaves the
+        running batch between inputs and comes back with a longer prompt (`_sync`); a next input
+        is no new arrival. The decision log notes the session, and a replay stops there
+        (`adapt.conformance`)."""
+        if not self._sessions:
+            log.warning(
+                "request %s is a streaming-input session: served, but a replay does not model sessions "
+                "(a decision log ends its replayable run here)",
+                request_id,
+            )
+        self._sessions.add(request_id)
+        if self._recording:
+            self._sessions_since.append(request_id)
 
     def _prompt_text(self, request: Any) -> str | None:
         """The prompt as text: the engine core only keeps token ids, so decode them with the
@@ -273,6 +300,7 @@ class PolicyScheduler(AsyncScheduler):
         state = self._states.pop(request.request_id, None)
         self._running_ids.discard(request.request_id)
         self._unplanned.discard(request.request_id)
+        self._sessions.discard(request.request_id)
         self._waiting_states.pop(request.request_id, None)
         # Its prefix-cache content keys, once, for the decision and request logs that keep them.
         logged = self._recording or (state is not None and self.monitor is not None)
@@ -637,6 +665,7 @@ class PolicyScheduler(AsyncScheduler):
             **({"answer_blocks": self._answer_blocks_since} if self._answer_blocks_since else {}),
             **({"prefix_cache_reset": self._cache_reset} if self._cache_reset else {}),
             **({"prefix_cache_reset_t": self._cache_reset_t} if self._cache_reset == "preempting" else {}),
+            **({"streaming_sessions": self._sessions_since} if self._sessions_since else {}),
             "delivered_t": None,
             "predicted": [key for queue in self.prediction_queues for key in queue.handed_over or ()],
             **self._queues,
@@ -653,7 +682,7 @@ class PolicyScheduler(AsyncScheduler):
             self.decisions.append(record)
         self._undelivered.append(record)
         self._arrived_since, self._freed_since, self._finished_since = [], [], {}
-        self._answer_blocks_since, self._cache_reset = {}, None
+        self._answer_blocks_since, self._cache_reset, self._sessions_since = {}, None, []
 
     def _live_versions(self) -> dict[str, str]:
         """The component versions serving (`attribute -> NAME@vN`), as a policy spec pins them;
@@ -782,6 +811,10 @@ class PolicyScheduler(AsyncScheduler):
             state = self._states.get(request.request_id)
             if state is not None:
                 state.tokens_computed = request.num_computed_tokens
+                if self._sessions and request.request_id in self._sessions:  # back with more prompt
+                    state.prompt_tokens = request.num_prompt_tokens
+                    state.max_tokens = request.max_tokens or 0
+                    state.tokens_generated = request.num_output_tokens
 
     def _view(self, now: float) -> EngineView:
         running = [self._states[r.request_id] for r in self.running if r.request_id in self._states]

@@ -39,7 +39,8 @@ CHECKED_ON: tuple[str, ...] = (
 # AsyncScheduler methods the adapter overrides (O) or calls (C).
 SCHEDULER_METHODS: dict[str, str] = {
     "schedule": "O: the policy plans before vLLM schedules",
-    "add_request": "O: each arrival becomes a RequestState",
+    "add_request": "O: each arrival becomes a RequestState (a streaming-input session's next input,"
+    " `resumable` where vLLM has it, is no new arrival)",
     "update_from_output": "O: tokens reach the policy as vLLM processes a step's output",
     "_free_request": "O (private): a finished request leaves the policy",
     "shutdown": "O: background prediction workers stop with the engine",

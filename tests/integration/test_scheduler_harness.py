@@ -1355,6 +1355,69 @@ def test_a_prefix_cache_reset_that_preempts_running_requests_is_replayed(
     assert preempted > 2 * runs and as_idle >= runs // 2, (preempted, as_idle, runs)
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_streaming_input_session_is_served_and_ends_the_replayable_run(
+    tiny_model, monkeypatch, async_scheduling
+):
+    """vLLM's streaming-input sessions (resumable requests: more prompt arrives under the same id
+    after each answer; vLLM keeps the request and its KV blocks between inputs and resumes it
+    ahead of the waiting queue). The replay does not model them, so the decision log notes the
+    session and its replayable run ends there, the stretch before it still replaying exactly;
+    live, the policy hears of the session once, sees it come back with its prompt grown, and
+    every request is served."""
+    from collections import Counter
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from adapt.conformance import _followable, compare, replay_decisions
+    from experiments.bench_scheduler import _block_hasher, make_requests
+
+    monkeypatch.setenv("ADAPT_RECORD_DECISIONS", "1")
+    scheduler, fresh_policy = _serving(
+        tiny_model, monkeypatch, "spf", 0, None, 4, 60, async_scheduling=async_scheduling
+    )
+    arrivals = {k: make_requests(1, k, seed=k, max_tokens=8) for k in range(0, 60, 3)}
+
+    def session_input(first: int, count: int, resumable: bool = True) -> Request:
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        tokens = list(range(first, first + count))
+        return Request("session", tokens, params, None, block_hasher=_block_hasher(), resumable=resumable)
+
+    for turn, first, count in ((20, 1, 40), (45, 41, 20), (70, 61, 20)):
+        arrivals.setdefault(turn, []).append(session_input(first, count))
+    arrivals.setdefault(95, []).append(session_input(81, 1, resumable=False))  # the session's end
+    heard, prompts = Counter(), []
+    policy = scheduler.adapt_policy
+    on_arrival, on_step = policy.on_arrival, policy.on_step
+
+    def counted_arrival(state, now):
+        heard[state.id] += 1
+        return on_arrival(state, now)
+
+    def watched_step(view):
+        prompts.extend(state.prompt_tokens for state in view.running if state.id == "session")
+        return on_step(view)
+
+    monkeypatch.setattr(policy, "on_arrival", counted_arrival)
+    monkeypatch.setattr(policy, "on_step", watched_step)
+    left = []
+    _run(scheduler, 5_000, arrivals, on_finish=lambda k, request: left.append(request.request_id))
+    assert not scheduler.policy_errors
+    assert sorted(left) == sorted(f"r{k}" for k in range(0, 60, 3))
+    assert not scheduler.requests and not scheduler._states  # the session's end input ended it too
+    assert heard["session"] == 1 and set(heard.values()) == {1}
+    assert min(prompts) == 40 and max(prompts) > 60  # the kept answers and the new inputs join the prompt
+    noted = [d for d in scheduler.decisions if d.get("streaming_sessions")]
+    assert noted and noted[0]["streaming_sessions"] == ["session"]
+    run = _followable(scheduler.decisions)
+    assert run.stopped_by == f"a streaming-input session (session) at step {noted[0]['index']}: not modelled"
+    agreement = compare(
+        run.decisions, replay_decisions(run.decisions, fresh_policy(), scheduler.replay_config())
+    )
+    assert agreement.steps > 10 and agreement.identical == agreement.steps, agreement.describe()
+
+
 class _Conversations:
     """Chat clients for the harness: each turn's prompt is the conversation so far (its earlier
     prompts and answers, as vLLM returned them) and a new message; the next turn is sent 1-30
