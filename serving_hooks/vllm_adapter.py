@@ -806,12 +806,15 @@ class PolicyScheduler(AsyncScheduler):
 
     def _sync(self) -> None:
         """Copy vLLM's computed-token counters into the policy's view (tokens and phases move when
-        vLLM delivers a step's output, `_deliver`)."""
+        vLLM delivers a step's output, `_deliver`), and a streaming-input session's grown prompt."""
         for request in self.running:
             state = self._states.get(request.request_id)
             if state is not None:
                 state.tokens_computed = request.num_computed_tokens
-                if self._sessions and request.request_id in self._sessions:  # back with more prompt
+        if self._sessions:  # streaming-input sessions come back with more prompt
+            for request in self.running:
+                state = self._states.get(request.request_id)
+                if state is not None and request.request_id in self._sessions:
                     state.prompt_tokens = request.num_prompt_tokens
                     state.max_tokens = request.max_tokens or 0
                     state.tokens_generated = request.num_output_tokens
