@@ -176,9 +176,9 @@ class PolicyScheduler(AsyncScheduler):
     # ----------------------------------------------------------- lifecycle
     def add_request(self, request: Any) -> None:
         continuing = request.request_id in self._states  # a streaming-input session's next input
-        super().add_request(request)
         if continuing or getattr(request, "resumable", False):
-            self._streaming_session(request.request_id)
+            self._streaming_session(request.request_id)  # first: an end input frees the session at once
+        super().add_request(request)
         if continuing:
             return
         self._arrivals += 1
