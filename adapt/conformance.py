@@ -88,6 +88,11 @@ def _followable(run: list[dict[str, Any]]) -> LoggedRun:
     components = serving = run[0].get("components") or {}
     switches: dict[int, str] = {}
     swaps: dict[int, dict[str, str]] = {}
+    if run[0].get("streaming_sessions"):  # the first request was one
+        stopped_by = (
+            f"a streaming-input session ({run[0]['streaming_sessions'][0]}) at step {run[0]['index']}"
+        )
+        return LoggedRun([], policy, components, switches, swaps, stopped_by + ": not modelled")
     for i, record in enumerate(run[1:], 1):
         if record.get("prefix_cache_reset") == "preempting" and "prefix_cache_reset_t" not in record:
             # an adapter before 2026-11-29 never told its policy of these preemptions

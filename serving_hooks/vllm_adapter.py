@@ -165,6 +165,7 @@ class PolicyScheduler(AsyncScheduler):
         # last step (for the decision log).
         self._sessions: set[str] = set()
         self._sessions_since: list[str] = []
+        self._sessions_warned = False
         self._undelivered: deque[dict] = deque()  # decision records whose output is still coming
         self._preempt_order: list[str] = []  # this step's possible victims, in eviction order
         self._output_at: float | None = None  # while vLLM processes a step's output: its moment
@@ -236,7 +237,8 @@ class PolicyScheduler(AsyncScheduler):
         running batch between inputs and comes back with a longer prompt (`_sync`); a next input
         is no new arrival. The decision log notes the session, and a replay stops there
         (`adapt.conformance`)."""
-        if not self._sessions:
+        if not self._sessions_warned:
+            self._sessions_warned = True
             log.warning(
                 "request %s is a streaming-input session: served, but a replay does not model sessions "
                 "(a decision log ends its replayable run here)",
@@ -324,7 +326,7 @@ class PolicyScheduler(AsyncScheduler):
             self._call("on_finish", state, now)
             if self.monitor is not None:
                 self._log_request(request, state, now, dropped, content)
-                if not self._states:  # idle: nothing may sit in the buffers while no step comes
+                if self._idle():  # nothing may sit in the buffers while no step comes
                     self._flush_logs()
             if self.metrics is not None:
                 outcome = "dropped" if dropped else "aborted" if aborted else "finished"
@@ -336,10 +338,22 @@ class PolicyScheduler(AsyncScheduler):
         comes while the engine is idle). Trouble is logged, never raised into the engine."""
         try:
             self.metrics.finished(state, outcome, self.adapt_policy)  # type: ignore[union-attr]
-            if not self._states:
+            if self._idle():
                 self._publish_metrics(now)
         except Exception:
             log.exception("metrics: could not record request %s", state.id)
+
+    def _idle(self) -> bool:
+        """Whether no step will come: no request left, or only streaming-input sessions waiting
+        for their next input (vLLM does not count those as unfinished)."""
+        if not self._sessions:
+            return not self._states
+        return all(request_id in self._sessions and self._paused(request_id) for request_id in self._states)
+
+    def _paused(self, request_id: str) -> bool:
+        """A streaming-input session between two inputs: vLLM keeps it, not in `running`."""
+        request = self.requests.get(request_id)
+        return request is not None and request.status.name == "WAITING_FOR_STREAMING_REQ"
 
     def _flush_logs(self) -> None:
         try:
@@ -509,10 +523,11 @@ class PolicyScheduler(AsyncScheduler):
         previous_queues, self.prediction_queues = self.prediction_queues, []
         try:
             policy.use_predictions(self._prediction_queue)
+            # admitted: running, or a streaming-input session between inputs (vLLM resumes it)
             running = {r.request_id for r in self.running}
             for state in sorted(self._states.values(), key=lambda s: s.arrival_s):
                 policy.on_arrival(state, state.arrival_s)
-                if state.id in running:
+                if state.id not in self._waiting_states:
                     policy.on_admit(state, now)
         except Exception:
             for queue in self.prediction_queues:
@@ -723,6 +738,12 @@ class PolicyScheduler(AsyncScheduler):
             self._deliver(scheduler_output)
         finally:
             self._output_at = None
+        if self._sessions:  # a session whose input ran out leaves the batch, neither freed nor preempted
+            self._running_ids.difference_update([i for i in self._sessions if self._paused(i)])
+            if self._idle():
+                self._flush_logs()
+                if self.metrics is not None:
+                    self._publish_metrics(time.monotonic())
         if self._drops_to_report:
             for request in self._drops_to_report:
                 finished = EngineCoreOutput(
@@ -765,7 +786,7 @@ class PolicyScheduler(AsyncScheduler):
             record["delivered_t"] = now
             if self.monitor is not None and self.monitor.decisions is not None:
                 self.monitor.decision(record)
-                if not self.requests:  # idle: no step comes to flush it
+                if self._idle():  # no step comes to flush it
                     self.monitor.decisions.flush()
         for request_id in scheduler_output.num_scheduled_tokens:
             request, state = self.requests.get(request_id), self._states.get(request_id)
@@ -804,6 +825,26 @@ class PolicyScheduler(AsyncScheduler):
         except Exception:
             log.exception("step log: could not record a step")
 
+    def _resumed_session(self, request_id: str) -> bool:
+        """A streaming-input session vLLM resumed with its next input (ahead of the waiting queue):
+        no new admission for the policy, which sees its grown prompt now."""
+        state = self._states.get(request_id)
+        if request_id not in self._sessions or state is None or state.phase not in ("prefill", "decode"):
+            return False
+        self._refresh_session(state, self.requests[request_id])
+        return True
+
+    @staticmethod
+    def _refresh_session(state: RequestState, request: Any) -> None:
+        """A session's next input joined its prompt (with the answers kept before it): the state
+        takes vLLM's counts, and prefills again."""
+        if state.prompt_tokens != request.num_prompt_tokens:
+            state.phase = "prefill"
+        state.prompt_tokens = request.num_prompt_tokens
+        state.max_tokens = request.max_tokens or 0
+        state.tokens_generated = request.num_output_tokens
+        state.tokens_computed = request.num_computed_tokens
+
     def _sync(self) -> None:
         """Copy vLLM's computed-token counters into the policy's view (tokens and phases move when
         vLLM delivers a step's output, `_deliver`), and a streaming-input session's grown prompt."""
@@ -815,9 +856,7 @@ class PolicyScheduler(AsyncScheduler):
             for request in self.running:
                 state = self._states.get(request.request_id)
                 if state is not None and request.request_id in self._sessions:
-                    state.prompt_tokens = request.num_prompt_tokens
-                    state.max_tokens = request.max_tokens or 0
-                    state.tokens_generated = request.num_output_tokens
+                    self._refresh_session(state, request)
 
     def _view(self, now: float) -> EngineView:
         running = [self._states[r.request_id] for r in self.running if r.request_id in self._states]
@@ -915,6 +954,8 @@ class PolicyScheduler(AsyncScheduler):
         """Report admissions and vLLM's own preemptions to the policy."""
         running_now = {r.request_id for r in self.running}
         admitted = [r.request_id for r in self.running if r.request_id not in self._running_ids]
+        if self._sessions:  # a session back with its next input was admitted once already
+            admitted = [i for i in admitted if not self._resumed_session(i)]
         for request_id in admitted:  # in admission order, as the replay engine calls on_admit
             state = self._states.get(request_id)
             self._waiting_states.pop(request_id, None)

@@ -115,3 +115,19 @@ def test_logged_versions_replace_what_the_spec_said(tmp_path):
     assert (version(policy.patterns), policy.waiting_time_s) == (2, 5)
     policy = logged_policy("policy-config@v1", {"patterns": "pattern-graph@v2"})
     assert (policy.name, version(policy.patterns), policy.waiting_time_s) == ("jitserve", 2, 7.0)
+
+
+def test_a_streaming_input_session_ends_the_run_where_it_arrived_even_at_the_first_step(tmp_path):
+    """The replay does not model streaming-input sessions: the run a replay can follow ends at
+    the record that notes one, the first record included."""
+    write(tmp_path / "decisions-000001.jsonl", [step(0, policy="fcfs"), step(1, streaming_sessions=["s"])])
+    write(tmp_path / "decisions-000002.jsonl", [step(0, policy="fcfs", streaming_sessions=["t"]), step(1)])
+    first, second = read_decision_log(tmp_path)
+    assert (
+        len(first.decisions) == 1
+        and first.stopped_by == "a streaming-input session (s) at step 1: not modelled"
+    )
+    assert (
+        second.decisions == []
+        and second.stopped_by == "a streaming-input session (t) at step 0: not modelled"
+    )
