@@ -825,6 +825,10 @@ class PolicyScheduler(AsyncScheduler):
         except Exception:
             log.exception("step log: could not record a step")
 
+    def _resumed_waiting(self, request_id: str) -> bool:
+        """A session that waits with its next input, not as the policy's (a preempted one is)."""
+        return request_id in self._sessions and request_id not in self._waiting_states
+
     def _resumed_session(self, request_id: str) -> bool:
         """A streaming-input session vLLM resumed with its next input (ahead of the waiting queue):
         no new admission for the policy, which sees its grown prompt now."""
@@ -919,7 +923,9 @@ class PolicyScheduler(AsyncScheduler):
         # otherwise re-admit it in the same schedule() and the policy would never hear of either.
         preempted_now = self._preempt_order[: self._policy_preempts]
         admissible = {r.request_id for r in self.waiting}.difference(preempted_now)
-        front = []
+        # A streaming-input session back with its next input is resumed ahead of the plan, as vLLM
+        # 0.32 does from its queue of KV-holding requests; older vLLMs put it in this queue.
+        front = [r for r in self.waiting if self._resumed_waiting(r.request_id)] if self._sessions else []
         for state in plan.admit or ():
             if len(front) >= room:
                 break
