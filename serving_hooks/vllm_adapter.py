@@ -285,11 +285,7 @@ class PolicyScheduler(AsyncScheduler):
                 state = self._states.get(request.request_id)
                 self._running_ids.discard(request.request_id)
                 if state is not None:
-                    self._waiting_states[request.request_id] = state
-                    state.phase = "preempted"
-                    state.tokens_computed = 0
-                    state.num_preemptions += 1
-                    self._call("on_preempt", state, now)
+                    self._preempted(state, now)
             if self.metrics is not None:
                 self.metrics.preempted("prefix_cache_reset", len(preempted))
             if self._recording and (reset or preempted) and self._cache_reset != "preempting":
@@ -975,18 +971,22 @@ class PolicyScheduler(AsyncScheduler):
             request = self.requests.get(request_id)
             state = self._states.get(request_id)
             if state is not None and request is not None and request.status == RequestStatus.PREEMPTED:
-                self._waiting_states[request_id] = state
-                state.phase = "preempted"
-                state.tokens_computed = 0
-                state.num_preemptions += 1
+                self._preempted(state, now)
                 preempted += 1
-                self._call("on_preempt", state, now)
         self._running_ids = running_now
         if self.metrics is not None:
             self.metrics.admitted(len(admitted))
             self.metrics.preempted("policy", min(preempted, self._policy_preempts))
             self.metrics.preempted("kv_pressure", max(0, preempted - self._policy_preempts))
         self._policy_preempts = 0
+
+    def _preempted(self, state: RequestState, now: float) -> None:
+        """vLLM preempted this request (recompute): it waits again, and its policy is told."""
+        self._waiting_states[state.id] = state
+        state.phase = "preempted"
+        state.tokens_computed = 0
+        state.num_preemptions += 1
+        self._call("on_preempt", state, now)
 
 
 def block_keys(block_hashes: Sequence[Any]) -> list[str]:

@@ -253,13 +253,7 @@ class ReplayEngine:
             if at is not None:  # requests that reached the live engine before the reset: first
                 self._admit_arrivals(until_s=at)
             for state in reversed(self.running):
-                self._leave_running(state)
-                self.kv.release(state.id)
-                state.tokens_computed = 0
-                state.phase = "preempted"
-                state.num_preemptions += 1
-                self.recorder.preempted(state)
-                self.waiting[state.id] = state
+                self._requeue(state)
                 if self._placeholders.pop(state.id, 0):
                     self._dropped_in_flight.add(state.id)
                 if self.decisions is not None:
@@ -753,6 +747,12 @@ class ReplayEngine:
         self._running_latency.pop(state.id, None)
 
     def _preempt(self, state: RequestState) -> None:
+        """Preempt within a step: the policy hears of it once the step is planned (`_tell_preempted`)."""
+        self._requeue(state)
+        self._preempted_step.append(state)
+
+    def _requeue(self, state: RequestState) -> None:
+        """A running request preempted by recompute: its blocks freed, back in the waiting queue."""
         self._leave_running(state)
         self.kv.release(state.id)
         state.tokens_computed = 0
@@ -760,7 +760,6 @@ class ReplayEngine:
         state.num_preemptions += 1
         self.recorder.preempted(state)
         self.waiting[state.id] = state
-        self._preempted_step.append(state)
 
     def _tell_preempted(self) -> None:
         """`on_preempt` for this step's preemptions, in the order they happened, after the step's
