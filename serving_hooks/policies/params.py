@@ -79,8 +79,25 @@ def check_params(policy_class: type, params: dict[str, Any]) -> None:
     parameter whose value does not fit its annotation's scalar type or its range."""
     for key, value in params.items():
         parameter = _parameter(policy_class, key)
-        if parameter is not None:  # unknown names: the constructor's TypeError says which
-            _check_value(key, value, _annotation_types(parameter.annotation))
+        if parameter is None:
+            accepted = ", ".join(accepted_params(policy_class)) or "none"
+            raise ValueError(f"{key}: not a parameter of this policy; it takes {accepted}")
+        _check_value(key, value, _annotation_types(parameter.annotation))
+
+
+def accepted_params(policy_class: type) -> list[str]:
+    """The parameter names a policy's constructor takes, those passed on through `**kwargs` to a
+    parent's (slai-fixed's to slai's) included, in declaration order."""
+    names: dict[str, None] = {}
+    for cls in policy_class.__mro__:
+        if "__init__" not in vars(cls) or cls is object:
+            continue
+        parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]  # not self
+        variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        names.update(dict.fromkeys(p.name for p in parameters if p.kind not in variadic))
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    return list(names)
 
 
 def _parameter(policy_class: type, key: str) -> inspect.Parameter | None:

@@ -73,7 +73,7 @@ def test_replay_trace_without_timestamps_needs_rate(tmp_path, shared_traces, cap
     [
         (["--policies", "fcfs,nope"], "unknown 'nope'"),
         (["--policies", "sarathi:order"], "expected key=value"),
-        (["--policies", "sarathi:colour=red"], "unexpected keyword"),
+        (["--policies", "sarathi:colour=red"], "colour: not a parameter of this policy"),
         (["--rate", "-1"], "--rate: must be > 0"),
         (["--num-requests", "0"], "--num-requests: must be > 0"),
         (["--replicas", "0"], "--replicas"),

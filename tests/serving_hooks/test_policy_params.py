@@ -19,7 +19,8 @@ from serving_hooks.policies import POLICIES, make_policy, make_policy_from_spec
         ("fastserve:levels=true", "levels: expected an integer"),
         ("sarathi:order=3", "order: expected a string"),
         ("ltr:sigma=-0.5", "sigma: expected a finite number in [0, inf)"),
-        ("sarathi:budget=5", "unexpected keyword argument 'budget'"),
+        ("sarathi:budget=5", "budget: not a parameter of this policy; it takes token_budget, order"),
+        ("slai-fixed:budget=5", "it takes offset, prefill_order,"),  # slai's, passed on through **kwargs
         ("spf:victim=oldest", "victim: expected one of priority, newest, got 'oldest'"),
         ("sagesched:victim=3", "victim: expected a string"),
     ],
