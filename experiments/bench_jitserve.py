@@ -1,6 +1,6 @@
 """JITServe benchmarks: the QRF bound per request, one GMAX planning step, pattern matching.
 
-    .venv/bin/python -m experiments.bench_jitserve [--waiting 10000] [--repeats 20]
+    .venv/bin/python -m experiments.bench_jitserve [--waiting 10000] [--repeats 20] [--json OUT]
 
 Prints medians of:
 - `qrf-length` bound for one request and per request in a batch of 500, through our compiled
@@ -10,15 +10,19 @@ Prints medians of:
   preemption check) over `--waiting` waiting plus 256 running requests whose bounds are already
   cached (target < 20 ms for 10,000; the paper schedules thousands in 20 ms);
 - `pattern-graph` matching of a partial program against 500 stored graphs (paper: < 5 ms).
-Components are fitted on the bundled data first (about 20 s).
+Components are fitted on the bundled data first (about 20 s). `--json OUT` writes
+`{"settings": {...}, "ms": {"qrf_single", "qrf_single_library", "qrf_per_request_of_500",
+"qrf_per_request_of_500_library", "gmax_frame", "pattern_match"}}`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -42,7 +46,7 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1000
 
 
-def bench_qrf(repeats: int) -> None:
+def bench_qrf(repeats: int) -> dict[str, float]:
     train, test = split_by_instruction(load_trace(bundled("alpaca_eval_lengths.jsonl.gz")))
     qrf = QrfLength(generated_features=0).fit(train)
     prompts, texts = list(test.prompt_tokens[:500]), list(test.prompt_text[:500])
@@ -62,9 +66,15 @@ def bench_qrf(repeats: int) -> None:
         f"qrf-length bound, per request of 500 {batch:8.4f} ms"
         f"   (quantile-forest predict: {library_batch:.4f} ms)"
     )
+    return {
+        "qrf_single": single,
+        "qrf_single_library": library_single,
+        "qrf_per_request_of_500": batch,
+        "qrf_per_request_of_500_library": library_batch,
+    }
 
 
-def bench_gmax(waiting: int, repeats: int) -> None:
+def bench_gmax(waiting: int, repeats: int) -> float:
     rng = np.random.default_rng(0)
     slos = [SLO(kind="latency", ttft_s=2.0, tbt_s=0.1), SLO(kind="deadline", deadline_s=20.0), SLO()]
     policy = JITServe(batch_size=256, frame_steps=1)
@@ -88,24 +98,33 @@ def bench_gmax(waiting: int, repeats: int) -> None:
         plan = policy.on_step(view)
         next(iter(plan.admit), None)
 
-    print(f"GMAX frame, {waiting:,} waiting + 256 running  {median_ms(frame, repeats):8.2f} ms")
+    ms = median_ms(frame, repeats)
+    print(f"GMAX frame, {waiting:,} waiting + 256 running  {ms:8.2f} ms")
+    return ms
 
 
-def bench_patterns(repeats: int) -> None:
+def bench_patterns(repeats: int) -> float:
     patterns = PatternGraph(max_graphs=500).fit(generate_graphs(2000, 1000))
     graph = next(g for g in generate_graphs(50, 2000) if len(g.stages) >= 4)
     ms = median_ms(lambda: patterns.stage_share(graph.stages[:3], graph.stages[3]), repeats * 10)
     print(f"pattern-graph match, 500 stored graphs  {ms:8.3f} ms")
+    return ms
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--waiting", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
-    bench_qrf(args.repeats)
-    bench_gmax(args.waiting, args.repeats)
-    bench_patterns(args.repeats)
+    parser.add_argument("--json", metavar="OUT", help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    ms = {
+        **bench_qrf(args.repeats),
+        "gmax_frame": bench_gmax(args.waiting, args.repeats),
+        "pattern_match": bench_patterns(args.repeats),
+    }
+    if args.json:
+        settings = {"waiting": args.waiting, "running": 256, "repeats": args.repeats}
+        Path(args.json).write_text(json.dumps({"settings": settings, "ms": ms}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,21 @@
 """Per-step policy overhead: one `on_step` (and consuming the admission order the way an engine
 does) with 256 running and 1,000 waiting requests, for every policy.
 
-    .venv/bin/python -m experiments.bench_policies [--steps N]
+    .venv/bin/python -m experiments.bench_policies [--steps N] [--policies a,b] [--json OUT]
 
 This is the cost a policy adds to each scheduling step in either engine (the replay engine or
 vLLM's scheduler through `serving_hooks.vllm_adapter`); vLLM's own scheduling work is not included.
+`--json OUT` writes `{"settings": {...}, "policies": {NAME: {"on_step_us"}}}`.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -55,13 +58,26 @@ def bench(name: str, steps: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--policies", default=",".join(POLICIES), help="comma-separated (default: every policy)"
+    )
+    parser.add_argument("--json", metavar="OUT", help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    names = [name.strip() for name in args.policies.split(",") if name.strip()]
+    unknown = [name for name in names if name not in POLICIES]
+    if unknown:
+        parser.error(f"--policies: unknown {', '.join(unknown)}; expected some of {', '.join(POLICIES)}")
     print(f"{'policy':<12} median on_step (us), 256 running / 1,000 waiting")
-    for name in POLICIES:
-        print(f"{name:<12} {bench(name, args.steps) * 1e6:10.1f}")
+    figures = {}
+    for name in names:
+        figures[name] = {"on_step_us": bench(name, args.steps) * 1e6}
+        print(f"{name:<12} {figures[name]['on_step_us']:10.1f}")
+    if args.json:
+        settings = {"steps": args.steps, "running": 256, "waiting": 1000}
+        Path(args.json).write_text(json.dumps({"settings": settings, "policies": figures}, indent=2))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ replays the workload, and scores equation 5's reward
 with C, L, S the layout's compactness, load balance and proliferation as routed during the replay,
 and U the mean TTFT relative to FCFS on the same requests. Every trial is an MLflow run, the
 reward curve is logged as a plot, and the best Theta is registered as a new `ewsjf-meta-policy`
-version and as a `policy-config`.
+version and as a `policy-config`. `adapt tune ewsjf --trace FILE` tunes on a user's trace instead
+of the workload (`trace_traffic`), on the same engine.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from adapt.replay.engine import EngineConfig, ReplayEngine
 from adapt.replay.metrics import ReplayResult
 from adapt.requests import Request
 from adapt.steplog import CostModel
+from adapt.traces import Trace
 from adapt.workloads import WORKLOADS
+from adapt.workloads.builders import trace_requests
 from pipelines.outcome import Gate, TrainOutcome, latest_data_hash, register_and_gate
 from predictors.ewsjf_meta import REWARD_WEIGHTS, THETA_SPACE, EwsjfMetaPolicy, equation5
 from serving_hooks.policies import make_policy
@@ -56,6 +59,45 @@ def history_lengths(num_requests: int = 4000, seed: int = 1) -> np.ndarray:
     evaluation traffic, so the layout is not fitted on the requests it is judged on)."""
     spec = WORKLOADS["ewsjf-mixed"]
     return np.array([r.prompt_tokens for r in spec.build(spec.rate, num_requests, seed)], dtype=np.float64)
+
+
+# A layout fitted on fewer prompts than this, or judged on fewer requests, says little.
+MIN_TRACE_SIDE = 50
+
+
+class TuningTraffic(NamedTuple):
+    """What a tuning study replays (`requests`) and the prompt lengths each trial's layout is
+    fitted on (`history`): disjoint, so a layout is never judged on the prompts it was fitted to."""
+
+    requests: list[Request]
+    history: np.ndarray
+    source: str
+
+
+def workload_traffic(rate: float, num_requests: int, seed: int) -> TuningTraffic:
+    """`ewsjf-mixed` at `rate`, its history window drawn with another seed (`history_lengths`)."""
+    requests = WORKLOADS["ewsjf-mixed"].build(rate, num_requests, seed)
+    return TuningTraffic(requests, history_lengths(), f"ewsjf-mixed at {rate} req/s")
+
+
+def trace_traffic(trace: Trace, rate: float | None, num_requests: int | None, seed: int) -> TuningTraffic:
+    """A user's trace split in time: its last `num_requests` (default: the later half, at most
+    1,500) are replayed -- at their own arrival times, or time-scaled to `rate` (Poisson at `rate`
+    for a length-only trace, as `adapt replay --trace` does) -- and the prompts before them are the
+    history the layout is fitted on, as a server's earlier traffic would be."""
+    replayed = min(num_requests or min(1500, len(trace) // 2), len(trace) - MIN_TRACE_SIDE)
+    if replayed < MIN_TRACE_SIDE:
+        raise ValueError(
+            f"{trace.name}: {len(trace)} requests; tuning needs at least {2 * MIN_TRACE_SIDE} (a history"
+            f" window of {MIN_TRACE_SIDE} or more before the {MIN_TRACE_SIDE} or more it replays)"
+        )
+    split = len(trace) - replayed
+    history = trace.prompt_tokens[:split].astype(np.float64)
+    requests = trace_requests(trace.take(np.arange(split, len(trace))), rate, seed)
+    pace = "its own arrivals" if rate is None else f"{rate} req/s"
+    return TuningTraffic(
+        requests, history, f"{trace.name} ({replayed} requests at {pace}, {split} before them)"
+    )
 
 
 def replay_ewsjf(
@@ -177,20 +219,25 @@ def tune_ewsjf(
     experiment: str = "tune-ewsjf",
     margin: float = 0.0,
     jobs: int = 1,
+    traffic: TuningTraffic | None = None,
 ) -> TrainOutcome:
-    """Bayesian optimisation of Theta on replay of ewsjf-mixed, warm-started from the champion's
-    Theta and the defaults. The best trial is registered and promoted if its reward beats the
-    champion's Theta scored on the same replay and layout window by `margin`."""
+    """Bayesian optimisation of Theta on replay of ewsjf-mixed (or `traffic`, e.g. a user's trace:
+    `trace_traffic`; `rate` and `num_requests` then only say what it holds), warm-started from the
+    champion's Theta and the defaults, on ewsjf-mixed's engine either way. The best trial is
+    registered and promoted if its reward beats the champion's Theta scored on the same replay and
+    layout window by `margin`."""
     from adapt.online import tune
 
-    lengths = history_lengths()
-    objective = ewsjf_objective(WORKLOADS["ewsjf-mixed"].build(rate, num_requests, seed), lengths)
+    on_workload = traffic is None
+    traffic = traffic or workload_traffic(rate, num_requests, seed)
+    lengths = traffic.history
+    objective = ewsjf_objective(traffic.requests, lengths)
 
     champion = registry.champion("ewsjf-meta-policy")
     warm = [champion.get_params()] if champion is not None else []
     warm.append(EwsjfMetaPolicy().get_params())
     print(
-        f"tuning EWSJF Theta on ewsjf-mixed at {rate} req/s, {num_requests} requests, {trials} trials",
+        f"tuning EWSJF Theta on {traffic.source}, {len(traffic.requests)} requests, {trials} trials",
         file=sys.stderr,
     )
     result = tune(
@@ -214,8 +261,9 @@ def tune_ewsjf(
     best = EwsjfMetaPolicy(**result.params).fit(lengths)
     best.metadata["data_window"] = {
         "history_prompts": len(lengths),
-        "tune_rate": rate,
-        "requests": num_requests,
+        "traffic": traffic.source,
+        **({"tune_rate": rate} if on_workload else {}),
+        "requests": len(traffic.requests),
         "study": {"name": STUDY, "best_trial": result.best_trial, "value": result.value},
     }
     champion_metrics = None
@@ -234,7 +282,11 @@ def tune_ewsjf(
             champion_metrics,
             Gate("reward", lower_is_better=False, margin=margin),
             promote_if_better=True,
-            params={"trials": trials, "tune_rate": rate},
+            params={
+                "trials": trials,
+                "traffic": traffic.source,
+                **({"tune_rate": rate} if on_workload else {}),
+            },
         )
         _log_reward_curve(registry, outcome.version, [h[2]["reward"] for h in result.history])
         queues = [q.__dict__ for q in best.queues_]

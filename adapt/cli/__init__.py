@@ -173,7 +173,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     evaluate = entry(args.component).evaluate
     assert evaluate is not None  # argparse's choices are the evaluable components
-    metrics = evaluate(_registry(args), args.data, version=args.version)
+    metrics = evaluate(_registry(args), args.data, alias=args.alias, version=args.version)
     if args.component == "semantic-history":  # scored next to its two baselines: one row each
         print(f"{args.component} on {args.data} (leave-one-prompt-out, {int(metrics['prompts'])} prompts)")
         print(f"{'predictor':<12}{'wasserstein':>14}{'crps':>10}{'bucket_overlap':>16}{'mean_abs_error':>16}")
@@ -191,24 +191,56 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+# The options each tuner honours, beyond --rate and --num-requests; `_refuse_unused` refuses the
+# others when given, rather than let a flag do nothing (`--storage` on slai once did).
+TUNER_OPTIONS: dict[str, frozenset[str]] = {
+    "slai": frozenset({"trials", "overlap", "jobs"}),
+    "ewsjf": frozenset({"trials", "storage", "jobs"}),
+    "ewsjf --online": frozenset(),
+    "jitserve": frozenset({"trials", "jobs"}),
+}
+
+
+def _refuse_unused(args: argparse.Namespace, tuner: str) -> None:
+    from adapt.parallel import default_jobs
+    from adapt.replay.cost import DEFAULT_OVERLAP
+
+    given = {
+        "trials": args.trials is not None,
+        "storage": args.storage is not None,
+        "overlap": args.overlap != DEFAULT_OVERLAP,
+        "jobs": args.jobs != default_jobs(),
+    }
+    unused = [
+        f"--{option}"
+        for option, was_given in given.items()
+        if was_given and option not in TUNER_OPTIONS[tuner]
+    ]
+    if unused:
+        raise UsageError(f"tune {tuner}: {', '.join(unused)} not used by this tuner")
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
-    """Every tuner registers a policy-config; slai's and ewsjf's also the best component version."""
+    """Every tuner registers a policy-config; slai's and ewsjf's also the best component version.
+    `--trials` not given, each tuner runs its own default number."""
     workload = {"slai": "slai-tiers", "ewsjf": "ewsjf-mixed", "jitserve": "jitserve-mix"}[args.policy]
-    if args.trace or args.workload not in (None, workload):
-        raise UsageError(f"tune {args.policy}: only --workload {workload} is supported")
+    if args.workload not in (None, workload):
+        raise UsageError(f"tune {args.policy}: only --workload {workload} (or, for ewsjf, --trace FILE)")
+    if args.online and args.policy != "ewsjf":
+        raise UsageError(f"tune {args.policy}: --online is ewsjf's (ewsjf-online in replay)")
+    if args.trace and (args.policy != "ewsjf" or args.online):
+        raise UsageError(
+            f"tune {args.policy}{' --online' if args.online else ''}: --trace is for ewsjf's offline study;"
+            " slai and jitserve tune for their workload's SLO tiers and classes, which a trace does not carry"
+        )
+    _refuse_unused(args, "ewsjf --online" if args.online else args.policy)
+    trials = {} if args.trials is None else {"trials": args.trials}
 
     if args.policy == "jitserve":
         from pipelines.jitserve_tune import tune_jitserve
 
-        if args.storage:  # registering a shared study's best once needs ewsjf's lock dance; not built
-            raise UsageError("tune jitserve: --storage (a study shared by workers) is not supported")
-
         outcome = tune_jitserve(
-            _registry(args),
-            rate=args.rate,
-            num_requests=args.num_requests,
-            trials=args.trials,
-            jobs=args.jobs,
+            _registry(args), rate=args.rate, num_requests=args.num_requests, jobs=args.jobs, **trials
         )
         print(f"  policy-config: registered version {outcome.version} (not promoted)")
         for key, value in sorted(outcome.metrics.items()):
@@ -221,15 +253,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
             _registry(args), rate=given(args.rate, 12.0), num_requests=given(args.num_requests, 4000)
         )
     elif args.policy == "ewsjf":
-        from pipelines.ewsjf import tune_ewsjf
+        from pipelines.ewsjf import trace_traffic, tune_ewsjf
 
+        traffic = None
+        if args.trace:
+            traffic = trace_traffic(load_trace(args.trace), args.rate, args.num_requests, seed=0)
         outcome = tune_ewsjf(
             _registry(args),
             rate=given(args.rate, 40.0),
             num_requests=given(args.num_requests, 1500),
-            trials=args.trials,
             storage=args.storage,
             jobs=args.jobs,
+            traffic=traffic,
+            **trials,
         )
     else:
         from pipelines.slai import TUNE_RATE, TUNE_REQUESTS, train_slai_offset
@@ -238,11 +274,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
             _registry(args),
             rate=given(args.rate, TUNE_RATE),
             num_requests=given(args.num_requests, TUNE_REQUESTS),
-            trials=args.trials,
             overlap=args.overlap,
             promote_if_better=True,
             with_policy_config=True,
             jobs=args.jobs,
+            **trials,
         )
     _print_outcome("ewsjf-meta-policy" if args.policy == "ewsjf" else "slai-offset", outcome)
     return 0
@@ -454,7 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--data", required=True, help="prompt/response file (alpaca format); pattern-graph: JSONL graphs"
     )
-    evaluate.add_argument("--version", type=COUNT, help="a version number (default: the champion)")
+    which = evaluate.add_mutually_exclusive_group()
+    which.add_argument("--alias", default="champion", help="an alias (default: champion)")
+    which.add_argument("--version", type=COUNT, help="a version number instead of an alias")
     evaluate.add_argument("--json", dest="json_out", metavar="OUT", help="also write the metrics here")
     evaluate.set_defaults(func=cmd_evaluate)
 
@@ -463,12 +501,18 @@ def build_parser() -> argparse.ArgumentParser:
     tune_source = tune.add_mutually_exclusive_group()
     tune_source.add_argument("--workload")
     tune_source.add_argument("--trace")
-    tune.add_argument("--trials", type=COUNT, default=20)
+    tune.add_argument(
+        "--trials",
+        type=COUNT,
+        help="Optuna trials (default: the tuner's own: 20 for slai and ewsjf, 24 for jitserve)",
+    )
     tune.add_argument("--rate", type=RATE)
     tune.add_argument("--num-requests", type=COUNT)
     add_overlap_argument(tune, help=SLAI_OVERLAP_HELP)
     tune.add_argument(
-        "--storage", help="Optuna storage URL (e.g. sqlite:///mlruns/optuna.db, postgresql://...)"
+        "--storage",
+        help="ewsjf: Optuna storage URL (e.g. sqlite:///mlruns/optuna.db, postgresql://...), one study"
+        " several machines work",
     )
     tune.add_argument(
         "--online",

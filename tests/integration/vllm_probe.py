@@ -1,6 +1,6 @@
 """Run a real vLLM engine (tiny model) under an adapt policy; print the order requests finished in.
 
-    python tests/vllm_probe.py MODEL_DIR POLICY_SPEC [MAX_NUM_SEQS]
+    .venv/bin/python tests/integration/vllm_probe.py MODEL_DIR POLICY_SPEC [MAX_NUM_SEQS]
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so a test-only policy
 registered below is visible to the scheduler. Output: one JSON line {"order": [...], "errors": N},

@@ -78,6 +78,17 @@ def test_tune_jitserve_registers_a_policy_config(tmp_path, capsys):
     assert policy.name == "jitserve" and 1 <= policy.batch_size <= 256
 
 
-def test_tune_jitserve_refuses_a_shared_study(capsys):
-    assert main(["tune", "jitserve", "--storage", "sqlite:////tmp/never.db"]) == 2
-    assert "--storage" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("args", "refused"),
+    [
+        (["jitserve", "--storage", "sqlite:////tmp/never.db"], "--storage"),
+        (["slai", "--storage", "sqlite:////tmp/never.db"], "--storage"),  # was accepted and ignored
+        (["ewsjf", "--overlap", "step"], "--overlap"),
+        (["ewsjf", "--online", "--trials", "3"], "--trials"),
+        (["ewsjf", "--online", "--storage", "sqlite:////tmp/never.db"], "--storage"),
+        (["slai", "--online"], "--online"),
+    ],
+)
+def test_tune_refuses_an_option_the_tuner_would_not_use(capsys, args, refused):
+    assert main(["tune", *args]) == 2
+    assert refused in capsys.readouterr().err

@@ -112,6 +112,37 @@ def test_tune_ewsjf_registers_best_theta_and_policy_config(tmp_path, capsys):
     assert reg.load("ewsjf-meta-policy", version=2).b_u == meta.b_u
 
 
+def test_tune_ewsjf_on_a_users_trace_fits_on_its_earlier_prompts_and_replays_the_later(tmp_path, capsys):
+    """DESIGN.md's `adapt tune POLICY (--trace FILE | --workload NAME)`, for ewsjf: the trace's
+    later requests are replayed at their own arrival times, its earlier prompts are the history."""
+    from adapt.traces import load_trace
+    from adapt.workloads import bundled
+    from pipelines.ewsjf import trace_traffic
+
+    trace = load_trace(bundled("azure_conv_2023.csv.gz")).head(300)
+    traffic = trace_traffic(trace, rate=None, num_requests=120, seed=0)
+    assert len(traffic.requests) == 120 and len(traffic.history) == 180
+    assert traffic.history.tolist() == trace.prompt_tokens[:180].tolist()
+    assert [r.prompt_tokens for r in traffic.requests] == trace.prompt_tokens[180:].tolist()
+    gaps = np.diff([r.arrival_s for r in traffic.requests])
+    assert gaps.tolist() == pytest.approx(np.diff(trace.arrival_s[180:]).tolist())
+    default = trace_traffic(trace, rate=None, num_requests=None, seed=0)
+    assert len(default.requests) == 150  # the later half
+    with pytest.raises(ValueError, match="at least 100"):
+        trace_traffic(trace.head(99), rate=None, num_requests=None, seed=0)
+
+    uri = f"sqlite:///{tmp_path / 't.db'}"
+    path = str(bundled("azure_conv_2023.csv.gz"))
+    tune = ["--tracking-uri", uri, "tune", "ewsjf", "--trials", "4", "--num-requests", "200"]
+    assert main([*tune, "--trace", path]) == 0
+    assert "ewsjf-meta-policy: registered version 1" in capsys.readouterr().out
+    window = Registry(uri, cache_dir=tmp_path / "c").load("ewsjf-meta-policy").metadata["data_window"]
+    assert window["requests"] == 200 and window["history_prompts"] == 19366 - 200
+    assert "azure_conv_2023" in window["traffic"] and "tune_rate" not in window
+    assert main(["--tracking-uri", uri, "tune", "slai", "--trace", path]) == 2
+    assert "--trace is for ewsjf's offline study" in capsys.readouterr().err
+
+
 def test_online_ewsjf_tuning_registers_a_candidate(tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'o.db'}"
     assert main(["--tracking-uri", uri, "tune", "ewsjf", "--online", "--num-requests", "1000"]) == 0
@@ -192,6 +223,13 @@ def test_qrf_length_pipeline_on_a_length_only_slice(tmp_path, capsys):
         == 0
     )
     assert json.loads(report.read_text())["coverage_error"] >= 0
+    # DESIGN.md's interface: `--alias A | --version N`, the champion when neither is given.
+    evaluate = ["--tracking-uri", uri, "evaluate", "qrf-length", "--data", str(data)]
+    for which in (["--alias", "champion", "--json", str(report)], ["--version", "1"]):
+        assert main([*evaluate, *which]) == 0
+    capsys.readouterr()
+    assert main([*evaluate, "--alias", "canary"]) == 2
+    assert "canary" in capsys.readouterr().err
 
 
 def test_pattern_graph_gate_refuses_worse_and_accepts_better(tmp_path, capsys):
