@@ -508,6 +508,8 @@ class ReplayEngine:
         previous, self._in_flight = self._in_flight, None
         if scheduled or trace is not None:
             self._execute(scheduled, trace)
+        elif previous is not None:  # vLLM counts the empty schedule() it makes while a batch is in flight
+            self.step_index += 1
         delivered = self._deliver(previous)
         if trace is None and not scheduled and not changed and not delivered:
             self._idle(view)
@@ -592,8 +594,10 @@ class ReplayEngine:
             self._freed_since.append(state.id)
 
     def _idle(self, view: EngineView) -> None:
-        """Nothing could be scheduled: wait for the next arrival or the policy's wake-up time."""
-        wake = min(self.next_arrival_s, self.policy.horizon(view).until_s)
+        """Nothing could be scheduled: wait for the next arrival or the policy's wake-up time, or
+        up to the arrival fence, where a driver (`Cluster`, `run_with_checkpoints`) may hand this
+        engine an arrival it does not know of yet (a live engine would see it there)."""
+        wake = min(self.next_arrival_s, self.arrival_fence_s, self.policy.horizon(view).until_s)
         if not math.isfinite(wake) or wake <= self.now:
             raise PolicyError(
                 f"policy {self.policy.name!r} scheduled nothing at t={self.now:.3f}s with "
@@ -703,6 +707,7 @@ class ReplayEngine:
         kv = self.kv
         room = self.config.max_running - len(self.running)
         preempted = {state.id for state in self._preempted_step}
+        taken: set[str] = set()  # a plan that lists a request twice admits it once, as live
         for state in plan.admit or ():
             if room <= 0 or budget <= 0:
                 break
@@ -710,8 +715,10 @@ class ReplayEngine:
                 self.waiting.get(state.id) is not state
                 or self._placeholders.get(state.id, 0)
                 or state.id in preempted  # preempted this step: back in the queue next step
+                or state.id in taken
             ):
                 continue
+            taken.add(state.id)
             # With prefix caching, it first takes the cached blocks its tokens match (vLLM's
             # `get_computed_blocks`, then `allocate_slots`); a resumed request's output counts.
             hits = kv.lookup(state.id, state.prompt_tokens + state.tokens_generated)

@@ -3,7 +3,7 @@ of whole sequences only, and async scheduling's one-step lag -- each as vLLM V1 
 
 import pytest
 
-from adapt.policy import Plan, Policy
+from adapt.policy import Horizon, Plan, Policy
 from adapt.replay.engine import EngineConfig, ReplayEngine
 from adapt.requests import Request
 from tests.replay_helpers import CheckedEngine, ConstantCost
@@ -68,12 +68,15 @@ def test_async_scheduling_delivers_a_steps_tokens_after_the_next_step_is_planned
             return super().on_step(view)
 
     e = engine(Watching(), kv_tokens=64, async_scheduling=True, record_decisions=True)
-    result = e.run([Request("a", 0.0, 4, 3, max_tokens=3)])
-    assert [d["scheduled"] for d in e.decisions] == [{"a": 4}, {"a": 1}, {"a": 1}, {}]
-    assert seen == [[], [0], [1], [2]]
-    record = result.records[0]
-    assert record.first_token_s == pytest.approx(0.1) and record.finish_s == pytest.approx(0.3)
+    result = e.run([Request("a", 0.0, 4, 3, max_tokens=3), Request("b", 5.0, 4, 1, max_tokens=1)])
+    assert [d["scheduled"] for d in e.decisions] == [{"a": 4}, {"a": 1}, {"a": 1}, {}, {"b": 4}, {}]
+    assert seen == [[], [0], [1], [2], [], [0]]
+    a = next(r for r in result.records if r.request_id == "a")
+    assert a.first_token_s == pytest.approx(0.1) and a.finish_s == pytest.approx(0.3)
     assert e.decisions[3]["freed"] == []  # freed when the last step's output arrives, after it
+    # Step 3's empty schedule() counts as a step in vLLM (its `current_step`), as every call does:
+    # b's first step is step 4 (the replay once gave it 3, which steps-based policies read).
+    assert [d["index"] for d in e.decisions] == [0, 1, 2, 3, 4, 5]
 
 
 def test_async_scheduling_runs_one_more_decode_for_an_answer_a_stop_token_ends():
@@ -250,3 +253,46 @@ def test_a_component_swapped_in_serves_from_the_next_plan_after_that_steps_intak
     e.use_component("model", "v2")
     e.step()
     assert policy.seen == [("a", "v1"), (0, "v1"), ("b", "v1"), (1, "v2")]
+
+
+class AdmitsTwice(Ordered):
+    """Lists every waiting request twice in its admission order."""
+
+    def on_step(self, view):
+        return Plan(admit=[r for r in view.waiting for _ in range(2)])
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_plan_that_lists_a_request_twice_admits_it_once(asynchronous):
+    # vLLM's adapter admits it once (the scheduler harness checks it live); the replay charged its
+    # tokens and blocks twice and then failed taking it off the waiting queue a second time.
+    e = engine(AdmitsTwice(), kv_tokens=64, async_scheduling=asynchronous, record_decisions=True)
+    result = e.run([Request("a", 0.0, 8, 2), Request("b", 0.0, 4, 2)])
+    assert e.decisions[0]["scheduled"] == {"a": 8, "b": 4}
+    assert e.violations == [] and sorted(r.request_id for r in result.records) == ["a", "b"]
+
+
+class HoldsUntilTwoWait(Ordered):
+    """Admits nothing before t=5 unless two requests wait (a batching policy's wake-up time)."""
+
+    def on_step(self, view):
+        if len(view.waiting) < 2 and view.now < 5.0:
+            return Plan(admit=[])
+        return super().on_step(view)
+
+    def horizon(self, view):
+        return Horizon(until_s=5.0)
+
+
+def test_a_replica_of_a_cluster_does_not_sleep_past_an_arrival_routed_to_it():
+    # Alone, the engine sees b arrive at t=2 and admits both then. In a cluster, arrivals are
+    # routed one at a time, so the idle replica does not know of b yet: it used to sleep to the
+    # policy's wake-up time (t=5) and serve both at 5.1; a live engine re-plans as b arrives.
+    from adapt.replay.cluster import Cluster, make_router
+
+    requests = [Request("a", 1.0, 4, 1), Request("b", 2.0, 4, 1)]
+    alone = engine(HoldsUntilTwoWait(), kv_tokens=64).run(requests)
+    clustered = Cluster([engine(HoldsUntilTwoWait(), kv_tokens=64)], make_router("round-robin")).run(requests)
+    first = {r.request_id: r.first_token_s for r in alone.records}
+    assert first == pytest.approx({"a": 2.1, "b": 2.1})
+    assert {r.request_id: r.first_token_s for r in clustered.records} == pytest.approx(first)
