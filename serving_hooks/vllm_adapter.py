@@ -577,7 +577,7 @@ class PolicyScheduler(AsyncScheduler):
             for request in self._held:  # after whatever vLLM left waiting, in their old order
                 self.waiting.add_request(request)
             self._held = []
-        self._after_schedule(now)
+        self._after_schedule(now, output.num_scheduled_tokens)
         self._step_starts.append((now, output.total_num_scheduled_tokens > 0))
         if self.metrics is not None:
             self._record_step(now, self._policy_s, gap, fallback, len(deferred))
@@ -952,8 +952,10 @@ class PolicyScheduler(AsyncScheduler):
         kept_ids = {id(r) for r in kept}
         self.running = kept + [r for r in self.running if id(r) not in kept_ids]
 
-    def _after_schedule(self, now: float) -> None:
-        """Report admissions and vLLM's own preemptions to the policy."""
+    def _after_schedule(self, now: float, scheduled: dict[str, int]) -> None:
+        """Report admissions and vLLM's own preemptions to the policy. An admitted request's
+        computed tokens are its prefix-cache hits when its policy hears of it, as in the replay:
+        vLLM has already counted this step's tokens in (`_update_after_schedule`)."""
         running_now = {r.request_id for r in self.running}
         admitted = [r.request_id for r in self.running if r.request_id not in self._running_ids]
         if self._sessions:  # a session back with its next input was admitted once already
@@ -963,6 +965,8 @@ class PolicyScheduler(AsyncScheduler):
             self._waiting_states.pop(request_id, None)
             if state is not None:
                 state.phase = "prefill"
+                computed = self.requests[request_id].num_computed_tokens
+                state.tokens_computed = computed - scheduled.get(request_id, 0)  # its hits
                 self._call("on_admit", state, now)
         left = self._running_ids - running_now
         rank = {request_id: n for n, request_id in enumerate(self._preempt_order)}

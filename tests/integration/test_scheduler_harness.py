@@ -1193,6 +1193,59 @@ def test_prefix_caching_means_the_same_in_both_engines(tiny_model, monkeypatch, 
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_policy_hears_of_an_admission_with_its_prefix_hits_counted_in_both_engines(
+    tiny_model, monkeypatch, async_scheduling
+):
+    """`on_admit` sees the request's prefix-cache hits as computed tokens in both engines. Live, the
+    adapter used to pass the count from before vLLM admitted it (0 for a new request), while the
+    replay had already added the hits: a policy reading it there would decide differently."""
+    import random
+
+    from adapt.conformance import compare, replay_decisions
+    from experiments.bench_scheduler import make_requests
+
+    monkeypatch.setenv("ADAPT_RECORD_DECISIONS", "1")
+    scheduler, fresh_policy = _serving(
+        tiny_model,
+        monkeypatch,
+        "fcfs",
+        0,
+        None,
+        4,
+        60,
+        prefix_caching=True,
+        async_scheduling=async_scheduling,
+    )
+
+    def watch(policy, seen):
+        on_admit = policy.on_admit
+
+        def admitted(state, now):
+            seen.append((state.id, state.tokens_computed, state.tokens_to_compute))
+            return on_admit(state, now)
+
+        monkeypatch.setattr(policy, "on_admit", admitted)
+        return policy
+
+    live, replayed = [], []
+    watch(scheduler.adapt_policy, live)
+    rng = random.Random(0)
+    system = [rng.randrange(1, 500) for _ in range(64)]
+    arrivals: dict[int, list] = {}
+    for i in range(16):
+        (request,) = make_requests(1, i, seed=i, max_tokens=rng.randint(2, 20), prefix=system)
+        arrivals.setdefault(rng.randint(0, 30), []).append(request)
+    _run(scheduler, arrivals=arrivals)
+    config = scheduler.replay_config()
+    agreement = compare(
+        scheduler.decisions, replay_decisions(scheduler.decisions, watch(fresh_policy(), replayed), config)
+    )
+    assert agreement.identical == agreement.steps, agreement.describe()
+    assert sum(computed > 0 for _, computed, _ in live) >= 8  # most found the system prompt cached
+    assert live == replayed
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_a_conversations_next_turn_hits_its_earlier_answers_in_both_engines(
     tiny_model, monkeypatch, async_scheduling
 ):
