@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adapt.component import ComponentError, LearnedComponent
-from adapt.registry import CHAMPION, Registry
+from adapt.registry import CHAMPION, BrokenVersion, Registry
 
 log = logging.getLogger("adapt.hotswap")
 
@@ -171,7 +171,7 @@ class Slot:
                 return False
             try:
                 component = self.registry.load(self.name, version=target)
-            except (ComponentError, ValueError, KeyError, TypeError) as exc:
+            except (ComponentError, BrokenVersion, ValueError, KeyError, TypeError) as exc:
                 self._refuse(target, exc)
                 return False
             self._previous = self._serving if self._serving.component is not None else self._previous

@@ -60,6 +60,15 @@ class StoreLocked(RegistryError):
     """Another process holds this store's lock (`Registry.store_lock`)."""
 
 
+class BrokenVersion(RegistryError):
+    """A version that exists but cannot be loaded however often it is tried (no checksum, no
+    component files): a hot-swap slot refuses it rather than retry it as an unreachable store."""
+
+
+# Promote and rollback wait this long for each other (`Registry._aliases_lock`).
+ALIASES_WAIT_S = 30.0
+
+
 @dataclass(frozen=True)
 class VersionInfo:
     name: str
@@ -276,35 +285,65 @@ class Registry:
         if alias != CHAMPION:
             self.client.set_registered_model_alias(name, alias, str(version))
             return
-        current = self.resolve(name, CHAMPION, missing_ok=True)
-        if current == version:
-            return
-        history = self._history(name)
-        if current is not None:
-            self.client.set_registered_model_alias(name, PREVIOUS, str(current))
-        history.append(int(version))
-        self.client.set_registered_model_tag(name, HISTORY_TAG, json.dumps(history[-50:]))
-        self.client.set_registered_model_alias(name, CHAMPION, str(version))
+        with self._aliases_lock(name):
+            current = self.resolve(name, CHAMPION, missing_ok=True)
+            if current == version:
+                return
+            history = self._history(name)
+            if current is not None:
+                self.client.set_registered_model_alias(name, PREVIOUS, str(current))
+            history.append(int(version))
+            self.client.set_registered_model_tag(name, HISTORY_TAG, json.dumps(history[-50:]))
+            self.client.set_registered_model_alias(name, CHAMPION, str(version))
         log.info("promoted %s version %s to champion (previous: %s)", name, version, current)
 
     def rollback(self, name: str) -> int:
-        """Make the previous champion the champion again; returns the version now serving."""
-        history = self._history(name)
-        current = self.resolve(name, CHAMPION, missing_ok=True)
-        if current is not None and history and history[-1] == current:
-            history.pop()
-        if not history:
-            raise RegistryError(f"{name}: no previous champion to roll back to")
-        target = history[-1]
-        self.client.set_registered_model_alias(name, CHAMPION, str(target))
-        before = history[-2] if len(history) > 1 else None
-        if before is None:
-            self.client.delete_registered_model_alias(name, PREVIOUS)
-        else:
-            self.client.set_registered_model_alias(name, PREVIOUS, str(before))
-        self.client.set_registered_model_tag(name, HISTORY_TAG, json.dumps(history))
+        """Make the previous champion the champion again; returns the version now serving.
+        Versions deleted since they were champion are passed over."""
+        from mlflow.exceptions import MlflowException
+
+        with self._aliases_lock(name):
+            history = self._history(name)
+            current = self.resolve(name, CHAMPION, missing_ok=True)
+            if current is not None and history and history[-1] == current:
+                history.pop()
+            existing = {int(mv.version) for mv in self.client.search_model_versions(f"name = '{name}'")}
+            deleted = [v for v in history if v not in existing]
+            if deleted:
+                log.warning("%s: versions %s were deleted; rollback passes over them", name, deleted)
+                history = [v for v in history if v in existing]
+            if not history:
+                raise RegistryError(f"{name}: no previous champion to roll back to")
+            target = history[-1]
+            self.client.set_registered_model_alias(name, CHAMPION, str(target))
+            before = history[-2] if len(history) > 1 else None
+            if before is None:
+                with contextlib.suppress(MlflowException):  # deleting a version takes its aliases along
+                    self.client.delete_registered_model_alias(name, PREVIOUS)
+            else:
+                self.client.set_registered_model_alias(name, PREVIOUS, str(before))
+            self.client.set_registered_model_tag(name, HISTORY_TAG, json.dumps(history))
         log.info("rolled back %s: champion %s -> %s", name, current, target)
         return target
+
+    @contextlib.contextmanager
+    def _aliases_lock(self, name: str) -> Iterator[None]:
+        """Promote and rollback each read the champion history and write it back: run at once
+        (a drift watch rolling back while a retrain promotes), one's write would undo the
+        other's. Each holds this store lock for those few calls, waiting up to `ALIASES_WAIT_S`
+        for the other; a holder that died is stale after a minute (a sqlite store's lock goes
+        with its process at once)."""
+        deadline = time.monotonic() + ALIASES_WAIT_S
+        with contextlib.ExitStack() as stack:
+            while True:
+                try:
+                    stack.enter_context(self.store_lock(f"aliases-{name}", stale_after_s=60))
+                    break
+                except StoreLocked:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+            yield
 
     def tag_version(self, name: str, version: int, key: str, value: str) -> None:
         """Set a tag on one version, e.g. why it was rolled back (`pipelines.watch`), so whoever
@@ -360,7 +399,7 @@ class Registry:
         mv = self._version(name, version)
         digest = mv.tags.get("adapt.manifest_sha256")
         if not digest:
-            raise RegistryError(f"{name} v{version}: no manifest checksum recorded; not an adapt component")
+            raise BrokenVersion(f"{name} v{version}: no manifest checksum recorded; not an adapt component")
         # Content-addressed: two stores' "version 3" never share a cache entry.
         target = self.cache_dir / name / f"v{version}-{digest[:16]}"
         if not (target / "component").is_dir():
@@ -372,7 +411,7 @@ class Registry:
                 )
                 found = next(local.rglob("component.json"), None)
                 if found is None:
-                    raise RegistryError(f"{name} v{version}: no component files in {mv.source}")
+                    raise BrokenVersion(f"{name} v{version}: no component files in {mv.source}")
                 try:
                     verify_artifacts(found.parent, digest)
                 except ComponentError as exc:

@@ -425,3 +425,52 @@ def test_a_slot_holds_the_registered_metrics_of_the_version_it_serves(reg):
     reg.promote("policy-config", v2)
     slot.swap_now()
     assert slot.version == v2 and slot.held_out == {} and slot.last_swap_s >= first_swap
+
+
+def test_a_version_whose_files_are_gone_is_refused_not_retried_as_an_outage(reg):
+    # An artifact store pruned by hand, a lost bucket object: loading it fails the same way every
+    # time. The slot used to take that for an unreachable registry and retry it forever.
+    import shutil
+
+    good = reg.log(PolicyConfig("fcfs"))
+    gone = reg.log(PolicyConfig("spf"))
+    reg.promote("policy-config", good)
+    shutil.rmtree(artifact_dir(reg, "policy-config", gone))
+    slot = _serving_then_promote_bad(reg, gone)
+    assert slot.version == good and slot.failed_swaps == 1
+    assert "no component files" in slot.events[-1].detail
+
+
+def test_rollback_passes_over_a_deleted_version(reg):
+    for policy in ("fcfs", "spf", "edf"):
+        reg.promote("policy-config", reg.log(PolicyConfig(policy)))
+    reg.client.delete_model_version("policy-config", "2")  # it also takes the `previous` alias
+    assert reg.rollback("policy-config") == 1  # every rollback raised MLflow's "not found"
+    assert reg.load("policy-config").policy == "fcfs"
+
+
+def test_promote_waits_for_a_rollback_in_progress_instead_of_undoing_it(reg):
+    # Both read the champion history and write it back; overlapping, the later write lost the
+    # earlier one (a rollback overlapping a promotion left neither). Now the second one waits
+    # for the first to finish: here a holder of the lock that takes 0.5 s.
+    import json
+
+    for policy in ("fcfs", "spf"):
+        reg.promote("policy-config", reg.log(PolicyConfig(policy)))
+    third = reg.log(PolicyConfig("edf"))
+    held = threading.Event()
+
+    def hold():
+        with reg._aliases_lock("policy-config"):
+            held.set()
+            time.sleep(0.5)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert held.wait(5)
+    started = time.monotonic()
+    Registry(reg.tracking_uri, cache_dir=reg.cache_dir).promote("policy-config", third)
+    assert time.monotonic() - started >= 0.3
+    thread.join(5)
+    history = json.loads(reg.client.get_registered_model("policy-config").tags["adapt.champion_history"])
+    assert reg.resolve("policy-config") == 3 and history == [1, 2, 3]
