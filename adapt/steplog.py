@@ -9,6 +9,7 @@ in one place is what makes a cost model fitted to live step logs mean the same t
 
 from __future__ import annotations
 
+import logging
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
-from adapt.traces import TraceError
+from adapt.traces import TraceError, iter_log_records
 
 if TYPE_CHECKING:  # pandas loads when a step log is read, not when the CLI builds its parser
     import pandas as pd
@@ -132,7 +133,7 @@ def load_step_log(path: str | Path) -> pd.DataFrame:
         if first_line is None:
             frame = pd.read_parquet(path)
         elif first_line == 1:
-            frame = pd.read_json(path, lines=True, encoding="utf-8-sig")
+            frame = _read_jsonl_steps(path)
         else:
             frame = pd.read_csv(path, encoding="utf-8-sig")
     except pd.errors.EmptyDataError:
@@ -151,6 +152,26 @@ def load_step_log(path: str | Path) -> pd.DataFrame:
     if "start_s" in frame.columns:
         frame = frame.sort_values("start_s", kind="stable")
     return frame.reset_index(drop=True)
+
+
+def _read_jsonl_steps(path: Path) -> pd.DataFrame:
+    """A server's JSONL step log; a torn line (a write cut short: `adapt.traces.TORN_LINE`) is
+    skipped with a warning, so one unfinished flush does not stop every later cost-model refit."""
+    import pandas as pd
+
+    records, torn = [], 0
+    for _, record in iter_log_records(path):
+        if record is None:
+            torn += 1
+        else:
+            records.append(record)
+    if torn:
+        logging.getLogger("adapt.steplog").warning("%s: %d torn line(s) skipped", path, torn)
+    if not records and not torn:
+        raise pd.errors.EmptyDataError
+    if not records:  # torn lines only: a log with no steps, which its reader says as much of
+        return pd.DataFrame(columns=["tokens", "duration_s"])
+    return pd.DataFrame.from_records(records)
 
 
 def _checked_column(path: Path, column: pd.Series, name: str, first_line: int | None) -> pd.Series:

@@ -66,6 +66,16 @@ class TraceError(ValueError):
         self.path, self.line, self.field = str(path), line, field
 
 
+class NoUsableRows(TraceError):
+    """Every row was read and skipped (e.g. a request log whose requests were all dropped): a
+    trace of its own is useless, but beside others such a file adds nothing, not an error."""
+
+
+# A request log's line that is not JSON: a write the server's process did not finish (a full disk,
+# a kill mid-flush). Skipped and counted under this reason; every other defect stays an error.
+TORN_LINE = "torn line (unfinished write)"
+
+
 @dataclass
 class ImportReport:
     """What an importer read: every row is either loaded or counted under a skip reason."""
@@ -337,7 +347,7 @@ def _finish(
         raise TraceError(path, "no data rows")
     if not prompts:
         reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items()))
-        raise TraceError(path, f"no usable rows: all {report.rows_read} skipped ({reasons})")
+        raise NoUsableRows(path, f"no usable rows: all {report.rows_read} skipped ({reasons})")
     report.skipped = dict(skipped)
     report.loaded = len(prompts)
     trace = Trace(
@@ -374,6 +384,26 @@ def _iter_json_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         for lineno, line in enumerate(handle, start=1):
             if line.strip():
                 yield lineno, _parse_json_line(path, line, lineno)
+
+
+def iter_log_records(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """A server-written JSONL log's records, None for a torn line (`TORN_LINE`): a log written
+    while a process died or a disk filled ends mid-record, and one bad line must not make every
+    later retrain fail on the whole file."""
+    with _open_text(path) as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # what a cut-short write leaves: a record's beginning
+                yield lineno, None
+                continue
+            except (ValueError, RecursionError) as exc:  # well-formed but hostile: an error
+                raise _json_error(path, exc, lineno) from exc
+            if not isinstance(record, dict):
+                raise TraceError(path, f"expected a JSON object, got {type(record).__name__}", line=lineno)
+            yield lineno, record
 
 
 def _require(path: Path, lineno: int, record: dict[str, Any], name: str) -> Any:
@@ -480,8 +510,11 @@ def _load_requestlog(path: Path) -> Trace:
     report = ImportReport(path=str(path), format="requestlog")
     records: list[CompletedRequest] = []
     skipped: Counter[str] = Counter()
-    for lineno, raw in _iter_json_records(path):
+    for lineno, raw in iter_log_records(path):
         report.rows_read += 1
+        if raw is None:
+            skipped[TORN_LINE] += 1
+            continue
         try:
             record = CompletedRequest.from_dict(raw)
         except (ValidationError, TypeError, AttributeError) as exc:

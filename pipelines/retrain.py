@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
@@ -46,7 +47,7 @@ from adapt.registry import Registry, StoreLocked
 from adapt.replay.engine import ENGINE_FILE, EngineConfig
 from adapt.requests import Request
 from adapt.steplog import CostModel, load_step_log
-from adapt.traces import Trace, load_trace
+from adapt.traces import NoUsableRows, Trace, load_trace
 from pipelines.cost_model import train_cost_model
 from pipelines.ewsjf import ServedShare, train_ewsjf_meta
 from pipelines.jitserve import train_pattern_graph
@@ -102,8 +103,13 @@ def request_logs(data_dir: Path) -> list[Trace]:
     """Every `requests*.jsonl` log under `data_dir`, each logged request once (`_unique_requests`)."""
 
     def read(directory: Path) -> list[Trace]:
-        files = _files(directory, ("requests*.jsonl",))
-        return _unique_requests([load_trace(f, "requestlog") for f in files])
+        logs = []
+        for path in _files(directory, ("requests*.jsonl",)):
+            try:
+                logs.append(load_trace(path, "requestlog"))
+            except NoUsableRows:  # e.g. every request in it dropped: it adds none, beside the others
+                continue
+        return _unique_requests(logs)
 
     return _once_per_pass("request logs", data_dir, read)
 
@@ -134,16 +140,31 @@ def retrain_cost_model(registry: Registry, data_dir: Path, margin: float) -> Ret
 
     # A step logged twice (a file appended to and copied again) is one step.
     frame = pd.concat([load_step_log(f) for f in files], ignore_index=True).drop_duplicates(ignore_index=True)
+    # A log from before a feature column existed lacks it: 0 there, as the cost model reads a
+    # missing column (each file's values were checked finite as it was read).
+    frame = frame.fillna({column: 0.0 for column in frame.columns if column != "start_s"})
     if "start_s" in frame.columns:  # each file is sorted; together they need sorting again
         frame = frame.sort_values("start_s", kind="stable").reset_index(drop=True)
     outcome = train_cost_model(registry, frame, promote_if_better=True, margin=margin, skip_unchanged=True)
     return _result("cost-model", outcome, f"held-out MAPE {outcome.metrics.get('mape', float('nan')):.4f}")
 
 
+# The fewest logged requests a layout is refitted from: a fresh log directory's first handful (8
+# requests of one burst once replaced a 31-queue champion with 3 queues, gated on those same 8).
+MIN_LAYOUT_REQUESTS = 200
+
+
 def retrain_ewsjf_layout(registry: Registry, data_dir: Path, margin: float) -> RetrainResult:
     logs = request_logs(data_dir)
     if not logs:
         return RetrainResult("ewsjf-meta-policy", "no data", detail=f"no requests*.jsonl in {data_dir}")
+    logged = sum(len(log) for log in logs)
+    if logged < MIN_LAYOUT_REQUESTS:
+        return RetrainResult(
+            "ewsjf-meta-policy",
+            "no data",
+            detail=f"{logged} finished requests logged in {data_dir}; a layout needs {MIN_LAYOUT_REQUESTS}",
+        )
     lengths = np.concatenate([log.prompt_tokens for log in logs]).astype(np.float64)
     shares, on = served_shares(registry, data_dir, logs)
     outcome = train_ewsjf_meta(
@@ -369,11 +390,15 @@ def retrain_pattern_graph(registry: Registry, data_dir: Path, margin: float) -> 
     files = _files(data_dir, ("programs*.jsonl",))
     if not files:
         return RetrainResult("pattern-graph", "no data", detail=f"no programs*.jsonl in {data_dir}")
-    merged = data_dir / ".programs-merged.jsonl"
-    merged.write_text("".join(f.read_text() for f in files))
-    outcome = train_pattern_graph(
-        registry, merged, promote_if_better=True, margin=margin, skip_unchanged=True, replay=True
-    )
+    with tempfile.TemporaryDirectory(prefix="adapt-programs-") as scratch:  # the data may be read-only
+        merged = Path(scratch) / "programs-merged.jsonl"
+        # A file whose last line has no newline must not run into the next file's first line.
+        merged.write_text(
+            "".join(text if text.endswith("\n") else text + "\n" for text in map(Path.read_text, files))
+        )
+        outcome = train_pattern_graph(
+            registry, merged, promote_if_better=True, margin=margin, skip_unchanged=True, replay=True
+        )
     return _result(
         "pattern-graph",
         outcome,

@@ -51,6 +51,7 @@ class JsonlLog:
         existing = sorted(self.directory.glob(f"{prefix}-*.jsonl"))
         self._number = int(existing[-1].stem.rsplit("-", 1)[1]) + 1 if existing else 1
         self._buffer: list[str] = []
+        self._torn = False  # the last write failed part way: begin the next on a fresh line
         self._last_flush = time.monotonic()
         self.records = 0
 
@@ -68,11 +69,20 @@ class JsonlLog:
             self.flush()
 
     def flush(self) -> None:
+        """Append the buffer. A write that fails part way (a full disk) leaves a torn line and
+        keeps the buffer: the next flush starts on a fresh line, so the torn line stays one line
+        that readers skip (`adapt.traces.TORN_LINE`), and the records are written whole after it."""
         self._last_flush = time.monotonic()
         if not self._buffer:
             return
+        text = "\n".join(self._buffer) + "\n"
         with open(self.path, "a") as handle:
-            handle.write("\n".join(self._buffer) + "\n")
+            if self._torn:
+                text = "\n" + text
+            self._torn = True
+            handle.write(text)
+            handle.flush()
+        self._torn = False
         self._buffer.clear()
         if self.path.stat().st_size >= self.max_bytes:
             self._number += 1

@@ -32,7 +32,7 @@ def test_a_valid_log_reads_as_pandas_reads_it_sorted_by_start(tmp_path):
         ("neg.csv", "tokens,duration_s\n1,-0.1\n", ":2: field 'duration_s'"),
         ("nostart.csv", "start_s,tokens,duration_s\nx,1,0.1\n", "field 'start_s'"),
         ("missing.csv", "tokens\n1\n", "missing column(s) duration_s"),
-        ("bad.jsonl", '{"tokens": 1, "duration_s": 0.1}\n{oops\n', "cannot read"),
+        ("torn.jsonl", '{"tokens": 1, "dur\n', "no steps"),  # a torn line only
         ("bool.jsonl", '{"tokens": true, "duration_s": 0.1}\n', ":1: field 'tokens'"),
     ],
 )
@@ -43,6 +43,18 @@ def test_malformed_step_logs_are_one_trace_error(tmp_path, name, content, messag
         load_step_log(path)
     assert message in str(err.value) and str(path) in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_torn_line_of_a_jsonl_log_is_skipped(tmp_path, caplog):
+    # What a flush cut short by a full disk or a kill leaves: a record's first half, and (the
+    # flush retried) the next records glued after it. One such line used to fail every refit.
+    path = tmp_path / "steps-000001.jsonl"
+    path.write_text(
+        '{"tokens": 1, "duration_s": 0.1}\n{"tokens": 2, "dur{"tokens": 2, "duration_s": 0.2}\n'
+        '{"tokens": 3, "duration_s": 0.3}\n'
+    )
+    assert load_step_log(path)["tokens"].tolist() == [1, 3]
+    assert "1 torn line(s) skipped" in caplog.text
 
 
 def test_corrupt_gzip_and_missing_file(tmp_path):

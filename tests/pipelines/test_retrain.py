@@ -517,3 +517,54 @@ def test_a_pass_parses_each_request_log_once_and_the_next_pass_reads_afresh(tmp_
     parsed.clear()
     retrain.prompt_responses(data), retrain.prompt_responses(data)  # outside a pass: read each time
     assert len(parsed) == 4
+
+
+def test_a_servers_unusual_logs_do_not_stop_a_retrain(tmp_path):
+    """What a real log directory holds besides clean logs: a replica's log of only dropped requests
+    (its first flush during an overload burst), step logs from before and after a feature column,
+    two program files, the first without a final newline, and a directory the retrain may not
+    write into. Each once failed its component for every later pass."""
+    import json
+
+    from adapt.programs import write_graphs
+    from adapt.requests import CompletedRequest
+    from adapt.workloads.compound import generate_graphs
+    from pipelines.retrain import request_logs, retrain_cost_model, retrain_pattern_graph
+
+    data = tmp_path / "data"
+    (data / "replica-1").mkdir(parents=True)
+    write_logs(data, seed=0, n=300)
+    dropped = [CompletedRequest(f"d{i}", float(i), 100, 0, None, None, outcome="dropped") for i in range(3)]
+    (data / "replica-1" / "requests-000001.jsonl").write_text(
+        "".join(json.dumps(r.to_dict()) + "\n" for r in dropped)
+    )
+    assert sum(len(log) for log in request_logs(data)) == 300  # it raised "no usable rows"
+
+    steps = pd.read_csv(data / "steps-a.csv")
+    steps.head(50).assign(arrivals=1).to_csv(data / "replica-1" / "steps-new.csv", index=False)
+    registry = Registry(f"sqlite:///{tmp_path / 'r.db'}", cache_dir=tmp_path / "c")
+    assert retrain_cost_model(registry, data, margin=0.0).status == "registered"  # was NaN in the fit
+
+    write_graphs(data / "programs-a.jsonl", generate_graphs(30, seed=5))
+    text = (data / "programs-a.jsonl").read_text()
+    (data / "programs-a.jsonl").write_text(text.rstrip("\n"))
+    write_graphs(data / "programs-b.jsonl", generate_graphs(30, seed=6))
+    data.chmod(0o555)
+    try:
+        assert retrain_pattern_graph(registry, data, margin=0.0).status == "registered"
+    finally:
+        data.chmod(0o755)
+
+
+def test_a_layout_is_not_refitted_from_a_handful_of_logged_requests(tmp_path):
+    from pipelines.ewsjf import train_ewsjf_meta
+    from pipelines.retrain import MIN_LAYOUT_REQUESTS
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_logs(data, seed=0, n=8)  # a fresh log directory's first burst
+    registry = Registry(f"sqlite:///{tmp_path / 'r.db'}", cache_dir=tmp_path / "c")
+    train_ewsjf_meta(registry, lengths=np.full(400, 64.0), promote_if_better=True)
+    result = retrain_ewsjf_layout(registry, data, margin=0.0)
+    assert result.status == "no data" and f"needs {MIN_LAYOUT_REQUESTS}" in result.detail
+    assert registry.resolve("ewsjf-meta-policy") == 1  # it replaced the champion, gated on those 8
