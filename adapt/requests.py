@@ -201,6 +201,12 @@ class CompletedRequest:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValidationError(f"request_id: expected a non-empty string, got {self.request_id!r}")
+        if self.prompt_text is not None and not isinstance(self.prompt_text, str):
+            raise ValidationError(
+                f"prompt_text: expected a string or null, got {type(self.prompt_text).__name__}"
+            )
         _check_count("prompt_tokens", self.prompt_tokens, minimum=1)
         _check_count("output_tokens", self.output_tokens, minimum=0)
         _check_count("preemptions", self.preemptions)

@@ -529,6 +529,9 @@ def _load_requestlog(path: Path) -> Trace:
             value = getattr(record, name)
             if value is not None:
                 _number(path, lineno, name, value, integer=False, maximum=MAX_TIMESTAMP_S)
+        if record.extra.get("wall_arrival_s") is not None:
+            wall = record.extra["wall_arrival_s"]
+            _number(path, lineno, "extra.wall_arrival_s", wall, integer=False, maximum=MAX_TIMESTAMP_S)
         if record.outcome != "finished":
             skipped[f"outcome {record.outcome}"] += 1
             continue
@@ -547,6 +550,9 @@ def _load_requestlog(path: Path) -> Trace:
             "ttlt_s": [r.ttlt_s for r in records],
             "request_id": [r.request_id for r in records],
             "logged_arrival_s": [r.arrival_s for r in records],
+            # The same on the wall clock, where the server logged it (None where not): a server's
+            # arrivals restart with its host's monotonic clock at a reboot, the wall clock does not.
+            "logged_wall_arrival_s": [r.extra.get("wall_arrival_s") for r in records],
             # `prompt_text` is set only when every row has one; this column keeps each row's (or None)
             "logged_prompt_text": texts,
             # Content keys, where the engine ran prefix caching (`Request.prompt_blocks`, ...)

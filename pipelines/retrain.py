@@ -268,7 +268,7 @@ def logged_requests(
     the served engine's `block_size`, each request keeps the content keys its record carries
     where they fit that block size exactly (a server restarted with another block size wrote
     others), so a replay with prefix caching finds the server's hits."""
-    arrivals = np.concatenate([np.asarray(log.columns["logged_arrival_s"], dtype=np.float64) for log in logs])
+    arrivals = _arrivals(logs)
     prompts = np.concatenate([log.prompt_tokens for log in logs])
     outputs = np.concatenate([log.output_tokens for log in logs])
     keep = np.argsort(arrivals, kind="stable")[-most:]
@@ -282,6 +282,21 @@ def logged_requests(
             content = _content(prompt, output, prompt_keys[row], answer_keys[row], skips[row], block_size)
             requests.append(Request(f"{prefix}{i}", float(arrivals[row]) - start, prompt, output, **content))
     return requests
+
+
+def _arrivals(logs: list[Trace]) -> np.ndarray:
+    """One server's logged arrivals, end to end: on the wall clock where every record has it (a
+    server's monotonic clock restarts when its host reboots, so arrivals logged before and after
+    a reboot would interleave, and the newest requests would look like the oldest), else all on
+    its monotonic clock, as servers before the wall clock logged only that (never a mix: the
+    two clocks' zeros are decades apart)."""
+    walls = [log.columns.get("logged_wall_arrival_s") or [None] * len(log) for log in logs]
+    column = (
+        "logged_wall_arrival_s" if all(v is not None for wall in walls for v in wall) else "logged_arrival_s"
+    )
+    return np.concatenate(
+        [np.asarray(log.columns[column], dtype=np.float64) for log in logs] or [np.zeros(0)]
+    )
 
 
 def _column(logs: list[Trace], name: str, default: Any) -> list[Any]:

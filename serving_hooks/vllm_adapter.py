@@ -398,6 +398,9 @@ class PolicyScheduler(AsyncScheduler):
                 preemptions=state.num_preemptions,
                 prompt_text=self._prompt_text(request) if self.monitor.log_prompts else None,
             )
+            # Its arrival on the wall clock too: `time.monotonic()` restarts when the host reboots,
+            # and a retrain reading a log directory across a reboot orders requests by this one.
+            record.extra["wall_arrival_s"] = round(time.time() - (time.monotonic() - state.arrival_s), 6)
             if content is not None:
                 record.extra["prompt_blocks"], record.extra["answer_blocks"] = content
                 if getattr(request, "skip_reading_prefix_cache", False):

@@ -127,18 +127,48 @@ class EngineConfig:
             raise ValueError(f"{source}: not JSON ({exc})") from None
         if not isinstance(fields, dict):
             raise ValueError(f"{source}: expected a JSON object, got {type(fields).__name__}")
-        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
+        annotations = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = set(fields) - set(annotations)
         if unknown:
             raise ValueError(f"{source}: unknown fields {sorted(unknown)}")
-        return cls(**fields)
+        for name, value in fields.items():
+            if not _of_type(value, annotations[name]):
+                raise ValueError(f"{source}: {name}: expected {annotations[name]}, got {value!r}")
+        try:
+            return cls(**fields)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_running", "block_size", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name in ("prediction_delay_s", "intake_delay_s"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name}: must be finite and >= 0, got {getattr(self, name)}")
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < self.block_size:
+            raise ValueError(
+                f"kv_capacity_tokens: must hold at least one block ({self.block_size} tokens),"
+                f" got {self.kv_capacity_tokens}"
+            )
+        if not 0 < self.batch_time_ema <= 1:
+            raise ValueError(f"batch_time_ema: must be in (0, 1], got {self.batch_time_ema}")
+
+
+def _of_type(value: Any, annotation: str) -> bool:
+    """Whether a JSON value fits an `EngineConfig` field's annotation (`int`, `int | None`, `bool`,
+    `float`): JSON has no integer/boolean distinction Python keeps (`true` is an int to Python),
+    and a float field must be finite."""
+    kinds = {part.strip() for part in annotation.split("|")}
+    if value is None:
+        return "None" in kinds
+    if isinstance(value, bool):
+        return "bool" in kinds
+    if isinstance(value, int):
+        return bool(kinds & {"int", "float"})
+    if isinstance(value, float):
+        return "float" in kinds and math.isfinite(value)
+    return False
 
 
 # Written by `adapt serve --log-dir` beside its request and step logs: the serving engine's limits,

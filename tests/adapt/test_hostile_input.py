@@ -476,3 +476,64 @@ def test_the_real_command_prints_no_traceback(tmp_path, argv, content):
     errors = [line for line in done.stderr.splitlines() if " INFO " not in line]  # MLflow's table setup
     assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith("adapt: error:"), done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ('{"token_budget": NaN}', "token_budget: expected int, got nan"),
+        ('{"block_size": 16.5}', "block_size: expected int, got 16.5"),
+        ('{"block_size": "16"}', "block_size: expected int, got '16'"),
+        ('{"max_running": true}', "max_running: expected int, got True"),
+        ('{"prefix_caching": "false"}', "prefix_caching: expected bool, got 'false'"),
+        ('{"intake_delay_s": Infinity}', "intake_delay_s: expected float, got inf"),
+        ('{"kv_capacity_tokens": -5}', "kv_capacity_tokens: must hold at least one block"),
+        ('{"kv_capacity_tokens": 8}', "kv_capacity_tokens: must hold at least one block (16 tokens), got 8"),
+        ('{"token_budget": 0}', "token_budget: must be > 0, got 0"),
+        ('{"batch_time_ema": 0}', "batch_time_ema: must be in (0, 1], got 0"),
+    ],
+)
+def test_a_hostile_engine_file_is_refused_naming_it_and_the_field(fields, message):
+    """`engine.json` (what a server wrote, what a gate and `adapt conformance` replay on): a value
+    of the wrong type or range is one error naming the file, not a crash deep in a replay."""
+    from adapt.replay.engine import EngineConfig
+
+    with pytest.raises(ValueError) as err:
+        EngineConfig.from_json(fields, source="logs/engine.json")
+    assert str(err.value).startswith("logs/engine.json: ") and message in str(err.value)
+
+
+def test_an_engine_file_keeps_working_values_and_defaults_what_an_older_server_left_out():
+    from adapt.replay.engine import EngineConfig
+
+    config = EngineConfig(
+        token_budget=512, kv_capacity_tokens=4096, prediction_delay_s=0.25, prefix_caching=True
+    )
+    assert EngineConfig.from_json(config.to_json()) == config
+    assert EngineConfig.from_json('{"token_budget": 512, "intake_delay_s": 1}') == EngineConfig(
+        token_budget=512, intake_delay_s=1
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("request_id", '["a"]', "request_id: expected a non-empty string, got ['a']"),
+        ("request_id", "null", "request_id: expected a non-empty string, got None"),
+        ("prompt_text", "12345", "prompt_text: expected a string or null, got int"),
+        ("prompt_text", '{"role": "user"}', "prompt_text: expected a string or null, got dict"),
+    ],
+)
+def test_a_request_log_field_of_the_wrong_type_is_an_error_at_its_line(key, value, message):
+    # An unhashable id crashed a retrain's de-duplication with no file named; a prompt that is not
+    # a string reached the prompt components' trainers as text.
+    name, text = SEEDS["requestlog"]
+    lines = text.strip().split("\n")
+    record = json.loads(lines[1])
+    record[key] = "__VALUE__"
+    lines[1] = json.dumps(record).replace('"__VALUE__"', value)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _write(Path(tmp), name, ("\n".join(lines) + "\n").encode())
+        with pytest.raises(TraceError) as err:
+            _load(path)
+    assert f"{path}:2: " in str(err.value) and message in str(err.value)

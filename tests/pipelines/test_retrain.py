@@ -568,3 +568,34 @@ def test_a_layout_is_not_refitted_from_a_handful_of_logged_requests(tmp_path):
     result = retrain_ewsjf_layout(registry, data, margin=0.0)
     assert result.status == "no data" and f"needs {MIN_LAYOUT_REQUESTS}" in result.detail
     assert registry.resolve("ewsjf-meta-policy") == 1  # it replaced the champion, gated on those 8
+
+
+def test_a_gate_takes_the_newest_requests_across_a_reboot_by_their_wall_clock(tmp_path):
+    """A server logs arrivals on `time.monotonic()`, which restarts when its host reboots; the log
+    directory stays. Before the reboot: 200 requests at uptime 800,100-800,299 s; after it: 200 at
+    uptime 100-299 s, a day later by the wall clock. The newest 200 are the second log's, 1 s apart:
+    by the monotonic clock the gate took the first log's (and laid both logs on top of each other)."""
+    import json
+
+    from adapt.requests import CompletedRequest
+    from pipelines.retrain import logged_requests, request_logs
+
+    data = tmp_path / "data"
+    data.mkdir()
+    day = 1.8e9
+    for number, (uptime, wall) in enumerate([(800_100.0, day), (100.0, day + 86_400.0)], start=1):
+        records = []
+        for i in range(200):
+            record = CompletedRequest(f"r{i}", uptime + i, 10 + number, 5, uptime + i + 0.1, uptime + i + 0.5)
+            record.extra["wall_arrival_s"] = wall + i
+            records.append(json.dumps(record.to_dict()) + "\n")
+        (data / f"requests-{number:06d}.jsonl").write_text("".join(records))
+    newest = logged_requests(request_logs(data), most=200)
+    assert {r.prompt_tokens for r in newest} == {12}  # the post-reboot log's
+    assert [r.arrival_s for r in newest[:3]] == [0.0, 1.0, 2.0]
+    # A log from before servers wrote the wall clock: every request on the monotonic clock.
+    old = data / "requests-000001.jsonl"
+    old.write_text(
+        "".join(line.replace('"wall_arrival_s"', '"other"') for line in old.read_text().splitlines(True))
+    )
+    assert {r.prompt_tokens for r in logged_requests(request_logs(data), most=200)} == {11}
