@@ -226,7 +226,9 @@ class FastServe(PriorityPolicy):
     def _level(self, request: RequestState) -> int:
         level = request.cache.get("mlfq_level")
         if level is None:
-            join = int(math.log2(1 + request.prompt_tokens / self.prompt_tokens_per_quantum))
+            # Skip-join: the first level whose quantum covers the prompt, level L covering
+            # `prompt_tokens_per_quantum * 2**L` tokens: ceil(log2(ceil(prompt / per quantum))).
+            join = ((request.prompt_tokens - 1) // self.prompt_tokens_per_quantum).bit_length()
             level = min(self.levels - 1, join)
             request.cache["mlfq_level"] = level
             request.cache["mlfq_used"] = 0
@@ -288,7 +290,11 @@ class PLAS(PriorityPolicy):
         return (self._attained[self._program(request)], request.arrival_s)
 
     def on_preempt(self, request: RequestState, now: float) -> None:
-        self._attained[self._program(request)] += request.tokens_generated
+        # What it generated since it was last counted: a request keeps its tokens across a
+        # recompute preemption, so a second preemption must not count the first's again.
+        self._attained[self._program(request)] += request.tokens_generated - request.cache.get(
+            "plas_counted", 0
+        )
         request.cache["plas_counted"] = request.tokens_generated
         super().on_preempt(request, now)
 

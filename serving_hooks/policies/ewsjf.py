@@ -94,6 +94,8 @@ class EWSJF(Policy):
         i = bisect.bisect_right([q.low for q in queues], length) - 1
         if i < 0:
             return queues[0]
+        if i > 0 and length <= queues[i - 1].high:  # a bubble may begin where its left queue ends:
+            i -= 1  # that length is the left queue's (its upper end is inclusive)
         left = queues[i]
         if length <= left.high or i + 1 == len(queues):
             return left

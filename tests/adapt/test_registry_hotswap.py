@@ -82,8 +82,8 @@ def test_slot_follows_alias_within_two_poll_intervals(reg):
     reg.promote("policy-config", v1)
     with Slot(reg, "policy-config", interval_s=0.2) as slot:
         assert slot.version == v1 and slot.get().policy == "fcfs"
-        moved = time.monotonic()
         reg.promote("policy-config", v2)
+        moved = time.monotonic()  # the alias moves as the promotion ends
         while slot.version != v2 and time.monotonic() - moved < 2.0:
             time.sleep(0.01)
         assert slot.version == v2 and slot.get().policy == "spf"

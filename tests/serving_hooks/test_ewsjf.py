@@ -85,6 +85,10 @@ def test_bubble_queue_placement_algorithm_2():
     narrow = _policy([(10, 100), (200, 300)], bubble_width=500)
     narrow.on_arrival(req("g", 150), 0)
     assert (narrow.queues[1].low, narrow.queues[1].high) == (100, 200)
+    # That bubble begins where queue 1 ends (100, inclusive there): a length of exactly 100 is
+    # queue 1's, not the bubble's (it went to the bubble, its queue index and score doubled).
+    narrow.on_arrival(req("edge", 100), 0)
+    assert "edge" in narrow.queues[0].items and narrow.queues[1].items.keys() == {"g"}
 
 
 def test_score_formula_by_hand():
