@@ -99,17 +99,20 @@ async def adapt_middleware(request: Request, call_next) -> Response:
         if embedder is not None:
             status["prompt_embedder"] = embedder.summary()
         return JSONResponse(status)
-    if request.method == "POST" and request.url.path in GENERATION_PATHS:
+    # Every JSON POST, not only the two generation routes the embedder reads prompts from: vLLM
+    # passes `vllm_xargs` to the engine from its other routes too (/v1/responses, /v1/messages,
+    # /invocations), where an unchecked value once reached the scheduler.
+    if request.method == "POST" and "json" in request.headers.get("content-type", "json"):
         try:
             body = json.loads(await request.body() or b"{}")
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return await call_next(request)  # vLLM reports malformed JSON itself
         if not isinstance(body, dict):
             return await call_next(request)
         message = validate_xargs(body.get("vllm_xargs"))
         if message is not None:
             return _error(message)
-        if embedder is not None:
+        if embedder is not None and request.url.path in GENERATION_PATHS:
             await _attach_embedding(request, body, embedder)
     return await call_next(request)
 

@@ -57,7 +57,9 @@ class LiveComponents:
         # The scheduler thread and the slots' threads (on a load) both publish; one at a time.
         self._publishing = threading.Lock()
         self._last_status: dict[str, Any] | None = None
-        self.config_version: int | None = None
+        self._publish_failed = False
+        self.config_version: int | None = None  # the policy-config version serving
+        self._config_tried: int | None = None  # the newest one built (one that fails is not retried)
         self.policy_swaps = 0
         self.quality: dict[str, dict[str, Any]] = {}
         self.predictions: dict[str, Any] | None = None
@@ -101,14 +103,22 @@ class LiveComponents:
         if self.config_slot is None:
             return None
         config, version = self.config_slot.snapshot()
-        if config is None or version == self.config_version:
+        if config is None or version in (self.config_version, self._config_tried):
             return None
-        self.config_version = version  # a config that fails to build is not retried
+        self._config_tried = version
         return config.build()
 
+    @property
+    def next_config_version(self) -> int | None:
+        """The policy-config version `next_policy` last built: the one `adopt` makes serving."""
+        return self._config_tried
+
     def adopt(self, policy: Policy) -> None:
-        """`policy` serves from now on: follow its components instead of the old policy's."""
+        """`policy` serves from now on: follow its components instead of the old policy's. Only
+        now does the status name its policy-config (a build or hand-over that failed left the old
+        one serving, and the status says so)."""
         self._follow(policy)
+        self.config_version = self._config_tried
         self.policy_swaps += 1
         log.info("now serving policy %s (policy-config v%s)", policy.name, self.config_version)
         self.apply()
@@ -161,11 +171,25 @@ class LiveComponents:
         self._publish()
 
     def _publish(self) -> None:
+        """Write the status where the API server reads it. A write that fails (a full disk, the
+        directory gone) is logged once and tried again with the next change, never raised into
+        the engine's step."""
         with self._publishing:
             status = self.status()
             if status == self._last_status or self.status_file is None:
                 return
-            write_text_atomic(self.status_file, json.dumps(status, default=str))
+            try:
+                write_text_atomic(self.status_file, json.dumps(status, default=str))
+            except OSError as exc:
+                if not self._publish_failed:
+                    log.warning(
+                        "cannot write the status file %s: %s (the status shown is stale)",
+                        self.status_file,
+                        exc,
+                    )
+                self._publish_failed = True
+            else:
+                self._publish_failed = False
             self._last_status = status
 
     def stop(self) -> None:

@@ -173,6 +173,7 @@ class PromptEmbedder:
             return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
         except TimeoutError:
             self.timed_out += 1
+            future.cancel()  # not embedded if its batch has not begun: no one waits for it any more
             return None
         finally:
             self._waiting -= 1
@@ -182,7 +183,12 @@ class PromptEmbedder:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while self._pending:
-            batch, self._pending = self._pending, []
+            # Prompts whose requests gave up waiting are left out: embedding them anyway made
+            # the queue grow past `max_waiting` once a batch took longer than the timeout.
+            batch = [(text, future) for text, future in self._pending if not future.done()]
+            self._pending = []
+            if not batch:
+                continue
             results: list[np.ndarray | None] = [None] * len(batch)
             try:
                 vectors = await loop.run_in_executor(self._executor, self._embed, [text for text, _ in batch])

@@ -56,7 +56,7 @@ from adapt.mechanics import check_policy
 from adapt.policy import EngineView, Plan, RequestState, WaitingView
 from adapt.predictions import BackgroundWorker, BatchFunction, PredictionQueue, PredictionStats
 from adapt.replay.engine import ENGINE_FILE, EngineConfig, running_drop
-from adapt.requests import SLO, CompletedRequest, ValidationError
+from adapt.requests import SLO, CompletedRequest
 from adapt.steplog import ARRIVALS, POLICY_S, step_batch
 from serving_hooks.live import LiveComponents
 from serving_hooks.metrics import SchedulerMetrics
@@ -188,12 +188,12 @@ class PolicyScheduler(AsyncScheduler):
         try:
             slo = slo_from_extra_args(extra)
             program = program_from_extra_args(extra, self._program_starts, now)
-        except (ValidationError, TypeError, ValueError) as exc:  # the API layer rejects these
+        except Exception as exc:  # the API layer rejects these; whatever gets past it, the engine serves on
             log.warning("request %s: ignoring invalid SLO %s: %s", request.request_id, extra, exc)
             slo, program = SLO(), None
         try:
             embedding = embedding_from_extra_args(extra)
-        except ValueError as exc:  # only in-process callers can send a bad one (the API layer refuses)
+        except Exception as exc:  # only in-process callers can send a bad one (the API layer refuses)
             log.warning("request %s: ignoring its prompt embedding: %s", request.request_id, exc)
             embedding = None
         state = RequestState(
@@ -498,7 +498,7 @@ class PolicyScheduler(AsyncScheduler):
         try:
             replacement = self.live.next_policy()
             if replacement is not None:
-                self._switch_policy(replacement, spec=f"{POLICY_CONFIG}@v{self.live.config_version}")
+                self._switch_policy(replacement, spec=f"{POLICY_CONFIG}@v{self.live.next_config_version}")
                 self.live.adopt(replacement)
             self.live.apply()
         except Exception:

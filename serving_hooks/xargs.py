@@ -102,6 +102,8 @@ def validate_xargs(xargs: Any) -> str | None:
         return f"vllm_xargs: expected an object, got {type(xargs).__name__}"
     try:
         slo_from_extra_args(xargs)  # the SLO's own checks; only the names change to the API's
+    except OverflowError as exc:  # an integer too large for a float (10**400): a 400, not a 500
+        return f"vllm_xargs: a number out of range ({exc})"
     except ValidationError as exc:
         message = str(exc).replace("slo.kind", "vllm_xargs.slo_kind").replace("slo.", "vllm_xargs.")
         return message if message.startswith("vllm_xargs") else f"vllm_xargs: {message}"

@@ -8,7 +8,7 @@ displaces a running one.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -271,6 +271,10 @@ class FastServe(PriorityPolicy):
         return Horizon(steps=max(0, steps), kv_usage_below=FULL_KV_USAGE)
 
 
+# The programs PLAS remembers the service of; the least recently served is forgotten first.
+MAX_PROGRAMS = 100_000
+
+
 class PLAS(PriorityPolicy):
     """Autellix's PLAS: program-level least attained service. A request's priority is the service
     (tokens generated) its program has received so far, taken when it enters the queue, so calls
@@ -280,25 +284,34 @@ class PLAS(PriorityPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        self._attained: dict[str, int] = defaultdict(int)
+        # Attained service per program, least recently served first (at most `MAX_PROGRAMS`).
+        self._attained: OrderedDict[str, int] = OrderedDict()
 
     @staticmethod
     def _program(request: RequestState) -> str:
         return request.program.program_id if request.program is not None else request.id
 
     def key(self, request: RequestState, now: float) -> tuple[Any, ...]:
-        return (self._attained[self._program(request)], request.arrival_s)
+        return (self._attained.get(self._program(request), 0), request.arrival_s)
+
+    def _count(self, request: RequestState) -> None:
+        """Add what `request` generated since it was last counted: it keeps its tokens across a
+        recompute preemption, so a second preemption must not count the first's again."""
+        program = self._program(request)
+        new = request.tokens_generated - request.cache.get("plas_counted", 0)
+        self._attained[program] = self._attained.get(program, 0) + new
+        self._attained.move_to_end(program)
+        request.cache["plas_counted"] = request.tokens_generated
+        if len(self._attained) > MAX_PROGRAMS:  # a server's memory must not grow with its traffic
+            self._attained.popitem(last=False)
 
     def on_preempt(self, request: RequestState, now: float) -> None:
-        # What it generated since it was last counted: a request keeps its tokens across a
-        # recompute preemption, so a second preemption must not count the first's again.
-        self._attained[self._program(request)] += request.tokens_generated - request.cache.get(
-            "plas_counted", 0
-        )
-        request.cache["plas_counted"] = request.tokens_generated
+        self._count(request)
         super().on_preempt(request, now)
 
     def on_finish(self, request: RequestState, now: float) -> None:
-        counted = request.cache.get("plas_counted", 0)
-        self._attained[self._program(request)] += request.tokens_generated - counted
+        if request.program is None:  # its own program, over: no later call reads it
+            self._attained.pop(request.id, None)
+        else:
+            self._count(request)
         super().on_finish(request, now)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +27,8 @@ from sortedcontainers import SortedList
 from adapt.component import registry_version
 from adapt.policy import FOREVER, EngineView, Horizon, Plan, Policy, RequestState
 from predictors.ewsjf_meta import EwsjfMetaPolicy, QueueSpec, layout_group_terms
+
+ROUTED_KEPT = 10_000
 
 
 class LengthQueue:
@@ -38,7 +40,9 @@ class LengthQueue:
         self.low, self.high, self.mean, self.bubble = low, high, mean, bubble
         self.items: OrderedDict[str, RequestState] = OrderedDict()
         self.empty_since: int | None = None  # engine step at which the queue went empty
-        self.assigned: list[int] = []
+        # The prompt lengths routed here, for equation 5's layout terms (`layout_report`): the
+        # newest `ROUTED_KEPT`, so a server's memory does not grow with every request it serves.
+        self.assigned: deque[int] = deque(maxlen=ROUTED_KEPT)
 
 
 class EWSJF(Policy):

@@ -281,7 +281,10 @@ class SageSched(PriorityPolicy):
         self._keys.pop(request, None)
         self._due.pop(request, None)
         super().on_finish(request, now)
-        if self.learn_online and request.tokens_generated > 0 and "sage_embedding" in request.cache:
+        # Only answers that ended: a request its client aborted (or a policy dropped) has no
+        # `finish_s`, and its length so far would teach the history that such prompts are short.
+        answered = request.finish_s is not None and request.tokens_generated > 0
+        if self.learn_online and answered and "sage_embedding" in request.cache:
             has_text = request.cache["sage_has_text"]
             self.history.observe(
                 [request.prompt_tokens],

@@ -99,3 +99,25 @@ def test_ltr_ranks_by_the_prediction_made_on_arrival():
         policy.on_arrival(request, request.arrival_s)
     assert [r.id for r in policy.waiting_in_order()] == ["y", "x"]
     assert policy.key(x, 5.0) == (300.0, 0.0) and calls == ["x", "y"]  # predicted once each
+
+
+def test_plas_and_ewsjf_keep_bounded_state_however_many_requests_they_serve(monkeypatch):
+    # 100,000 finished requests left 100,000 entries in PLAS (about 1 GB a day at 100 req/s) and
+    # 100,000 lengths in EWSJF's queues.
+    import serving_hooks.policies.baselines as baselines
+    import serving_hooks.policies.ewsjf as ewsjf
+
+    monkeypatch.setattr(baselines, "MAX_PROGRAMS", 10)
+    plas = PLAS()
+    for i in range(50):
+        for request in (state(f"own{i}"), state(f"call{i}", program=f"prog{i}")):
+            plas.on_arrival(request, 0.0)
+            plas.on_admit(request, 0.0)
+            request.tokens_generated = 5
+            plas.on_finish(request, 1.0)
+    assert list(plas._attained) == [f"prog{i}" for i in range(40, 50)]  # the 10 most recent
+    monkeypatch.setattr(ewsjf, "ROUTED_KEPT", 7)
+    policy = ewsjf.EWSJF()
+    for i in range(30):
+        policy.on_arrival(state(f"r{i}", prompt=100), 0.0)
+    assert sum(len(queue.assigned) for queue in policy.queues) <= 7 * len(policy.queues)

@@ -39,3 +39,49 @@ def test_a_loaded_version_is_published_before_the_next_step_applies_it(tmp_path)
         assert policy.meta.alpha == 2.0
     finally:
         live.stop()
+
+
+def test_a_status_file_that_cannot_be_written_never_fails_a_step(tmp_path, caplog):
+    # A full disk or a removed directory: every step raised a policy error (and logged a
+    # traceback) while the policy itself was fine. Now it warns once and keeps serving.
+    import shutil
+
+    registry = Registry(cache_dir=tmp_path / "cache")
+    first = registry.log(EwsjfMetaPolicy().fit(np.arange(1, 2000, 7)))
+    second = registry.log(EwsjfMetaPolicy(alpha=2.0).fit(np.arange(1, 4000, 5)))
+    registry.promote("ewsjf-meta-policy", first)
+    directory = tmp_path / "status"
+    directory.mkdir()
+    live = LiveComponents(EWSJF(), interval_s=3600, status_file=directory / "status.json")
+    try:
+        shutil.rmtree(directory)
+        registry.promote("ewsjf-meta-policy", second)
+        assert live.slots["meta"].swap_now()
+        for _ in range(3):
+            live.apply()  # raised OSError on every step
+        assert live.policy.meta.alpha == 2.0
+        assert caplog.text.count("cannot write the status file") == 1
+    finally:
+        live.stop()
+
+
+def test_the_status_names_a_policy_config_only_once_its_policy_serves(tmp_path):
+    # It named the new version as soon as it was built, though a hand-over that failed after
+    # left the old policy serving.
+    from serving_hooks.policies import make_policy
+    from serving_hooks.policies.config import PolicyConfig
+
+    registry = Registry(cache_dir=tmp_path / "cache")
+    registry.promote("policy-config", registry.log(PolicyConfig("spf")))
+    status_file = tmp_path / "status.json"
+    live = LiveComponents(make_policy("fcfs"), interval_s=3600, status_file=status_file, follow_config=True)
+    try:
+        replacement = live.next_policy()
+        assert replacement.name == "spf" and live.next_config_version == 1
+        live.apply()
+        assert json.loads(status_file.read_text())["policy_config"] is None  # fcfs still serves
+        assert live.next_policy() is None  # not built again
+        live.adopt(replacement)
+        assert json.loads(status_file.read_text())["policy_config"] == 1
+    finally:
+        live.stop()

@@ -174,6 +174,32 @@ def test_a_request_waits_at_most_the_timeout_for_its_vector():
     assert (embedder.timed_out, embedder.summary()["waiting"]) == (1, 0)
 
 
+def test_a_prompt_whose_request_gave_up_waiting_is_not_embedded():
+    # Once a batch took longer than the timeout, every prompt that timed out was still embedded
+    # in the next batch: the queue grew past max_waiting and "embedded" counted vectors no one got.
+    batches = []
+    release = threading.Event()
+
+    def slow(texts):
+        batches.append(list(texts))
+        release.wait(10)
+        return by_length(texts)
+
+    embedder = embedder_ready(embed=slow, timeout_s=0.1)
+
+    async def main():
+        first = asyncio.ensure_future(embedder.vector("a"))
+        await asyncio.sleep(0.02)  # "a" is being embedded
+        late = await asyncio.gather(*(embedder.vector(t) for t in ("bb", "ccc")))  # they time out
+        release.set()
+        await embedder._batcher  # the batcher's work done, whatever it found to do
+        return await first, late
+
+    first, late = asyncio.run(main())
+    assert first is None and late == [None, None] and embedder.timed_out == 3  # "a" too: 0.1 s
+    assert batches == [["a"]]  # was [["a"], ["bb", "ccc"]]
+
+
 def test_a_model_that_returns_too_few_vectors_fails_the_batch_and_frees_every_wait():
     embedder = embedder_ready(embed=lambda texts: by_length(texts[:1]))
 
@@ -225,9 +251,27 @@ def client(monkeypatch, tmp_path):
     monkeypatch.setenv("ADAPT_STATUS_FILE", str(status))
     monkeypatch.setenv(prompt_embedder.ENABLED_ENV, "1")
     monkeypatch.setattr(prompt_embedder, "_embedder", embedder_ready(embed=by_length))
-    app = Starlette(routes=[Route("/v1/completions", echo, methods=["POST"])])
+    routes = [Route(path, echo, methods=["POST"]) for path in ("/v1/completions", "/v1/responses")]
+    app = Starlette(routes=routes)
     app.add_middleware(BaseHTTPMiddleware, dispatch=http.adapt_middleware)
     return TestClient(app)
+
+
+@pytest.mark.parametrize(
+    ("xargs", "says"),
+    [
+        ('{"program_id": "p", "stage": Infinity}', "vllm_xargs.stage: expected an integer >= 0"),
+        ('{"ttft_s": 1' + "0" * 400 + "}", "vllm_xargs: a number out of range"),  # was a 500
+        ('{"adapt_embedding": "AAAA"}', "set by the server"),
+    ],
+)
+def test_every_route_that_carries_vllm_xargs_has_them_checked(client, xargs, says):
+    # vLLM hands `vllm_xargs` to the engine from /v1/responses (and /v1/messages, /invocations)
+    # too; checked on the two completion routes only, `stage: Infinity` there stopped the engine.
+    for path in ("/v1/completions", "/v1/responses"):
+        body = '{"model": "m", "input": "four", "vllm_xargs": ' + xargs + "}"
+        answer = client.post(path, content=body, headers={"content-type": "application/json"})
+        assert answer.status_code == 400 and says in answer.json()["error"]["message"], path
 
 
 def test_the_middleware_sends_the_prompts_vector_on_to_the_engine(client):

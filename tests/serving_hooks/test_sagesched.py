@@ -413,8 +413,13 @@ def test_policy_admits_lowest_index_first_and_learns_online():
     )
     assert [r.id for r in policy.on_step(view).admit] == ["short", "long"]
     size = policy.history.size
-    short.tokens_generated, short.phase = 20, "finished"
+    short.tokens_generated, short.phase, short.finish_s = 20, "finished", 2.0
     policy.on_finish(short, 2.0)
+    assert policy.history.size == size + 1
+    # A request its client aborted after one token (no finish_s) teaches nothing: 20 such once
+    # made the history predict a length of 1 for their prompt.
+    long.tokens_generated, long.phase = 1, "finished"
+    policy.on_finish(long, 2.5)
     assert policy.history.size == size + 1
 
 
