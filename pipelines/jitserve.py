@@ -73,8 +73,9 @@ def train_qrf_length(
 ) -> TrainOutcome:
     """Gate: held-out pinball loss; replay metric: jitserve's token goodput with this bound."""
     trace = load_prompt_responses(data, "qrf-length")
-    if not _has_response_text(trace):
-        params.setdefault("generated_features", 0)
+    # Count-only: JITServe refines a bound from the prompt and the number of tokens generated; it
+    # has no generated text to give a forest that learned from it (`_check_bound_source`).
+    params.setdefault("generated_features", 0)
     return run_pipeline(
         qrf_length_spec(trace, data, test_share),
         registry,

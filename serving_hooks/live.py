@@ -84,6 +84,7 @@ class LiveComponents:
         }
         with self._publishing:
             self.policy, self.slots, self.applied = policy, slots, dict.fromkeys(slots)
+            self._unusable: dict[str, int | None] = {}  # per attribute, a version the policy refused
         for slot in slots.values():
             slot.start()
 
@@ -126,11 +127,17 @@ class LiveComponents:
     def apply(self) -> None:
         for attribute, slot in self.slots.items():
             component, version = slot.snapshot()
-            if component is not None and version != self.applied[attribute]:
+            if component is None or version in (self.applied[attribute], self._unusable.get(attribute)):
+                continue
+            try:
                 self.policy.use_component(attribute, component)
-                with self._publishing:
-                    self.applied[attribute] = version
-                log.info("policy %s now uses %s v%s", self.policy.name, slot.name, version)
+            except ValueError as exc:  # the policy cannot use this version: the old one serves on
+                self._unusable[attribute] = version  # not tried again on every step
+                log.error("policy %s refused %s v%s: %s", self.policy.name, slot.name, version, exc)
+                continue
+            with self._publishing:
+                self.applied[attribute] = version
+            log.info("policy %s now uses %s v%s", self.policy.name, slot.name, version)
         self._publish()
 
     def _every_slot(self) -> list[Slot]:

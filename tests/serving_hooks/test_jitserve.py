@@ -661,9 +661,21 @@ def test_prompt_text_is_asked_of_the_engine_only_when_the_bound_reads_it():
     from predictors.qrf_length import QrfLength
 
     assert not JITServe().needs_prompt_text  # online quantile only
-    assert JITServe(qrf=QrfLength(prompt_features=16)).needs_prompt_text
-    assert not JITServe(qrf=QrfLength(prompt_features=0)).needs_prompt_text  # lengths only
+    assert JITServe(qrf=QrfLength(prompt_features=16, generated_features=0)).needs_prompt_text
+    assert not JITServe(qrf=QrfLength(prompt_features=0, generated_features=0)).needs_prompt_text
     assert JITServe(qrf=NeuralLength()).needs_prompt_text
     policy = JITServe()
-    policy.use_component("qrf", QrfLength(prompt_features=16))  # a live swap brings its own answer
+    policy.use_component("qrf", QrfLength(prompt_features=16, generated_features=0))  # a live swap
     assert policy.needs_prompt_text
+
+
+def test_a_forest_that_reads_the_generated_text_is_refused_as_a_bound():
+    """The scheduler has no generated text: asked with blank text at every refinement, such a
+    forest bounded held-out AlpacaEval answers 14% higher at 100 tokens than with the real text."""
+    from predictors.qrf_length import QrfLength
+
+    with pytest.raises(ValueError, match="reads the generated text"):
+        JITServe(qrf=QrfLength())  # generated_features=32, the estimator's default
+    policy = JITServe(qrf=QrfLength(generated_features=0))
+    with pytest.raises(ValueError, match="generated_features=0"):
+        policy.use_component("qrf", QrfLength(generated_features=8))
