@@ -143,6 +143,9 @@ def api_keys(vllm_args: Sequence[str]) -> list[str]:
 def serve(model: str, policy: str, **kwargs) -> int:
     """Run the server in the foreground until it exits (Ctrl-C stops it)."""
     argv, env = server_command(model, policy, **kwargs)
+    # A status file a previous run left (`--status-file`): served as it is, it would answer for
+    # this server until its engine writes its own. Gone, the route answers 503 until then.
+    Path(env["ADAPT_STATUS_FILE"]).unlink(missing_ok=True)
     print(f"adapt serve: {policy} on {model}; status at GET /v1/adapt/status", file=sys.stderr)
     try:
         return subprocess.call(argv, env=env)

@@ -90,3 +90,16 @@ def test_a_flush_cut_short_by_a_full_disk_leaves_one_torn_line_and_loses_no_reco
     # request logged twice once (`pipelines.retrain._unique_requests`).
     assert trace.columns["request_id"] == ["r0", "r1", "r2", "r3", "r3", "r4", "r5"]
     assert trace.report.skipped == {TORN_LINE: 1}
+
+
+def test_a_status_file_a_previous_run_left_is_gone_before_the_server_starts(tmp_path, monkeypatch):
+    # Served as it was, it answered for the new server (HTTP 200, another run's versions) until
+    # the new engine wrote its own; gone, the route answers 503 until then.
+    import serving_hooks.server as server
+
+    status = tmp_path / "status.json"
+    status.write_text('{"policy": "spf", "components": {"qrf-length": 3}}')
+    started = []
+    monkeypatch.setattr(server.subprocess, "call", lambda argv, env: started.append(status.exists()) or 0)
+    assert server.serve("model-dir", "fcfs", status_file=status, metrics=False) == 0
+    assert started == [False]
