@@ -679,3 +679,15 @@ def test_a_forest_that_reads_the_generated_text_is_refused_as_a_bound():
     policy = JITServe(qrf=QrfLength(generated_features=0))
     with pytest.raises(ValueError, match="generated_features=0"):
         policy.use_component("qrf", QrfLength(generated_features=8))
+
+
+def test_the_fallback_bound_is_the_quantile_of_completed_lengths_above_what_was_generated():
+    """Before a forest bound comes (or without a forest): the `quantile` of the completed lengths
+    above `generated`, minus `generated`; with fewer than 20 of them, max(1024, 2 g) - g."""
+    policy = JITServe(quantile=0.9)
+    assert policy._fallback_bound(0) == 1024.0 and policy._fallback_bound(700) == 700.0
+    for length in range(1, 101):  # 1..100 completed
+        policy._remember_length(length)
+    # Above 50: 51..100 (50 lengths); index 50 + int(0.9 * 49) = 94 -> length 95; 95 - 50 = 45.
+    assert policy._fallback_bound(50) == 45.0
+    assert policy._fallback_bound(85) == 1024.0 - 85  # only 15 above 85: too few to trust

@@ -690,3 +690,19 @@ def test_an_embedding_that_came_with_the_request_ranks_it_at_its_first_step():
     stats = queues[0].stats.summary()
     assert (stats["supplied"], stats["submitted"], stats["on_prior"]) == (1, 1, 0)
     assert stats["share_on_prior"] == 0.0
+
+
+def test_the_point_predictor_is_the_mean_length_above_what_was_generated_by_hand():
+    """LTR/TRAIL's predictor from a semantic history: E[S | S > g], g + bucket past the support."""
+    from predictors.length_distribution import LengthDistribution
+    from serving_hooks.policies.sagesched import HistoryLengthPredictor
+
+    predictor = HistoryLengthPredictor(None, bucket=200)
+    request = state("r", 50)
+    request.cache["point_distribution"] = LengthDistribution(
+        np.array([100.0, 300.0, 500.0]), np.array([0.5, 0.3, 0.2])
+    )
+    expected = {0: 100 * 0.5 + 300 * 0.3 + 500 * 0.2, 150: (300 * 0.3 + 500 * 0.2) / 0.5, 500: 500 + 200}
+    for generated, mean in expected.items():  # 240, 380, then past the support: 700
+        request.tokens_generated = generated
+        assert predictor(request) == pytest.approx(mean)
