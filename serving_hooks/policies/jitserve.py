@@ -26,8 +26,9 @@ speed) plus the goodput the victim still expected. It is off by default: on `jit
 here is by recompute and a conservative bound makes running requests look hopeless that would
 have made it. The cutoff p is adapted
 online by an epsilon-greedy bandit over `cutoffs`, rewarded with the goodput of the requests that
-finish during the frame. Admission control drops requests never scheduled within `waiting_time_s`
-(reported as `dropped`, never lost). Bounds are refreshed every `refine_every` generated tokens.
+finish during the frame (estimated all or nothing per request, `_earned`). Admission control drops
+requests never scheduled within `waiting_time_s` (reported as `dropped`, never lost). Bounds are
+refreshed every `refine_every` generated tokens.
 
 The forest is never called inside a scheduling step (`adapt.predictions`, as SageSched's
 embeddings): a single request's `qrf-length` bound is asked when it arrives and, at a frame, when
@@ -584,7 +585,11 @@ class JITServe(Policy):
             del self._lengths[bisect.bisect_left(self._lengths, old)]
 
     def _earned(self, request: RequestState) -> float:
-        """The bandit's reward for a finished request (its goodput, estimated from its times)."""
+        """The bandit's reward for a finished request: its goodput estimated from the times a policy
+        keeps -- a latency request's output tokens if its first token met the TTFT target and its
+        *mean* time between tokens the TBT target, else 0. The metrics count on-time tokens one by
+        one (token i by TTFT + i * TBT, DESIGN section 4); this coarser reward steers only the
+        choice of the cutoff among `cutoffs` (a known departure, docs/fairness.md)."""
         slo = request.slo
         tokens = request.prompt_tokens + request.tokens_generated
         if slo.kind == "latency":
