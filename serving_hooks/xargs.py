@@ -55,7 +55,10 @@ def program_from_extra_args(
     if not extra or "program_id" not in extra:
         return None
     program_id = str(extra["program_id"])
-    start = starts.setdefault(program_id, now)
+    # Kept in order of last sight, so the one forgotten first is the program seen least recently
+    # (by first sight, a burst of one-call programs pushed out a long-running program's start).
+    start = starts.pop(program_id, now)
+    starts[program_id] = start
     if len(starts) > MAX_PROGRAMS:
         del starts[next(iter(starts))]
     return ProgramRef(program_id, int(extra.get("stage", 0)), start_s=start)

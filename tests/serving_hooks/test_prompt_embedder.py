@@ -331,3 +331,17 @@ def test_serve_with_embedded_prompts_keeps_minilm_out_of_the_engines_process(mon
     monkeypatch.setenv("ADAPT_EMBEDDING_PROCESS", "0")  # an operator's choice stands
     _, env = server_command("model-dir", "sagesched", embed_prompts=True)
     assert env["ADAPT_EMBEDDING_PROCESS"] == "0"
+
+
+def test_a_programs_start_is_forgotten_least_recently_seen_first(monkeypatch):
+    """A compound program's deadline counts from its first call; the engine remembers at most
+    `MAX_PROGRAMS` starts. By first sight, one-call programs arriving meanwhile pushed out the
+    start of a program still running, whose next call then counted from itself."""
+    from serving_hooks import xargs
+
+    monkeypatch.setattr(xargs, "MAX_PROGRAMS", 3)
+    starts: dict[str, float] = {}
+    for now, program in enumerate(["long", "a", "b", "long", "c"]):
+        xargs.program_from_extra_args({"program_id": program}, starts, float(now))
+    assert list(starts) == ["b", "long", "c"]  # "a" went, not "long" (seen again at t=3)
+    assert xargs.program_from_extra_args({"program_id": "long", "stage": 2}, starts, 9.0).start_s == 0.0
