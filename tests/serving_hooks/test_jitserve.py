@@ -147,6 +147,12 @@ def test_priority_is_goodput_over_generation_time_plus_aging():
     t_gen = prefill_s + 100 * step
     assert priority[0] == pytest.approx(110 / t_gen)
     assert priority[1] == pytest.approx((110 + 3 * 10.0) / t_gen)
+    # The fairness blend, (1 - f) * priority + f * Fair(r), Fair = waited / longest wait * the
+    # highest priority: `fresh` waited 0 s, `old` 7.5 s, the longest.
+    blended = JITServe(delta=10.0, frame_steps=50, fairness=0.25).priorities([fresh, old], 0.0, step)
+    top = (110 + 3 * 10.0) / t_gen
+    assert blended[0] == pytest.approx(0.75 * 110 / t_gen + 0.25 * 0.0)
+    assert blended[1] == pytest.approx(0.75 * top + 0.25 * (7.5 / 7.5) * top)
 
 
 def test_window_selection_prefers_similar_lengths():
@@ -691,3 +697,30 @@ def test_the_fallback_bound_is_the_quantile_of_completed_lengths_above_what_was_
     # Above 50: 51..100 (50 lengths); index 50 + int(0.9 * 49) = 94 -> length 95; 95 - 50 = 45.
     assert policy._fallback_bound(50) == 45.0
     assert policy._fallback_bound(85) == 1024.0 - 85  # only 15 above 85: too few to trust
+
+
+def test_pattern_matching_weights_each_stored_graph_by_its_stage_kernels_by_hand():
+    """JITServe's phi(s): the stored graphs whose prefix matches, each weighted by the product of
+    Gaussian kernels on its stages' log lengths (output and input for a finished LLM stage, input
+    only for the stage about to run), exp(-d^2 / (2 bandwidth^2)); phi is their weighted mean."""
+
+    def llm(prompt: int, output: int, seconds: float) -> StageNode:
+        return StageNode(
+            "llm",
+            "m",
+            input_tokens=prompt,
+            output_tokens=output,
+            max_output_tokens=output,
+            duration_s=seconds,
+        )
+
+    same = ProgramGraph("a", (llm(100, 50, 1.0), llm(200, 80, 3.0), llm(300, 10, 4.0)))  # phi(1) = 4 / 8
+    other = ProgramGraph("b", (llm(100, 150, 1.0), llm(400, 80, 1.0), llm(300, 10, 6.0)))  # phi(1) = 2 / 8
+    patterns = PatternGraph(bandwidth=0.5, neighbors=2).fit([same, other])
+    seen, current = (llm(100, 50, 1.0),), llm(200, 0, 0.0)
+    d2 = (math.log1p(50) - math.log1p(150)) ** 2 + (math.log1p(200) - math.log1p(400)) ** 2
+    weight = math.exp(-d2 / (2 * 0.5**2))  # ~0.0365; the identical graph's is 1
+    index, weights = patterns.match(seen, current)
+    assert index.tolist() == [0, 1] and weights == pytest.approx([1.0, weight])
+    assert patterns.stage_share(seen, current) == pytest.approx((0.5 + weight * 0.25) / (1 + weight))
+    assert PatternGraph(bandwidth=0.5, neighbors=1).fit([same, other]).stage_share(seen, current) == 0.5
