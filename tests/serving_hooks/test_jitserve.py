@@ -700,9 +700,10 @@ def test_the_fallback_bound_is_the_quantile_of_completed_lengths_above_what_was_
 
 
 def test_pattern_matching_weights_each_stored_graph_by_its_stage_kernels_by_hand():
-    """JITServe's phi(s): the stored graphs whose prefix matches, each weighted by the product of
-    Gaussian kernels on its stages' log lengths (output and input for a finished LLM stage, input
-    only for the stage about to run), exp(-d^2 / (2 bandwidth^2)); phi is their weighted mean."""
+    """JITServe's phi(s) and per-call bound: the stored graphs whose prefix matches, each weighted
+    by the product of Gaussian kernels on its stages' log lengths (output and input for a finished
+    LLM stage, input only for the stage about to run), exp(-d^2 / (2 bandwidth^2)); phi and the
+    bound are their weighted means."""
 
     def llm(prompt: int, output: int, seconds: float) -> StageNode:
         return StageNode(
@@ -715,7 +716,7 @@ def test_pattern_matching_weights_each_stored_graph_by_its_stage_kernels_by_hand
         )
 
     same = ProgramGraph("a", (llm(100, 50, 1.0), llm(200, 80, 3.0), llm(300, 10, 4.0)))  # phi(1) = 4 / 8
-    other = ProgramGraph("b", (llm(100, 150, 1.0), llm(400, 80, 1.0), llm(300, 10, 6.0)))  # phi(1) = 2 / 8
+    other = ProgramGraph("b", (llm(100, 150, 1.0), llm(400, 40, 1.0), llm(300, 10, 6.0)))  # phi(1) = 2 / 8
     patterns = PatternGraph(bandwidth=0.5, neighbors=2).fit([same, other])
     seen, current = (llm(100, 50, 1.0),), llm(200, 0, 0.0)
     d2 = (math.log1p(50) - math.log1p(150)) ** 2 + (math.log1p(200) - math.log1p(400)) ** 2
@@ -723,4 +724,6 @@ def test_pattern_matching_weights_each_stored_graph_by_its_stage_kernels_by_hand
     index, weights = patterns.match(seen, current)
     assert index.tolist() == [0, 1] and weights == pytest.approx([1.0, weight])
     assert patterns.stage_share(seen, current) == pytest.approx((0.5 + weight * 0.25) / (1 + weight))
+    # The per-call output bound of the stage about to run: the same weights on its longest calls.
+    assert patterns.stage_output_bound(seen, current) == pytest.approx((80 + weight * 40) / (1 + weight))
     assert PatternGraph(bandwidth=0.5, neighbors=1).fit([same, other]).stage_share(seen, current) == 0.5
