@@ -14,9 +14,11 @@ and a slot rewrites it when it loads one, so a promotion shows at once, idle or 
 
 With `ADAPT_FOLLOW_POLICY_CONFIG=1` (`adapt serve --follow-policy-config`) one more slot follows
 the `policy-config` champion: the whole policy is what that version names (the `--policy` given to
-the server serves only while none is registered). A new version is built into a fresh policy,
-the scheduler hands it every request in flight (`PolicyScheduler._switch_policy`), and the
-component slots are re-made for the new policy's components.
+the server serves only while none is registered). A new version is built into a fresh policy and
+slots for its components are made and loaded -- in that slot's thread, as it loads the version,
+so a swap never waits for the registry inside a step either -- then, at the engine's next step,
+the scheduler hands the policy every request in flight (`PolicyScheduler._switch_policy`) and its
+slots replace the old policy's.
 """
 
 from __future__ import annotations
@@ -64,8 +66,13 @@ class LiveComponents:
         self.quality: dict[str, dict[str, Any]] = {}
         self.predictions: dict[str, Any] | None = None
         self.policy_state: dict[str, Any] = {}
+        # A policy-config version's policy and its loaded slots, made in the config slot's thread
+        # (`_prepare`), waiting for the engine's next step to take them (`next_policy`, `adopt`).
+        self._preparing = threading.Lock()
+        self._prepared: tuple[int, Policy, dict[str, Slot]] | None = None
+        self._handing: tuple[int, Policy, dict[str, Slot]] | None = None
         self.config_slot = (
-            Slot(self.registry, "policy-config", interval_s=interval_s, on_swap=self._publish)
+            Slot(self.registry, "policy-config", interval_s=interval_s, on_swap=self._prepare)
             if follow_config
             else None
         )
@@ -74,19 +81,45 @@ class LiveComponents:
             self.config_slot.start()
         self.apply()
 
-    def _follow(self, policy: Policy) -> None:
-        """Make one slot per component of `policy` (stopping the previous policy's slots)."""
+    def _follow(self, policy: Policy, slots: dict[str, Slot] | None = None) -> None:
+        """Serve `policy` with `slots` for its components (made and loaded here when not given),
+        stopping the previous policy's slots."""
         for slot in getattr(self, "slots", {}).values():
             slot.stop()
+        slots = self._slots_for(policy) if slots is None else slots
+        with self._publishing:
+            self.policy, self.slots, self.applied = policy, slots, dict.fromkeys(slots)
+            self._unusable: dict[str, int | None] = {}  # per attribute, a version the policy refused
+
+    def _slots_for(self, policy: Policy) -> dict[str, Slot]:
+        """One started slot per component of `policy` (each loads its version as it starts)."""
         slots = {
             attribute: Slot(self.registry, name, interval_s=self.interval_s, on_swap=self._publish)
             for attribute, name in policy.components.items()
         }
-        with self._publishing:
-            self.policy, self.slots, self.applied = policy, slots, dict.fromkeys(slots)
-            self._unusable: dict[str, int | None] = {}  # per attribute, a version the policy refused
         for slot in slots.values():
             slot.start()
+        return slots
+
+    def _prepare(self) -> None:
+        """The config slot loaded a new version (in its thread): build its policy and load that
+        policy's component slots here, for the engine's next step to swap in without waiting for
+        the registry. A version that fails to build is logged and never served."""
+        self._publish()
+        config, version = self.config_slot.snapshot()  # type: ignore[union-attr]
+        if config is None:
+            return
+        try:
+            policy = config.build()
+        except Exception:
+            log.exception("policy-config v%s: its policy cannot be built; the serving one stays", version)
+            return
+        prepared = (version, policy, self._slots_for(policy))
+        with self._preparing:
+            stale, self._prepared = self._prepared, prepared
+        if stale is not None:  # a newer version came before the engine took the last one
+            for slot in stale[2].values():
+                slot.stop()
 
     @classmethod
     def from_environment(cls, policy: Policy) -> LiveComponents | None:
@@ -98,16 +131,22 @@ class LiveComponents:
         return cls(policy, float(interval), os.environ.get(STATUS_ENV), follow_config=follow)
 
     def next_policy(self) -> Policy | None:
-        """A fresh policy built from a `policy-config` version that went live since the last call
-        (None when not following, or nothing changed). The caller moves the requests in flight
-        to it and then calls `adopt`."""
-        if self.config_slot is None:
+        """The policy of a `policy-config` version that went live since the last call, built and
+        with its components loaded (`_prepare`); None when not following or nothing changed. The
+        caller moves the requests in flight to it and then calls `adopt`. No registry call."""
+        if self._handing is not None:  # the last hand-over failed: its slots are not needed
+            for slot in self._handing[2].values():
+                slot.stop()
+            self._handing = None
+        with self._preparing:
+            prepared, self._prepared = self._prepared, None
+        if prepared is None or prepared[0] in (self.config_version, self._config_tried):
+            if prepared is not None:
+                for slot in prepared[2].values():
+                    slot.stop()
             return None
-        config, version = self.config_slot.snapshot()
-        if config is None or version in (self.config_version, self._config_tried):
-            return None
-        self._config_tried = version
-        return config.build()
+        self._config_tried, self._handing = prepared[0], prepared
+        return prepared[1]
 
     @property
     def next_config_version(self) -> int | None:
@@ -118,7 +157,8 @@ class LiveComponents:
         """`policy` serves from now on: follow its components instead of the old policy's. Only
         now does the status name its policy-config (a build or hand-over that failed left the old
         one serving, and the status says so)."""
-        self._follow(policy)
+        handing, self._handing = self._handing, None
+        self._follow(policy, handing[2] if handing is not None and handing[1] is policy else None)
         self.config_version = self._config_tried
         self.policy_swaps += 1
         log.info("now serving policy %s (policy-config v%s)", policy.name, self.config_version)
@@ -202,3 +242,6 @@ class LiveComponents:
     def stop(self) -> None:
         for slot in self._every_slot():
             slot.stop()
+        for waiting in (self._prepared, self._handing):
+            for slot in (waiting[2] if waiting is not None else {}).values():
+                slot.stop()

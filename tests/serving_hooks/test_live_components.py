@@ -85,3 +85,41 @@ def test_the_status_names_a_policy_config_only_once_its_policy_serves(tmp_path):
         assert json.loads(status_file.read_text())["policy_config"] == 1
     finally:
         live.stop()
+
+
+def test_a_new_policy_config_is_built_and_loaded_outside_the_engines_step(tmp_path, monkeypatch):
+    # The engine's step took the new version's policy from the slot and built it there (registry
+    # loads for its components included): a 3 s load stalled a step 3 s. Now the slot's thread
+    # builds it and loads its components' slots; the step only swaps them in.
+    import threading
+
+    from serving_hooks.policies import make_policy
+    from serving_hooks.policies.config import PolicyConfig
+
+    registry = Registry(cache_dir=tmp_path / "cache")
+    registry.promote("policy-config", registry.log(PolicyConfig("spf")))
+    registry.promote("ewsjf-meta-policy", registry.log(EwsjfMetaPolicy().fit(np.arange(1, 2000, 7))))
+    live = LiveComponents(
+        make_policy("fcfs"), interval_s=3600, status_file=tmp_path / "s.json", follow_config=True
+    )
+    try:
+        live.adopt(live.next_policy())  # spf, prepared as the engine started
+        engine = threading.current_thread()
+        build = PolicyConfig.build
+
+        def built_off_the_step(config):
+            assert threading.current_thread() is not engine, "built inside the engine's step"
+            return build(config)
+
+        monkeypatch.setattr(PolicyConfig, "build", built_off_the_step)
+        registry.promote("policy-config", registry.log(PolicyConfig("ewsjf")))
+        poll = threading.Thread(target=live.config_slot.swap_now)  # what the slot's thread does
+        poll.start()
+        poll.join(60)
+        policy = live.next_policy()  # the engine's next step: no build, no registry call
+        assert policy.name == "ewsjf" and live.next_config_version == 2
+        live.adopt(policy)
+        assert live.slots["meta"].version == 1  # loaded by the slot's thread, before the step
+        assert json.loads((tmp_path / "s.json").read_text())["policy_config"] == 2
+    finally:
+        live.stop()
