@@ -76,40 +76,31 @@ DEFAULT_RANGE = Range()
 
 def check_params(policy_class: type, params: dict[str, Any]) -> None:
     """Raise ValueError (one line: parameter, allowed values, what was given) for the first
-    parameter whose value does not fit its annotation's scalar type or its range."""
+    parameter the policy does not take, or whose value does not fit its annotation's scalar type
+    or its range."""
+    parameters = _init_parameters(policy_class)
     for key, value in params.items():
-        parameter = _parameter(policy_class, key)
-        if parameter is None:
-            accepted = ", ".join(accepted_params(policy_class)) or "none"
+        if key not in parameters:
+            accepted = ", ".join(parameters) or "none"
             raise ValueError(f"{key}: not a parameter of this policy; it takes {accepted}")
-        _check_value(key, value, _annotation_types(parameter.annotation))
+        _check_value(key, value, _annotation_types(parameters[key].annotation))
 
 
-def accepted_params(policy_class: type) -> list[str]:
-    """The parameter names a policy's constructor takes, those passed on through `**kwargs` to a
-    parent's (slai-fixed's to slai's) included, in declaration order."""
-    names: dict[str, None] = {}
+def _init_parameters(policy_class: type) -> dict[str, inspect.Parameter]:
+    """The named parameters of a policy's constructor, those it passes on through `**kwargs` to a
+    parent's (slai-fixed's to slai's) included, each where it is declared, in declaration order."""
+    found: dict[str, inspect.Parameter] = {}
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     for cls in policy_class.__mro__:
         if "__init__" not in vars(cls) or cls is object:
             continue
         parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]  # not self
-        variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-        names.update(dict.fromkeys(p.name for p in parameters if p.kind not in variadic))
+        for parameter in parameters:
+            if parameter.kind not in variadic:
+                found.setdefault(parameter.name, parameter)
         if not any(p.kind is p.VAR_KEYWORD for p in parameters):
             break
-    return list(names)
-
-
-def _parameter(policy_class: type, key: str) -> inspect.Parameter | None:
-    """The constructor parameter `key`, looked up the class hierarchy so that one passed on
-    through `**kwargs` (slai-fixed to slai) is found where it is declared."""
-    for cls in policy_class.__mro__:
-        if "__init__" not in vars(cls):
-            continue
-        parameter = inspect.signature(cls.__init__).parameters.get(key)
-        if parameter is not None and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            return parameter
-    return None
+    return found
 
 
 def _annotation_types(annotation: Any) -> set[str]:
