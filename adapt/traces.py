@@ -395,14 +395,13 @@ def iter_log_records(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # what a cut-short write leaves: a record's beginning
-                yield lineno, None
-                continue
-            except (ValueError, RecursionError) as exc:  # well-formed but hostile: an error
-                raise _json_error(path, exc, lineno) from exc
-            if not isinstance(record, dict):
-                raise TraceError(path, f"expected a JSON object, got {type(record).__name__}", line=lineno)
+                record = _parse_json_line(path, line, lineno)
+            except TraceError as exc:
+                # What a cut-short write leaves is a record's beginning, a syntax error; a
+                # well-formed but hostile line (an integer of 5,000 digits, not an object) stays one.
+                if not isinstance(exc.__cause__, json.JSONDecodeError):
+                    raise
+                record = None
             yield lineno, record
 
 
