@@ -290,13 +290,9 @@ def _arrivals(logs: list[Trace]) -> np.ndarray:
     a reboot would interleave, and the newest requests would look like the oldest), else all on
     its monotonic clock, as servers before the wall clock logged only that (never a mix: the
     two clocks' zeros are decades apart)."""
-    walls = [log.columns.get("logged_wall_arrival_s") or [None] * len(log) for log in logs]
-    column = (
-        "logged_wall_arrival_s" if all(v is not None for wall in walls for v in wall) else "logged_arrival_s"
-    )
-    return np.concatenate(
-        [np.asarray(log.columns[column], dtype=np.float64) for log in logs] or [np.zeros(0)]
-    )
+    wall = _column(logs, "logged_wall_arrival_s", None)
+    arrivals = wall if all(value is not None for value in wall) else _column(logs, "logged_arrival_s", None)
+    return np.asarray(arrivals, dtype=np.float64)
 
 
 def _column(logs: list[Trace], name: str, default: Any) -> list[Any]:
