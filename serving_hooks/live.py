@@ -117,9 +117,7 @@ class LiveComponents:
         prepared = (version, policy, self._slots_for(policy))
         with self._preparing:
             stale, self._prepared = self._prepared, prepared
-        if stale is not None:  # a newer version came before the engine took the last one
-            for slot in stale[2].values():
-                slot.stop()
+        _stop_slots(stale)  # a newer version came before the engine took the last one
 
     @classmethod
     def from_environment(cls, policy: Policy) -> LiveComponents | None:
@@ -134,16 +132,12 @@ class LiveComponents:
         """The policy of a `policy-config` version that went live since the last call, built and
         with its components loaded (`_prepare`); None when not following or nothing changed. The
         caller moves the requests in flight to it and then calls `adopt`. No registry call."""
-        if self._handing is not None:  # the last hand-over failed: its slots are not needed
-            for slot in self._handing[2].values():
-                slot.stop()
-            self._handing = None
+        _stop_slots(self._handing)  # the last hand-over failed: its slots are not needed
+        self._handing = None
         with self._preparing:
             prepared, self._prepared = self._prepared, None
         if prepared is None or prepared[0] in (self.config_version, self._config_tried):
-            if prepared is not None:
-                for slot in prepared[2].values():
-                    slot.stop()
+            _stop_slots(prepared)
             return None
         self._config_tried, self._handing = prepared[0], prepared
         return prepared[1]
@@ -242,6 +236,11 @@ class LiveComponents:
     def stop(self) -> None:
         for slot in self._every_slot():
             slot.stop()
-        for waiting in (self._prepared, self._handing):
-            for slot in (waiting[2] if waiting is not None else {}).values():
-                slot.stop()
+        _stop_slots(self._prepared)
+        _stop_slots(self._handing)
+
+
+def _stop_slots(prepared: tuple[int, Policy, dict[str, Slot]] | None) -> None:
+    """Stop the slots of a prepared policy-config version that will not serve (None: none)."""
+    for slot in (prepared[2] if prepared is not None else {}).values():
+        slot.stop()
