@@ -1036,6 +1036,14 @@ def test_arbitrary_plans_mean_the_same_in_both_engines(tiny_model, monkeypatch, 
     assert preemptions > 200 and 300 < finished < 480  # plans preempted; some requests were dropped
 
 
+def _fcfs_with_prefix_caching(tiny_model, monkeypatch, async_scheduling: bool):
+    """`_serving` of fcfs on 4 running and 60 blocks with vLLM's prefix caching, its decisions
+    logged: the set-up of the tests that check one prefix-caching detail by hand."""
+    monkeypatch.setenv("ADAPT_RECORD_DECISIONS", "1")
+    settings = {"prefix_caching": True, "async_scheduling": async_scheduling}
+    return _serving(tiny_model, monkeypatch, "fcfs", 0, None, 4, 60, **settings)
+
+
 def _serving(tiny_model, monkeypatch, policy: str, seed: int, budget, running: int, blocks: int, **settings):
     """A harness scheduler (`running` at most, `blocks` KV blocks, `settings` for
     `make_scheduler`) serving `policy`, or `Scrambled(seed, budget)` for "scrambled"; and a maker
@@ -1204,18 +1212,7 @@ def test_a_policy_hears_of_an_admission_with_its_prefix_hits_counted_in_both_eng
     from adapt.conformance import compare, replay_decisions
     from experiments.bench_scheduler import make_requests
 
-    monkeypatch.setenv("ADAPT_RECORD_DECISIONS", "1")
-    scheduler, fresh_policy = _serving(
-        tiny_model,
-        monkeypatch,
-        "fcfs",
-        0,
-        None,
-        4,
-        60,
-        prefix_caching=True,
-        async_scheduling=async_scheduling,
-    )
+    scheduler, fresh_policy = _fcfs_with_prefix_caching(tiny_model, monkeypatch, async_scheduling)
 
     def watch(policy, seen):
         on_admit = policy.on_admit
@@ -1316,18 +1313,7 @@ def test_a_prefix_cache_reset_between_requests_is_replayed(tiny_model, monkeypat
     from adapt.conformance import compare, replay_decisions
     from experiments.bench_scheduler import make_requests
 
-    monkeypatch.setenv("ADAPT_RECORD_DECISIONS", "1")
-    scheduler, fresh_policy = _serving(
-        tiny_model,
-        monkeypatch,
-        "fcfs",
-        0,
-        None,
-        4,
-        60,
-        prefix_caching=True,
-        async_scheduling=async_scheduling,
-    )
+    scheduler, fresh_policy = _fcfs_with_prefix_caching(tiny_model, monkeypatch, async_scheduling)
     rng = random.Random(0)
     system = [rng.randrange(1, 500) for _ in range(100)]
     for batch in range(3):
