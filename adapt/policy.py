@@ -108,6 +108,21 @@ class RequestState:
             return self.program.start_s + deadline
         return self.arrival_s + deadline
 
+    def token_due_s(self, index: int, intake_delay_s: float = 0.0) -> float:
+        """When output token `index` (0 = the first) is due under a latency SLO: by arrival + TTFT +
+        index * TBT (DESIGN section 4), the TTFT counted from the request's arrival at the server,
+        `intake_delay_s` before the engine saw it; with a TBT target only, from the first token.
+        +inf where the SLO sets no limit on that token. One formula for the metrics' on-time
+        tokens and for a policy that estimates its own goodput (JITServe's cutoff bandit)."""
+        slo = self.slo
+        if slo.ttft_s is not None:
+            if index == 0 or slo.tbt_s is not None:
+                return self.arrival_s - intake_delay_s + slo.ttft_s + index * (slo.tbt_s or 0.0)
+            return math.inf
+        if index == 0 or self.first_token_s is None or slo.tbt_s is None:
+            return math.inf
+        return self.first_token_s + index * slo.tbt_s
+
     def __repr__(self) -> str:
         return (
             f"RequestState({self.id!r}, phase={self.phase}, prompt={self.prompt_tokens},"

@@ -43,21 +43,8 @@ _GAP_BATCH = 65_536  # TBT gaps buffered per class before they are bucketed in o
 _CLOSE_BATCH = 1_024  # records of departed requests moved into the table at once
 
 
-def _on_time_limit(state: RequestState, index: int, intake_delay_s: float) -> float:
-    """When token `index` of `state` is due; a TTFT target counts from the request's arrival at
-    the server, `intake_delay_s` before the engine saw it (`EngineConfig.intake_delay_s`)."""
-    slo = state.slo
-    if slo.ttft_s is not None:
-        if index == 0 or slo.tbt_s is not None:
-            return state.arrival_s - intake_delay_s + slo.ttft_s + index * (slo.tbt_s or 0.0)
-        return math.inf
-    if index == 0 or state.first_token_s is None:
-        return math.inf
-    return state.first_token_s + index * slo.tbt_s  # type: ignore[operator]
-
-
 def _on_time_limits(state: RequestState, first: int, count: int, intake_delay_s: float) -> np.ndarray:
-    """`_on_time_limit` of tokens first .. first + count - 1, as one array (same arithmetic)."""
+    """`RequestState.token_due_s` of tokens first .. first + count - 1, as one array (same arithmetic)."""
     slo = state.slo
     index = first + np.arange(count, dtype=np.float64)
     if slo.ttft_s is not None:
@@ -530,7 +517,7 @@ class Recorder:
             last = state.last_token_s
             if last is not None and index > 0:
                 gaps[state.label].append(now - last)
-            if state.slo.kind == "latency" and now <= _on_time_limit(state, index, self._intake_delay_s):
+            if state.slo.kind == "latency" and now <= state.token_due_s(index, self._intake_delay_s):
                 self._open[state.id].ontime_tokens += 1
         for label, pending in gaps.items():
             if len(pending) >= _GAP_BATCH:
@@ -564,7 +551,7 @@ class Recorder:
         if len(times) == 1:  # one step (a bulk step): scalar arithmetic, as `tokens` does
             end = ends[0]
             for state in latency:
-                if end <= _on_time_limit(state, state.tokens_generated, self._intake_delay_s):
+                if end <= state.token_due_s(state.tokens_generated, self._intake_delay_s):
                     self._open[state.id].ontime_tokens += 1
         else:
             ends_array = np.asarray(ends)

@@ -25,10 +25,11 @@ speed) plus the goodput the victim still expected. It is off by default: on `jit
 600-700 times per run and costs 17-32% of the goodput (the study's ablation), because preemption
 here is by recompute and a conservative bound makes running requests look hopeless that would
 have made it. The cutoff p is adapted
-online by an epsilon-greedy bandit over `cutoffs`, rewarded with the goodput of the requests that
-finish during the frame (estimated all or nothing per request, `_earned`). Admission control drops
-requests never scheduled within `waiting_time_s` (reported as `dropped`, never lost). Bounds are
-refreshed every `refine_every` generated tokens.
+online by an epsilon-greedy bandit over `cutoffs`, rewarded with the frame's goodput as the metrics
+count it: a latency request's tokens that came on time (token i by arrival + TTFT + i * TBT, read
+at the step that sees it), a deadline or compound request's tokens when it finishes in time.
+Admission control drops requests never scheduled within `waiting_time_s` (reported as `dropped`,
+never lost). Bounds are refreshed every `refine_every` generated tokens.
 
 The forest is never called inside a scheduling step (`adapt.predictions`, as SageSched's
 embeddings): a single request's `qrf-length` bound is asked when it arrives and, at a frame, when
@@ -188,6 +189,7 @@ class JITServe(Policy):
     # ------------------------------------------------------------ lifecycle
     def on_arrival(self, request: RequestState, now: float) -> None:
         self._requests[request.id] = request
+        request.cache["jit_credited"] = request.tokens_generated  # (a swap hands some over started)
         self._unscored.append(request)  # scored at the next step, with that step's other arrivals
         self._arrivals.append(request)
         if self.qrf is not None and request.program is None:
@@ -216,7 +218,10 @@ class JITServe(Policy):
         self._priority.pop(request.id, None)
         if request.finish_s is None:
             return  # dropped
-        self._frame_reward += self._earned(request)
+        if request.slo.kind == "latency":
+            self._credit_tokens(request, now)
+        else:
+            self._frame_reward += self._earned(request)
         self._remember_length(request.tokens_generated)
 
     def _write(self, request: RequestState) -> None:
@@ -271,6 +276,10 @@ class JITServe(Policy):
     # ------------------------------------------------------------ planning
     def on_step(self, view: EngineView) -> Plan:
         step_s = view.mean_batch_time_s or DEFAULT_STEP_S
+        if len(self.cutoffs) > 1:  # the tokens the last step delivered count toward this frame
+            for request in view.running:
+                if request.slo.kind == "latency":
+                    self._credit_tokens(request, view.now)
         drop = self._admission_control(view.now)
         fresh: list[RequestState] = []
         if self._unscored:
@@ -584,22 +593,24 @@ class JITServe(Policy):
             old = self._lengths_fifo.popleft()
             del self._lengths[bisect.bisect_left(self._lengths, old)]
 
+    def _credit_tokens(self, request: RequestState, now: float) -> None:
+        """Add to the frame's reward the tokens `request` (latency SLO) generated since it was last
+        credited that were on time, taking `now` -- the step that first sees them -- as when they
+        arrived."""
+        credited = request.cache.get("jit_credited")
+        generated = request.tokens_generated
+        if credited is None or generated <= credited:
+            return
+        self._frame_reward += sum(now <= request.token_due_s(i) for i in range(credited, generated))
+        request.cache["jit_credited"] = generated
+
     def _earned(self, request: RequestState) -> float:
-        """The bandit's reward for a finished request: its goodput estimated from the times a policy
-        keeps -- a latency request's output tokens if its first token met the TTFT target and its
-        *mean* time between tokens the TBT target, else 0. The metrics count on-time tokens one by
-        one (token i by TTFT + i * TBT, DESIGN section 4); this coarser reward steers only the
-        choice of the cutoff among `cutoffs` (a known departure, docs/fairness.md)."""
-        slo = request.slo
-        tokens = request.prompt_tokens + request.tokens_generated
-        if slo.kind == "latency":
-            ttft_ok = slo.ttft_s is None or request.first_token_s <= request.arrival_s + slo.ttft_s
-            n = max(1, request.tokens_generated - 1)
-            tbt_ok = slo.tbt_s is None or (request.finish_s - request.first_token_s) / n <= slo.tbt_s
-            return float(request.tokens_generated) if ttft_ok and tbt_ok else 0.0
-        if slo.kind in ("deadline", "compound"):
+        """The bandit's reward for a finished deadline, compound or best-effort request: prompt and
+        output tokens if it met its (stage's program) deadline."""
+        if request.slo.kind in ("deadline", "compound"):
+            tokens = request.prompt_tokens + request.tokens_generated
             return float(tokens) if request.finish_s <= request.deadline_at else 0.0
-        return float(tokens)
+        return float(request.prompt_tokens + request.tokens_generated)
 
     def length_bound(self, request: RequestState) -> tuple[str, float] | None:
         """The bound in force for `request` on its total output, and what made it: the `qrf`

@@ -13,7 +13,7 @@ from adapt.policy import RequestState
 from adapt.replay.cost import roofline
 from adapt.replay.engine import _with_decodes
 from adapt.replay.kv import BlockPool
-from adapt.replay.metrics import _on_time_limit, _on_time_limits
+from adapt.replay.metrics import _on_time_limits
 from adapt.requests import SLO
 from adapt.steplog import StepBatch, step_batch
 
@@ -116,7 +116,7 @@ def test_on_time_limits_match_per_token(ttft, tbt, first_token, first, intake_de
         tbt = 0.1
     state = RequestState("r", 3.25, 10, 100, SLO(kind="latency", ttft_s=ttft, tbt_s=tbt))
     state.first_token_s = first_token
-    expected = [_on_time_limit(state, first + j, intake_delay) for j in range(7)]
+    expected = [state.token_due_s(first + j, intake_delay) for j in range(7)]
     got = _on_time_limits(state, first, 7, intake_delay).tolist()
     assert [math.isinf(x) for x in got] == [math.isinf(x) for x in expected]
     assert [x for x in got if not math.isinf(x)] == [x for x in expected if not math.isinf(x)]

@@ -1,5 +1,8 @@
+import math
+
 import pytest
 
+from adapt.policy import RequestState
 from adapt.requests import SLO, CompletedRequest, ProgramRef, Request, ValidationError
 
 
@@ -61,3 +64,15 @@ def test_completed_request_round_trip_and_order_check():
         CompletedRequest("r1", 1.0, 100, 20, first_token_s=0.5, finish_s=3.0)
     dropped = CompletedRequest("r2", 1.0, 100, 0, None, None, outcome="dropped")
     assert dropped.ttft_s is None
+
+
+def test_a_tokens_due_time_by_hand():
+    both = RequestState("r", 3.0, 10, 100, SLO(kind="latency", ttft_s=2.0, tbt_s=0.1))
+    assert both.token_due_s(0) == 5.0 and both.token_due_s(10) == pytest.approx(6.0)
+    assert both.token_due_s(10, intake_delay_s=0.5) == pytest.approx(5.5)  # the server saw it first
+    ttft_only = RequestState("r", 3.0, 10, 100, SLO(kind="latency", ttft_s=2.0))
+    assert ttft_only.token_due_s(0) == 5.0 and ttft_only.token_due_s(1) == math.inf
+    tbt_only = RequestState("r", 3.0, 10, 100, SLO(kind="latency", tbt_s=0.1))
+    assert tbt_only.token_due_s(3) == math.inf  # no first token yet: nothing to count from
+    tbt_only.first_token_s = 4.0
+    assert tbt_only.token_due_s(0) == math.inf and tbt_only.token_due_s(3) == pytest.approx(4.3)

@@ -67,6 +67,44 @@ def test_on_time_tokens_by_hand():
     assert goodput(policy, decoding("f", slo=SLO(kind="latency", ttft_s=2.0), remaining=10), 2.5) == 9
 
 
+def test_the_cutoff_bandit_is_rewarded_with_the_frames_on_time_tokens_by_hand():
+    """The bandit's reward counts on-time tokens one by one, as the metrics do (token i due by
+    arrival + TTFT + i * TBT), each at the step that first sees it; a late first token or a late
+    tail no longer zeroes a request's whole output."""
+    policy = JITServe(cutoffs=(0.8, 1.0), cutoff=0.8, frame_steps=3, explore=0.0, waiting_time_s=None)
+    slo = SLO(kind="latency", ttft_s=0.2, tbt_s=0.1)  # token i due by 0.2 + 0.1 i
+    a = state("a", slo=slo)
+    policy.on_arrival(a, 0.0)
+    policy.on_step(EngineView(0.0, [a], [], 0.0, 512, 8, 0.05, step_index=0))  # frame 1: cutoff 0.8
+    a.phase, a.tokens_computed, a.first_token_s = "decode", 11, 0.25
+    seen = [(1, 0.25), (2, 0.3), (4, 0.45)]  # (tokens generated, the step that sees them)
+    for index, (generated, now) in enumerate(seen, start=1):
+        a.tokens_generated = generated
+        policy.on_step(EngineView(now, [], [a], 0.0, 512, 8, 0.05, step_index=index))
+    # Frame 1 closed at step 3 (0.45 s), crediting: token 0 due 0.2 seen 0.25, late; token 1 due
+    # 0.3 seen 0.3, on time; tokens 2 and 3 due 0.4 and 0.5 seen 0.45: one on time -> 2.
+    assert policy._arm_value.tolist() == [2.0, 0.0] and policy.cutoff == 1.0  # the untried arm next
+    a.tokens_generated, a.finish_s, a.phase = 6, 0.62, "finished"
+    policy.on_finish(a, 0.62)  # tokens 4 and 5 due 0.6 and 0.7 at 0.62 -> 1
+    handed_over = state("b", slo=slo, generated=10, phase="decode")  # a swap hands it over started
+    policy.on_arrival(handed_over, 5.0)
+    policy.on_step(EngineView(6.0, [], [handed_over], 0.0, 512, 8, 0.05, step_index=6))
+    # Frame 2 closed at step 6: 1 token; b's 10 tokens from before this policy are not its to count.
+    assert policy._arm_value.tolist() == [2.0, 1.0]
+
+
+def test_a_deadline_request_rewards_the_bandit_with_all_its_tokens_only_if_on_time():
+    policy = JITServe(cutoffs=(0.8, 1.0), cutoff=0.8, frame_steps=1, explore=0.0, waiting_time_s=None)
+    for rid, finish in (("in-time", 9.0), ("late", 11.0)):
+        request = state(rid, slo=SLO(kind="deadline", deadline_s=10.0), generated=5, phase="decode")
+        policy.on_arrival(request, 0.0)
+        request.finish_s, request.phase = finish, "finished"
+        policy.on_finish(request, finish)
+        policy.on_step(EngineView(finish, [], [], 0.0, 512, 8, 0.05, step_index=int(finish)))
+    # The first step only opens frame 1 (what finished before it counts toward it): 10 + 5 tokens.
+    assert policy._arm_value.tolist() == [15.0, 0.0]
+
+
 def test_goodput_of_each_slo_kind_by_hand():
     policy = JITServe()
     # deadline 20 s: 100 tokens * 0.05 = 5 s fits from t=0 -> prompt + output; from t=16 it does not.
