@@ -206,8 +206,9 @@ class SageSched(PriorityPolicy):
         # The last running order and the running requests it sorted; reused while the same
         # requests run and no index has changed (most steps), since the sort runs every step.
         self._keys = _IndexKeys()
-        # Tokens generated at which each indexed request's index is next refreshed (sage_at +
-        # bucket), looked up by request: the bucket-crossing scan runs every step.
+        # Tokens generated at which each indexed request's index is next refreshed (the first
+        # bucket boundary, a multiple of `bucket`, above sage_at: `_next_boundary`), looked up by
+        # request: the bucket-crossing scan runs every step.
         self._due = _RefreshDue(self.bucket)
         self._sorted: list[RequestState] = []
         self._sorted_for: tuple[RequestState, ...] = ()
@@ -396,7 +397,7 @@ class SageSched(PriorityPolicy):
             request.cache["sage_index"] = value
             request.cache["sage_at"] = request.tokens_generated
             self._keys[request] = (value, request.arrival_s)
-            self._due[request] = request.tokens_generated + self.bucket
+            self._due[request] = self._next_boundary(request.tokens_generated)
         self._sorted_for = ()  # indices changed: re-sort the running requests
 
     def _refresh_one(self, request: RequestState) -> None:
@@ -415,8 +416,15 @@ class SageSched(PriorityPolicy):
         request.cache["sage_index"] = index
         request.cache["sage_at"] = request.tokens_generated
         self._keys[request] = (index, request.arrival_s)
-        self._due[request] = request.tokens_generated + self.bucket
+        self._due[request] = self._next_boundary(request.tokens_generated)
         self._sorted_for = ()  # indices changed: re-sort the running requests
+
+    def _next_boundary(self, tokens_generated: int) -> int:
+        """The first bucket boundary above `tokens_generated`. Boundaries are fixed multiples of
+        `bucket` (the paper refreshes "only at bucket boundaries"): a request re-ranked inside a
+        bucket -- preempted, or its embedding late -- is refreshed again where the bucket ends,
+        not `bucket` tokens after the re-rank."""
+        return (tokens_generated // self.bucket + 1) * self.bucket
 
     def _cost(self, prompt_tokens: np.ndarray | float, output_tokens: np.ndarray | float) -> np.ndarray:
         return service_cost(prompt_tokens, output_tokens, self.cost, self.memory_weight)

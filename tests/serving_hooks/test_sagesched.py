@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 from fractions import Fraction
 
 import numpy as np
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from adapt.component import read_component
-from adapt.policy import EngineView, RequestState
+from adapt.policy import EngineView, Plan, RequestState
 from adapt.replay.engine import EngineConfig, ReplayEngine
 from adapt.requests import SLO, Request
 from adapt.traces import instruction_split, prompt_hash
@@ -706,3 +707,151 @@ def test_the_point_predictor_is_the_mean_length_above_what_was_generated_by_hand
     for generated, mean in expected.items():  # 240, 380, then past the support: 700
         request.tokens_generated = generated
         assert predictor(request) == pytest.approx(mean)
+
+
+# ------------------------------------------------------- bucket refresh and flips, by hand
+#
+# Every request below has a 100-token prompt and, from `four_samples`, the output-length
+# distribution {100: 3/4, 500: 1/4}. Its kv costs, l_in * l_out + l_out^2 / 2:
+#   100 tokens: 100 * 100 + 100^2 / 2 = 15,000;   500 tokens: 100 * 500 + 500^2 / 2 = 175,000.
+# The attained service after g generated tokens is the same function of g, and
+# G(a) = min over s_j > a of E[min(S, s_j) - a | S > a] / P(S <= s_j | S > a):
+#   g = 0:   a = 0.       Budget 15,000: 15,000 / (3/4) = 20,000; budget 175,000: E[S] / 1 =
+#            3/4 * 15,000 + 1/4 * 175,000 = 55,000. G = 20,000.
+#   g = 199: a = 19,900 + 19,800.5 = 39,700.5 (only 500 left): G would be 135,299.5.
+#   g = 200: a = 20,000 + 20,000 = 40,000.    G = 175,000 - 40,000 = 135,000.
+#   g = 250: a = 25,000 + 31,250 = 56,250.    G = 175,000 - 56,250 = 118,750.
+#   g = 400: a = 40,000 + 80,000 = 120,000.   G = 175,000 - 120,000 = 55,000.
+#   g = 600: a = 60,000 + 180,000 = 240,000, past the support: one more bucket of tokens,
+#            cost(800) - cost(600) = (80,000 + 320,000) - 240,000 = 160,000.
+
+
+def four_samples() -> SemanticHistory:
+    """Four text-less answers to 100-token prompts, 100, 100, 100 and 500 tokens long; with four
+    fallback neighbours every text-less request is predicted exactly their distribution."""
+    history = SemanticHistory(fallback_neighbors=4)
+    history.observe([100] * 4, [100, 100, 100, 500], np.zeros((4, 384), np.float32), [False] * 4)
+    return history
+
+
+def running_view(
+    now: float, running: list[RequestState], waiting: Sequence[RequestState] = (), max_running: int = 8
+) -> EngineView:
+    return EngineView(now, list(waiting), running, 0.1, 2048, max_running, 0.02)
+
+
+def admitted(policy: SageSched, *requests: RequestState) -> None:
+    """Rank `requests` at a first step and admit them, as an engine would."""
+    for request in requests:
+        policy.on_arrival(request, request.arrival_s)
+    policy.on_step(EngineView(0.0, list(requests), [], 0.0, 2048, 8, 0.02))
+    for request in requests:
+        policy.on_admit(request, 0.0)
+        request.phase = "decode"
+
+
+def generated(request: RequestState, tokens: int) -> None:
+    request.tokens_generated, request.tokens_computed = tokens, request.prompt_tokens + tokens
+
+
+def test_a_running_index_is_refreshed_only_when_its_tokens_cross_a_bucket_boundary():
+    """Refreshes at 200, 400, 600 generated tokens (bucket 200) to the values computed above; at
+    150, 199 and 399 the index stays, and the horizon lets the engine run up to the boundary."""
+    policy = SageSched(history=four_samples(), preempt_on_flip=True, learn_online=False)
+    request = state("a", 100)
+    admitted(policy, request)
+    distribution = request.cache["sage_distribution"]
+    assert distribution.support.tolist() == [100, 500]
+    assert distribution.probs.tolist() == pytest.approx([0.75, 0.25])
+    assert request.cache["sage_index"] == pytest.approx(20_000)
+    # tokens generated -> (index after the step, decode steps the plan holds after it)
+    expected = {
+        150: (20_000, 200 - 150 - 1),
+        199: (20_000, 0),  # refreshed here it would be 135,299.5
+        200: (135_000, 400 - 200 - 1),
+        399: (135_000, 0),
+        400: (55_000, 199),
+        600: (160_000, 199),  # past everything predicted
+    }
+    for tokens, (index, steps) in expected.items():
+        generated(request, tokens)
+        view = running_view(float(tokens), [request])
+        policy.on_step(view)
+        assert request.cache["sage_index"] == pytest.approx(index), tokens
+        assert policy.horizon(view).steps == steps, tokens
+
+
+def flip_at(flip_ratio: float) -> tuple[Plan, Plan, SageSched, tuple[RequestState, ...]]:
+    """A full engine (2 of 2 running): `a` (arrived first) and `b`, 100-token prompts, and `w`
+    waiting at G = 20,000. `a` goes from 199 to 200 generated tokens, `b` is at 150. The plans
+    of the two steps, the policy and the three requests."""
+    policy = SageSched(
+        history=four_samples(),
+        preempt_on_flip=True,
+        flip_ratio=flip_ratio,
+        victim="priority",
+        learn_online=False,
+    )
+    a, b, w = state("a", 100, arrival=0.0), state("b", 100, arrival=1.0), state("w", 100, arrival=2.0)
+    admitted(policy, a, b)
+    generated(b, 150)
+    policy.on_arrival(w, 2.0)
+    generated(a, 199)
+    before = policy.on_step(running_view(3.0, [a, b], [w], max_running=2))
+    generated(a, 200)
+    after = policy.on_step(running_view(4.0, [a, b], [w], max_running=2))
+    return before, after, policy, (a, b, w)
+
+
+def test_a_full_engine_preempts_only_when_a_bucket_refresh_flips_the_order():
+    """flip_ratio 1: the plain order. At 199 tokens every index is 20,000: ties go by arrival, so
+    the waiting `w` stays behind `a` and `b` and nothing is preempted. At 200 `a`'s index is
+    refreshed to 135,000 > 20,000: the order flips, `a` is the victim (the largest index), and,
+    preempted, it waits behind `w`."""
+    before, after, policy, (a, b, w) = flip_at(1.0)
+    assert w.cache["sage_index"] == pytest.approx(20_000)
+    assert before.preempt == [] and [r.id for r in before.running_order] == ["a", "b"]
+    assert a.cache["sage_index"] == pytest.approx(135_000) and b.cache["sage_index"] == pytest.approx(20_000)
+    assert after.preempt == [a] and [r.id for r in after.running_order] == ["b", "a"]
+    policy.on_preempt(a, 4.0)  # re-ranked at 200 tokens: the same 135,000
+    assert a.cache["sage_index"] == pytest.approx(135_000)
+    assert [r.id for r in policy.waiting_in_order()] == ["w", "a"]
+
+
+def test_flip_preemption_needs_the_running_index_above_flip_ratio_times_the_waiting_one():
+    """135,000 = 6.75 x 20,000: at ratio 6.75 the flip is not clear enough, at 6.74 it is
+    (20,000 x 6.74 = 134,800 < 135,000)."""
+    assert flip_at(6.75)[1].preempt == []
+    _, after, _, (a, _, _) = flip_at(6.74)
+    assert after.preempt == [a]
+
+
+@pytest.mark.parametrize("count", [1, 9])  # 1: the one-by-one refresh; 9: the vectorised pass
+def test_an_index_re_ranked_between_boundaries_is_refreshed_again_at_the_next_boundary(count):
+    """Buckets are fixed intervals of the generated tokens (0-199, 200-399, ...; SageSched
+    section 3.3: "the Gittins index of each request is refreshed only at bucket boundaries"). A
+    request re-ranked inside a bucket -- preempted at 250 tokens by KV pressure, or its embedding
+    coming late -- takes the value at 250 (118,750), keeps it through 399, and is refreshed at the
+    boundary 400 (to 55,000), not 200 tokens after the re-rank (450)."""
+    policy = SageSched(history=four_samples(), preempt_on_flip=True, learn_online=False)
+    requests = [state(f"r{i}", 100, arrival=float(i)) for i in range(count)]
+    admitted(policy, *requests)
+    for request in requests:
+        generated(request, 250)
+    if count == 1:
+        policy.on_preempt(requests[0], 1.0)
+        policy.on_admit(requests[0], 2.0)
+    else:
+        policy._refresh(requests)  # nine at once, as a step's batch of late embeddings is
+    assert [r.cache["sage_index"] for r in requests] == pytest.approx([118_750] * count)
+    for tokens, (index, steps) in {
+        250: (118_750, 400 - 250 - 1),
+        399: (118_750, 0),
+        400: (55_000, 199),
+    }.items():
+        for request in requests:
+            generated(request, tokens)
+        view = running_view(float(tokens), requests, max_running=16)
+        policy.on_step(view)
+        assert [r.cache["sage_index"] for r in requests] == pytest.approx([index] * count), tokens
+        assert policy.horizon(view).steps == steps, tokens
