@@ -54,9 +54,15 @@ class EwsjfTrial:
     metrics: dict[str, Any]
 
 
-def history_lengths(num_requests: int = 4000, seed: int = 1) -> np.ndarray:
-    """A history window of prompt lengths from the ewsjf-mixed sources (a different seed from the
-    evaluation traffic, so the layout is not fitted on the requests it is judged on)."""
+# The seed of the history window a layout is fitted on. The studies judge EWSJF on small seeds (0 is
+# tuned on, 1-3 held out, a few more in the studies): with seed 1 here the champion's layout was
+# fitted on exactly the prompts of held-out seed 1's trace.
+HISTORY_SEED = 10_000
+
+
+def history_lengths(num_requests: int = 4000, seed: int = HISTORY_SEED) -> np.ndarray:
+    """A history window of prompt lengths from the ewsjf-mixed sources (a seed no evaluation uses,
+    so the layout is not fitted on the requests it is judged on)."""
     spec = WORKLOADS["ewsjf-mixed"]
     return np.array([r.prompt_tokens for r in spec.build(spec.rate, num_requests, seed)], dtype=np.float64)
 
@@ -261,6 +267,7 @@ def tune_ewsjf(
     best = EwsjfMetaPolicy(**result.params).fit(lengths)
     best.metadata["data_window"] = {
         "history_prompts": len(lengths),
+        **({"history_seed": HISTORY_SEED} if on_workload else {}),
         "traffic": traffic.source,
         **({"tune_rate": rate} if on_workload else {}),
         "requests": len(traffic.requests),

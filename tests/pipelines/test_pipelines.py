@@ -112,6 +112,21 @@ def test_tune_ewsjf_registers_best_theta_and_policy_config(tmp_path, capsys):
     assert reg.load("ewsjf-meta-policy", version=2).b_u == meta.b_u
 
 
+def test_the_ewsjf_layouts_history_is_no_trace_a_study_judges_it_on():
+    """The registered layout is fitted on `history_lengths()`; the studies replay `ewsjf-mixed` at
+    small seeds (0 tuned on, 1-3 held out). Its prompts must not be any of those traces' prompts
+    (with seed 1 they were held-out seed 1's, prompt for prompt)."""
+    from adapt.workloads import WORKLOADS
+    from pipelines.ewsjf import history_lengths
+
+    history = history_lengths(400)
+    spec = WORKLOADS["ewsjf-mixed"]
+    for seed in range(10):
+        for rate in (spec.rate, 1.5 * spec.rate):
+            evaluated = np.array([r.prompt_tokens for r in spec.build(rate, 400, seed)])
+            assert np.mean(evaluated == history) < 0.05, (seed, rate)
+
+
 def test_tune_ewsjf_on_a_users_trace_fits_on_its_earlier_prompts_and_replays_the_later(tmp_path, capsys):
     """DESIGN.md's `adapt tune POLICY (--trace FILE | --workload NAME)`, for ewsjf: the trace's
     later requests are replayed at their own arrival times, its earlier prompts are the history."""
