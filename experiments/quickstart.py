@@ -59,8 +59,10 @@ def starves_long_requests(metrics: dict[str, Any], fcfs: dict[str, Any]) -> str 
 
 
 def misses_tbt_slo(metrics: dict[str, Any], fcfs: dict[str, Any]) -> str | None:
-    """SLAI's guard: a median TTFT bought by missing a tier's P99 TBT target does not count."""
-    missed = [tier for tier, slo in SLOS.items() if (metrics["by_class"][tier].get("tbt_p99") or 0.0) > slo]
+    """SLAI's guard: a median TTFT bought by missing a tier's P99 TBT target does not count, nor
+    one whose tier has no P99 TBT at all (it cannot show the target met)."""
+    p99 = {tier: metrics["by_class"].get(tier, {}).get("tbt_p99") for tier in SLOS}
+    missed = [tier for tier, slo in SLOS.items() if p99[tier] is None or p99[tier] > slo]
     return f"misses the {'/'.join(missed)} TBT SLO" if missed else None
 
 

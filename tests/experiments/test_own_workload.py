@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from experiments.own_workload import TARGETS, verdict
+from adapt.workloads import WORKLOADS
+from experiments.own_workload import TARGETS, barred_in_any_seed, engine_settings, mean_metrics, verdict
 
 SAGESCHED = next(t for t in TARGETS if t.workload == "sagesched-mix")
 JITSERVE = next(t for t in TARGETS if t.workload == "jitserve-mix")
@@ -56,3 +59,48 @@ def test_jitserve_needs_085_of_its_oracle_up_to_15x_and_080_from_3x():
         True,
     ]
     assert verdict(JITSERVE, table, 3.0)["of_oracle"] == pytest.approx(0.82)
+
+
+SLAI = next(t for t in TARGETS if t.workload == "slai-tiers")
+
+
+def slai_run(ttft_p50: float, paying_tbt_p99: float | None) -> dict[str, Any]:
+    tiers = {"paying": {"tbt_p99": paying_tbt_p99}, "free": {"tbt_p99": 0.2}}
+    return {"ttft_p50": ttft_p50, "dropped": 0, "num_requests": 100, "by_class": tiers}
+
+
+def test_a_tbt_slo_missed_in_one_seed_bars_slai_though_the_seeds_mean_meets_it():
+    """Paying P99 TBT 0.13, 0.08, 0.08 s against its 0.1 s SLO: the mean (0.097) would pass."""
+    seeds = {
+        "fcfs": [slai_run(1.0, 0.05)] * 3,
+        "sarathi": [slai_run(1.0, 0.05)] * 3,
+        "slai": [slai_run(0.5, 0.13), slai_run(0.5, 0.08), slai_run(0.5, 0.08)],
+    }
+    table = {name: mean_metrics(runs) for name, runs in seeds.items()}
+    assert table["slai"]["by_class"]["paying"]["tbt_p99"] == pytest.approx(0.29 / 3)
+    assert verdict(SLAI, table)["met"]  # on the means alone it would pass
+    barred = {name: barred_in_any_seed(SLAI.headline, runs, seeds["fcfs"]) for name, runs in seeds.items()}
+    assert barred["slai"] == "misses the paying TBT SLO"
+    outcome = verdict(SLAI, table, barred=barred)
+    assert not outcome["met"] and not outcome["learned_eligible"]
+
+
+def test_a_tier_with_no_p99_tbt_cannot_show_its_slo_met():
+    missing = slai_run(0.5, None)
+    assert barred_in_any_seed(SLAI.headline, [missing], [slai_run(1.0, 0.05)]) == "misses the paying TBT SLO"
+    assert mean_metrics([slai_run(0.5, 0.05), missing])["by_class"]["paying"]["tbt_p99"] is None
+
+
+def test_the_engine_settings_are_the_workloads_and_a_policy_with_its_own_is_named():
+    config = WORKLOADS["jitserve-mix"].engine_config()
+    same = {"token_budget": config.token_budget, "max_running": config.max_running}
+    table = {
+        "fcfs": dict(same),
+        "jitserve": dict(same),
+        "vllm-v0": {"token_budget": 4096, "max_running": config.max_running},
+    }
+    settings = engine_settings(JITSERVE, table)
+    assert settings["engine_settings"] == same
+    assert settings["own_engine_settings"] == {
+        "vllm-v0": {"token_budget": 4096, "max_running": config.max_running}
+    }
