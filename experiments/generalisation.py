@@ -15,7 +15,8 @@ Policies: every non-oracle baseline and the four learned ones with the store's c
 version (`--store`, default the MLflow tracking URI; a component without a champion is trained
 first through the quickstart's pipeline on the bundled data). None of these traces carries prompt
 text, so the learned policies that read it fall back to what the trace offers; the `text` column
-says so. The headline is azure-conv's, mean TTLT; a policy that dropped requests may not rank.
+says so. The headline is azure-conv's, mean TTLT; a policy that dropped requests may not rank, and
+one whose P99 TTFT is above 1.2x FCFS's is flagged as starving requests (shown beside its rank).
 A ceiling runs beside them, shown and never ranked: SageSched given every request's true output
 length (`sagesched:true_lengths=all`, replay only), what a perfect length predictor could buy over
 the best baseline on that trace.
@@ -68,6 +69,7 @@ SHOWN = (
     ("preemptions_per_request", "preempt/req"),
 )
 REQUESTS = {False: 2000, True: 500}  # per run: full, --fast
+STARVATION_FACTOR = 1.2  # P99 TTFT above this times FCFS's is flagged (the ewsjf guard's factor)
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,16 @@ def rank(table: dict[str, dict[str, Any]], specs: dict[str, str], requests: list
     """The best non-oracle baseline by the headline, and each learned policy's rank (among the
     policies allowed to rank: no drops) and gain against it."""
     barred = {p: why for p, m in table.items() if (why := HEADLINE.barred(m, table["fcfs"]))}
+    # The starvation guard paired with the headline (issue 19): a mean TTLT bought by holding some
+    # requests back shows in the P99 TTFT. Shown, not barred: on these traces every length-aware
+    # order -- the best baseline's too -- pays 1.6-7x FCFS's P99 TTFT for its mean, so barring it
+    # would leave FCFS's order alone to rank.
+    fcfs_p99 = table["fcfs"]["ttft_p99"]
+    starving = {
+        p: f"P99 TTFT {m['ttft_p99'] / fcfs_p99:.1f}x FCFS's"
+        for p, m in table.items()
+        if m["ttft_p99"] > STARVATION_FACTOR * fcfs_p99
+    }
     contenders = (p for p in table if p not in barred and p != CEILING)
     order = sorted(contenders, key=lambda p: HEADLINE.value(table[p]))
     baselines = [p for p in order if p in NON_ORACLE_BASELINES]
@@ -195,6 +207,7 @@ def rank(table: dict[str, dict[str, Any]], specs: dict[str, str], requests: list
     return {
         "best_baseline": best,
         "barred": barred,
+        "starving": starving,
         "ranking": order,
         "learned": learned,
         "ceiling_gain_vs_best_baseline": ceiling,
@@ -229,6 +242,8 @@ def format_scenario(name: str, result: dict[str, Any], seeds: list[int]) -> str:
             row += f"{result['ceiling_gain_vs_best_baseline']:>+8.1%}  (ceiling: true lengths, not ranked)"
         if policy in result["barred"]:
             row += f"  (may not rank: {result['barred'][policy]})"
+        elif policy in result["starving"]:
+            row += f"  (starves: {result['starving'][policy]})"
         lines.append(row)
     return "\n".join(lines)
 

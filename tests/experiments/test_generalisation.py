@@ -56,3 +56,15 @@ def test_the_text_column_counts_the_requests_with_text():
     assert text_use("sagesched", without).startswith("no (length-only fallback")
     assert text_use("sagesched", [*with_text, *without]).startswith("75% of requests")
     assert text_use("slai", with_text) == "not read"
+
+
+def test_a_mean_ttlt_won_with_a_p99_ttft_above_12x_fcfss_is_flagged_as_starving():
+    def row(ttlt: float, ttft_p99: float) -> dict:
+        return {"ttlt_mean": ttlt, "ttft_p99": ttft_p99, "dropped": 0, "num_requests": 100}
+
+    table = {policy: row(40.0, 10.0) for policy in (*NON_ORACLE_BASELINES, *LEARNED)}
+    table["spf:victim=newest"] = row(30.0, 12.0)  # 1.2x FCFS's: at the limit, not flagged
+    table["sagesched"] = row(29.0, 35.0)  # 3.5x
+    result = generalisation.rank(table, UNPINNED, [Request("r", 0.0, 10, 5)])
+    assert result["starving"] == {"sagesched": "P99 TTFT 3.5x FCFS's"}
+    assert result["best_baseline"] == "spf:victim=newest" and result["ranking"][0] == "sagesched"
