@@ -23,7 +23,7 @@ def test_the_stale_layout_degrades_the_loop_recovers_and_the_bad_candidate_is_re
     # the loop promoted layouts after the shift, and every one went live between steps
     promoted = [d for d in cell["decisions"] if d["promoted"] and d["component"] == "ewsjf-meta-policy"]
     assert promoted and all(d["swapped"] for d in promoted)
-    assert any(d["at_s"] >= cell["shift_s"] for d in promoted)
+    assert any(d["at_s"] >= cell["shift_s"] for d in promoted) and cell["good_candidate_promoted"]
     assert {v for _, _, v in cell["swaps"]} >= {d["version"] for d in promoted}
     # the logs the retrains read are serve's: requests, steps and the engine's limits; the layout's
     # gate replayed on that engine, timed by the cost model refitted from those steps
@@ -84,16 +84,19 @@ def test_the_study_command_writes_the_json_and_the_plot(tmp_path, monkeypatch):
             "sustained_recovery_s": 0.0,
             "decisions": [],
             "bad_candidate_refused": True,
+            "good_candidate_promoted": seed == 0,
             "swaps": [(0.0, "ewsjf-meta-policy", 1), (60.0, "ewsjf-meta-policy", 3)],
         }
 
     monkeypatch.setattr(drift_study, "run_cell", cell)
     out = tmp_path / "drift.json"
-    args = ["--fast", "--seeds", "0", "--scenarios", "drift-chat-to-summaries", "--json", str(out)]
+    args = ["--fast", "--seeds", "0,1", "--scenarios", "drift-chat-to-summaries", "--json", str(out)]
     assert drift_study.main([*args, "--plot-dir", str(tmp_path / "plots")]) == 0
     summary = json.loads(out.read_text())["scenarios"]["drift-chat-to-summaries"]
     for key in ("metric", "higher_is_better", "before_shift", "stale", "loop", "oracle", "recovery_s"):
         assert key in summary
     assert summary["bad_candidate_refused"] is True and summary["loop_within_5pct_of_oracle"] is True
     assert summary["stale_degrades"] is True and summary["per_seed"]["0"]["stale"] == 0.9
+    # the gate's positive control holds only where every seed promoted a retrained version
+    assert summary["per_seed"]["0"]["good_candidate_promoted"] and summary["good_candidate_promoted"] is False
     assert (tmp_path / "plots" / "drift-chat-to-summaries.png").is_file()
