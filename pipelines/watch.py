@@ -150,6 +150,7 @@ class QualityWatch:
         margin: float = DEFAULT_MARGIN,
         cooldown_s: float = DEFAULT_COOLDOWN_S,
         timeout_s: float = STATUS_TIMEOUT_S,
+        api_key: str | None = None,  # the servers' --api-key: without it a keyed server answers 401
         say: Callable[[str], None] = lambda line: print(line, flush=True),  # a log read as it runs
     ) -> None:
         if not urls:
@@ -160,6 +161,7 @@ class QualityWatch:
         self.margin = margin
         self.cooldown_s = cooldown_s
         self.timeout_s = timeout_s
+        self.api_key = api_key
         self.say = say
         self.last_retrain_s: float | None = None
         self._silent: set[str] = set()
@@ -194,7 +196,7 @@ class QualityWatch:
         answered = {}
         for url in self.urls:
             try:
-                answered[url] = read_status(url, self.timeout_s)
+                answered[url] = read_status(url, self.timeout_s, self.api_key)
             except ConnectionError as exc:
                 if url not in self._silent:
                     self.say(f"watch: {url} does not answer ({exc}); skipped until it does")

@@ -17,7 +17,8 @@ server's first request, after vLLM has started its engine process), beyond `max_
 waiting, after `timeout_s` waiting for its vector, and where embedding fails, a request goes on
 without a vector. The engine's worker then embeds it, as without this option. Prompts that arrive
 together are embedded in one batch. Where the server checks API keys (`--api-key`, or
-`VLLM_API_KEY`), a request without a valid one is not embedded: vLLM refuses it after this layer.
+`VLLM_API_KEY`), a request without a valid one is not embedded (`serving_hooks.http.authorized`):
+vLLM refuses it after this layer.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ ENABLED_ENV = "ADAPT_EMBED_PROMPTS"
 MAX_WAITING_ENV = "ADAPT_EMBED_PROMPTS_MAX_WAITING"
 THREADS_ENV = "ADAPT_EMBED_PROMPTS_THREADS"
 TIMEOUT_ENV = "ADAPT_EMBED_PROMPTS_TIMEOUT_S"
-API_KEYS_ENV = "ADAPT_EMBED_PROMPTS_API_KEYS"  # the server's --api-key values, newline-separated
 DEFAULT_MAX_WAITING = 256
 DEFAULT_TIMEOUT_S = 2.0
 
@@ -101,7 +101,6 @@ class PromptEmbedder:
         embed: Callable[[list[str]], np.ndarray] = _embed_with_cache,
         load: Callable[[], None] = _load,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        api_keys: frozenset[str] = frozenset(),
     ) -> None:
         if max_waiting < 1:
             raise ValueError(f"{MAX_WAITING_ENV}: must be >= 1, got {max_waiting}")
@@ -109,7 +108,6 @@ class PromptEmbedder:
             raise ValueError(f"{TIMEOUT_ENV}: must be > 0, got {timeout_s}")
         self.max_waiting = max_waiting
         self.timeout_s = timeout_s
-        self.api_keys = api_keys
         self._embed = embed
         self._load = load
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapt-embed-prompts")
@@ -150,11 +148,6 @@ class PromptEmbedder:
             "waiting": self._waiting,
             "mean_wait_s": self.held_s / self.held if self.held else None,
         }
-
-    def authorized(self, authorization: str | None) -> bool:
-        """Whether a request with this Authorization header passes the server's API-key check
-        (every request does where the server has no keys)."""
-        return not self.api_keys or any(authorization == f"Bearer {key}" for key in self.api_keys)
 
     async def vector(self, text: str | None) -> np.ndarray | None:
         """`text`'s unit vector, or None where the request goes on without one (see the module)."""
@@ -218,14 +211,9 @@ def configured_embedder() -> PromptEmbedder | None:
     if os.environ.get(ENABLED_ENV) != "1":
         return None
     if _embedder is None:
-        # As vLLM decides: its --api-key values where given, else VLLM_API_KEY.
-        keys = {k for k in os.environ.get(API_KEYS_ENV, "").split("\n") if k}
-        if not keys and os.environ.get("VLLM_API_KEY"):
-            keys.add(os.environ["VLLM_API_KEY"])
         _embedder = PromptEmbedder(
             _setting(MAX_WAITING_ENV, int, DEFAULT_MAX_WAITING),
             timeout_s=_setting(TIMEOUT_ENV, float, DEFAULT_TIMEOUT_S),
-            api_keys=frozenset(keys),
         )
     return _embedder
 

@@ -4,7 +4,8 @@
 - `--scheduler-cls serving_hooks.vllm_adapter.PolicyScheduler --async-scheduling`, the policy in
   `ADAPT_POLICY` (the engine-core process inherits the environment);
 - `--middleware serving_hooks.http.adapt_middleware`: `vllm_xargs` validation (HTTP 400) and
-  `GET /v1/adapt/status`;
+  `GET /v1/adapt/status`, behind vLLM's `--api-key` where given (the middleware reads the keys
+  from the arguments vLLM parsed);
 - `ADAPT_LOG_DIR` (`--log-dir`): the request and step logs (`serving_hooks.monitor`), which
   `adapt retrain --data-dir` reads;
 - `ADAPT_WATCH_INTERVAL` and `ADAPT_STATUS_FILE`: the scheduler follows the champions of the
@@ -36,7 +37,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from serving_hooks.prompt_embedder import API_KEYS_ENV, ENABLED_ENV
+from serving_hooks.prompt_embedder import ENABLED_ENV
 
 SCHEDULER = "serving_hooks.vllm_adapter.PolicyScheduler"
 MIDDLEWARE = "serving_hooks.http.adapt_middleware"
@@ -114,30 +115,11 @@ def server_command(
         env["ADAPT_DRIFT_MARGIN"] = str(drift_margin)
     env[ENABLED_ENV] = "1" if embed_prompts else "0"
     if embed_prompts:
-        keys = api_keys(extra)
-        if keys:
-            env[API_KEYS_ENV] = "\n".join(keys)
         # The engine then embeds only the prompts that came without a vector: in a child process,
         # so that MiniLM never loads in the engine's own (loaded there, even idle, it slowed the CPU
         # engine: sagesched 0.74 of vLLM's default against 0.955, `bench_throughput --embedded`).
         env.setdefault("ADAPT_EMBEDDING_PROCESS", "1")
     return argv, env
-
-
-def api_keys(vllm_args: Sequence[str]) -> list[str]:
-    """The values of vLLM's `--api-key` among `vllm_args` (`--api-key K [K ...]` or `--api-key=K`):
-    the middleware embeds only requests that carry one."""
-    keys: list[str] = []
-    args = list(vllm_args)
-    for i, arg in enumerate(args):
-        if arg.startswith("--api-key="):
-            keys.append(arg.split("=", 1)[1])
-        elif arg == "--api-key":
-            for value in args[i + 1 :]:
-                if value.startswith("--"):
-                    break
-                keys.append(value)
-    return keys
 
 
 def serve(model: str, policy: str, **kwargs) -> int:

@@ -19,15 +19,22 @@ class StatusServer:
 
     `status` is sent as JSON, unless it is bytes (sent as they are, e.g. a body that is not JSON)
     or an int (that HTTP error code, e.g. 503 before the engine wrote a status). `metrics` None
-    answers 404, as a server started with `--no-metrics`; so does any other path."""
+    answers 404, as a server started with `--no-metrics`; so does any other path. With `api_key`
+    the status route answers 401 without `Authorization: Bearer <api_key>`, as a server started
+    with vLLM's `--api-key` (which leaves `/metrics` open)."""
 
-    def __init__(self, status: Any, metrics: bytes | None = None) -> None:
+    def __init__(self, status: Any, metrics: bytes | None = None, api_key: str | None = None) -> None:
         self.status = status
         self.metrics = metrics
+        self.api_key = api_key
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                keyed = owner.api_key is not None and self.path == STATUS_PATH
+                if keyed and self.headers.get("Authorization") != f"Bearer {owner.api_key}":
+                    self.send_error(401)
+                    return
                 answer = {STATUS_PATH: owner.status, "/metrics": owner.metrics}.get(self.path)
                 if answer is None or isinstance(answer, int):
                     self.send_error(answer or 404)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -314,7 +315,8 @@ def cmd_retrain(args: argparse.Namespace) -> int:
         fire_times = cron_times(args.schedule) if args.schedule else every(args.every)
         watch = None
         if args.watch is not None:
-            watch = QualityWatch([url.strip() for url in args.watch.split(",") if url.strip()], registry)
+            urls = [url.strip() for url in args.watch.split(",") if url.strip()]
+            watch = QualityWatch(urls, registry, api_key=args.watch_api_key)
         retrain_loop(
             registry,
             args.data_dir,
@@ -372,7 +374,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     fleet = [url.strip() for url in args.fleet.split(",") if url.strip()] if args.fleet else None
     if args.fleet is not None and not fleet:
         raise UsageError("--fleet: give the replicas' URLs, comma-separated")
-    return run_status(args.url, args.watch, fleet)
+    return run_status(args.url, args.watch, fleet, args.api_key)
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -547,6 +549,13 @@ def build_parser() -> argparse.ArgumentParser:
     retrain.add_argument(
         "--watch-interval", type=DURATION, default=10.0, metavar="S", help="poll every S seconds (10)"
     )
+    retrain.add_argument(
+        "--watch-api-key",
+        default=os.environ.get("VLLM_API_KEY"),
+        metavar="KEY",
+        help="the servers' --api-key, without which they refuse the status (default: the VLLM_API_KEY"
+        " environment variable, which keeps the key out of the process list)",
+    )
     retrain.set_defaults(func=cmd_retrain)
 
     compare = sub.add_parser("compare", help="replay runs side by side (policies x workloads), plots vs load")
@@ -618,6 +627,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--fleet",
         metavar="URL,URL,...",
         help="summarise these replicas instead (exit 1 if one does not answer)",
+    )
+    status.add_argument(
+        "--api-key",
+        default=os.environ.get("VLLM_API_KEY"),
+        metavar="KEY",
+        help="the server's --api-key, without which it refuses the status (default: the VLLM_API_KEY"
+        " environment variable, which keeps the key out of the process list)",
     )
     status.set_defaults(func=cmd_status)
 
@@ -695,8 +711,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         func: Callable[[argparse.Namespace], int] = args.func
         if args.tracking_uri:
-            import os
-
             os.environ["MLFLOW_TRACKING_URI"] = args.tracking_uri
         return func(args)
     except KeyboardInterrupt:

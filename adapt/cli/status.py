@@ -9,7 +9,9 @@ request -- swaps, drift alarms, the policy's own state; written by the engine co
 attainment by class, the online prediction quality next to the held-out figure, step times, queue
 and errors. Counters are totals since the server started, as Prometheus holds them; rates are
 Grafana's job (`deploy/grafana/adapt-dashboard.json`). A server started with `--no-metrics` still
-answers the status part.
+answers the status part. A server started with vLLM's `--api-key` answers the status only with one
+of its keys (`--api-key KEY`, by default the `VLLM_API_KEY` environment variable, as vLLM reads it);
+`/metrics` it answers to anyone.
 """
 
 from __future__ import annotations
@@ -52,14 +54,15 @@ def scrape(url: str) -> Samples:
     return samples
 
 
-def read_server(url: str) -> tuple[dict[str, Any] | None, Samples]:
+def read_server(url: str, api_key: str | None = None) -> tuple[dict[str, Any] | None, Samples]:
     """(status JSON, every sample of /metrics by name). The status is None while the engine has
-    not written one, or when the server does not serve the route: the metrics still show."""
+    not written one, or when the server does not serve the route: the metrics still show. A keyed
+    server's 401 is an error (`ApiKeyRequired`), not a missing status: it says how to give the key."""
     samples = scrape(url)
     from serving_hooks.http import NoStatusRoute, StatusNotReady, read_status
 
     try:
-        return read_status(url, TIMEOUT_S), samples
+        return read_status(url, TIMEOUT_S, api_key), samples
     except (StatusNotReady, NoStatusRoute):
         return None, samples
 
@@ -194,12 +197,12 @@ def render(status: dict[str, Any] | None, samples: Samples, now: float | None = 
 Read = tuple[str, dict[str, Any] | None, Samples, str | None]  # url, status, samples, error
 
 
-def read_fleet(urls: list[str]) -> list[Read]:
+def read_fleet(urls: list[str], api_key: str | None = None) -> list[Read]:
     """Every replica's read; one that does not answer is a row with its error, not a failure."""
     reads = []
     for url in urls:
         try:
-            status, samples = read_server(url)
+            status, samples = read_server(url, api_key)
             reads.append((url, status, samples, None))
         except ConnectionError as exc:
             reads.append((url, None, {}, str(exc)))
@@ -248,15 +251,17 @@ def render_fleet(reads: list[Read]) -> str:
     return "\n".join(lines)
 
 
-def run_status(url: str, watch_s: float | None, fleet: list[str] | None = None) -> int:
+def run_status(
+    url: str, watch_s: float | None, fleet: list[str] | None = None, api_key: str | None = None
+) -> int:
     """Print the summary (of one server, or of a fleet: exit 1 if a replica does not answer)
-    once, or every `watch_s` seconds until interrupted."""
+    once, or every `watch_s` seconds until interrupted; the status asked with `api_key`."""
     while True:
         if fleet:
-            reads = read_fleet(fleet)
+            reads = read_fleet(fleet, api_key)
             text, code = render_fleet(reads), int(any(error for *_, error in reads))
         else:
-            text, code = render(*read_server(url)), 0
+            text, code = render(*read_server(url, api_key)), 0
         if watch_s is None:
             print(text)
             return code

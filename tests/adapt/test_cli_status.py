@@ -164,3 +164,24 @@ def test_a_server_without_a_status_yet_still_shows_its_metrics(code, capsys):
     out = capsys.readouterr().out
     assert "policy      jitserve" in out and "qrf-length" in out  # from the metrics alone
     assert not any(line.startswith("swaps ") for line in out.splitlines())  # the status-only line
+
+
+def test_status_asks_a_keyed_server_with_the_key_given_or_vllm_api_key(monkeypatch, capsys):
+    """A server started with `--api-key` refuses its status to anyone else (its /metrics stays open)."""
+    keyed = StatusServer({"policy": "jitserve", "components": {"qrf-length": 4}}, b"", api_key="k")
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    try:
+        assert main(["status", keyed.url, "--api-key", "k"]) == 0
+        assert "swaps       0 ok" in capsys.readouterr().out  # a line only the status gives
+        assert main(["status", "--fleet", keyed.url, "--api-key", "k"]) == 0
+        assert "jitserve" in capsys.readouterr().out
+        monkeypatch.setenv("VLLM_API_KEY", "k")  # as vLLM's own server reads its key
+        assert main(["status", keyed.url]) == 0
+        assert main(["status", keyed.url, "--api-key", "nope"]) == 2
+        assert "HTTP 401, the server refuses the API key given" in capsys.readouterr().err
+        monkeypatch.delenv("VLLM_API_KEY")
+        assert main(["status", keyed.url]) == 2
+    finally:
+        keyed.close()
+    err = capsys.readouterr().err
+    assert "HTTP 401, the server wants an API key" in err and "--api-key KEY" in err

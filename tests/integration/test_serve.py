@@ -11,7 +11,7 @@ from adapt.registry import Registry
 from adapt.workloads.compound import generate_graphs
 from experiments.quickstart_serve import adapt_status, free_port, post_completion, wait_for_status
 from predictors.pattern_graph import PatternGraph
-from serving_hooks.server import server_command
+from serving_hooks.server import MIDDLEWARE, server_command
 from serving_hooks.tiny_model import VLLM_CPU_ARGS
 from serving_hooks.xargs import validate_xargs
 
@@ -29,6 +29,32 @@ def test_validate_xargs_names_the_field():
     assert validate_xargs({"program_id": "p", "stage": -1}).startswith("vllm_xargs.stage")
     assert validate_xargs({"stage": 1}).startswith("vllm_xargs.stage")
     assert validate_xargs([1]).startswith("vllm_xargs")
+
+
+def test_the_status_route_is_behind_vllms_api_key_as_every_v1_route(tmp_path, monkeypatch):
+    """vLLM's own app, built from its own parse of `--api_key=k` (the spelling a parse of ours
+    missed), with our middleware, and no engine: both answer before a route would need one. Ours
+    runs outside vLLM's key check, so it refuses the status itself, with vLLM's answer."""
+    from starlette.testclient import TestClient
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    status = tmp_path / "status.json"
+    status.write_text(json.dumps({"policy": "fcfs"}))
+    monkeypatch.setenv("ADAPT_STATUS_FILE", str(status))
+    monkeypatch.delenv("ADAPT_EMBED_PROMPTS", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(
+        ["model", "--api_key=k", "--middleware", MIDDLEWARE]
+    )
+    validate_parsed_serve_args(args)
+    client = TestClient(build_app(args, ("generate",)))
+    for path in ("/v1/models", "/v1/adapt/status"):  # vLLM's route, then ours
+        answer = client.get(path)
+        assert (answer.status_code, answer.json()) == (401, {"error": "Unauthorized"}), path
+    keyed = client.get("/v1/adapt/status", headers={"authorization": "Bearer k"})
+    assert (keyed.status_code, keyed.json()) == (200, {"policy": "fcfs"})
 
 
 def _check_logs(directory, expected):

@@ -232,6 +232,15 @@ def test_the_watch_reads_servers_skips_a_silent_one_and_asks_for_a_retrain(statu
     assert watch.poll(now=20.0 + watch.cooldown_s) is True
 
 
+def test_the_watch_reads_a_keyed_server_with_its_key_and_says_it_wants_one_without(status_server):
+    status_server.api_key = "k"
+    said: list[str] = []
+    assert QualityWatch([status_server.url], _NoRegistry(), api_key="k", say=said.append).statuses()
+    assert QualityWatch([status_server.url], _NoRegistry(), say=said.append).statuses() == {}
+    (line,) = said
+    assert "HTTP 401, the server wants an API key" in line and "VLLM_API_KEY" in line
+
+
 def test_the_watch_refuses_what_is_not_a_server_url():
     for bad in ("localhost:8000", "ftp://host", "http://", ""):
         with pytest.raises(ValueError, match="--watch"):
@@ -397,3 +406,18 @@ def test_retrain_only_refits_the_components_named(tmp_path, capsys, monkeypatch)
     assert main([*base, "--only", "ewsjf-meta-policy"]) == 0
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and out.startswith("ewsjf-meta-policy") and "no data" in out
+
+
+def test_retrain_watch_asks_with_the_key_given_or_vllm_api_key(tmp_path, monkeypatch):
+    import pipelines.retrain
+
+    watches: list[QualityWatch] = []
+    monkeypatch.setattr(
+        pipelines.retrain, "retrain_loop", lambda *args, watch, **kwargs: watches.append(watch)
+    )
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")  # as vLLM's own server reads its key
+    base = ["retrain", "--every", "5", "--data-dir", str(tmp_path), "--watch", "http://a:8000"]
+    assert main(base) == 0
+    assert main([*base, "--watch-api-key", "given"]) == 0
+    assert [watch.api_key for watch in watches] == ["from-env", "given"]

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import json
 import threading
+from argparse import Namespace
 
 import numpy as np
 import pytest
@@ -210,21 +211,6 @@ def test_a_model_that_returns_too_few_vectors_fails_the_batch_and_frees_every_wa
     assert (embedder.failed, embedder.embedded) == (2, 0)
 
 
-def test_only_requests_with_a_key_the_server_takes_are_embedded():
-    assert PromptEmbedder(load=lambda: None).authorized(None)  # no keys: every request
-    embedder = PromptEmbedder(load=lambda: None, api_keys=frozenset({"k1", "k2"}))
-    assert embedder.authorized("Bearer k2") and not embedder.authorized("Bearer nope")
-    assert not embedder.authorized(None)
-
-
-def test_the_api_keys_are_read_from_vllms_arguments():
-    from serving_hooks.server import api_keys
-
-    assert api_keys(["--dtype", "float32"]) == []
-    assert api_keys(["--api-key", "a", "b", "--port", "1"]) == ["a", "b"]
-    assert api_keys(["--api-key=c", "--enforce-eager"]) == ["c"]
-
-
 def test_a_model_that_fails_to_load_says_so_in_the_summary():
     def no_model():
         raise OSError("no MiniLM here")
@@ -239,7 +225,8 @@ def test_a_model_that_fails_to_load_says_so_in_the_summary():
 
 @pytest.fixture
 def client(monkeypatch, tmp_path):
-    """vLLM's app stands in as a route that echoes the body it was given, behind our middleware."""
+    """vLLM's app stands in as a route that echoes the body it was given, behind our middleware;
+    its parsed arguments (`app.state.args`) give no `--api-key`."""
 
     async def echo(request: Request) -> JSONResponse:
         body = await request.body()
@@ -251,8 +238,10 @@ def client(monkeypatch, tmp_path):
     monkeypatch.setenv("ADAPT_STATUS_FILE", str(status))
     monkeypatch.setenv(prompt_embedder.ENABLED_ENV, "1")
     monkeypatch.setattr(prompt_embedder, "_embedder", embedder_ready(embed=by_length))
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     routes = [Route(path, echo, methods=["POST"]) for path in ("/v1/completions", "/v1/responses")]
     app = Starlette(routes=routes)
+    app.state.args = Namespace(api_key=None)
     app.add_middleware(BaseHTTPMiddleware, dispatch=http.adapt_middleware)
     return TestClient(app)
 
@@ -306,11 +295,9 @@ def test_a_bad_thread_count_is_a_load_error_naming_the_setting(monkeypatch, thre
     assert error.startswith(f"ValueError: {prompt_embedder.THREADS_ENV}") and says in error
 
 
-def test_a_request_without_the_servers_key_goes_on_unembedded(client, monkeypatch):
+def test_a_request_without_the_servers_key_goes_on_unembedded(client):
     """vLLM checks keys after this middleware: an unauthenticated request costs no embedding."""
-    monkeypatch.setattr(
-        prompt_embedder, "_embedder", embedder_ready(embed=by_length, api_keys=frozenset({"k"}))
-    )
+    client.app.state.args.api_key = ["k"]
     plain = client.post("/v1/completions", json={"prompt": "four"}).json()
     assert EMBEDDING_FIELD not in (plain.get("vllm_xargs") or {})
     keyed = client.post(
@@ -323,9 +310,8 @@ def test_serve_with_embedded_prompts_keeps_minilm_out_of_the_engines_process(mon
     from serving_hooks.server import server_command
 
     monkeypatch.delenv("ADAPT_EMBEDDING_PROCESS", raising=False)
-    _, env = server_command("model-dir", "sagesched", embed_prompts=True, extra=["--api-key", "k"])
+    _, env = server_command("model-dir", "sagesched", embed_prompts=True)
     assert (env[prompt_embedder.ENABLED_ENV], env["ADAPT_EMBEDDING_PROCESS"]) == ("1", "1")
-    assert env[prompt_embedder.API_KEYS_ENV] == "k"
     _, env = server_command("model-dir", "sagesched")
     assert env[prompt_embedder.ENABLED_ENV] == "0" and "ADAPT_EMBEDDING_PROCESS" not in env
     monkeypatch.setenv("ADAPT_EMBEDDING_PROCESS", "0")  # an operator's choice stands
