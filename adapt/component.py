@@ -145,6 +145,12 @@ class LearnedComponent(ABC):
     def metadata(self, value: dict[str, Any]) -> None:
         self._metadata = value
 
+    def _record_fit(self, **facts: Any) -> None:
+        """Start `metadata` afresh with the facts of the fit just made: a refit is a new artifact,
+        so the registry version, save time and data window of a version it was loaded as must
+        not survive it (`registry_version` would name the old version for the new model)."""
+        self.metadata = dict(facts)
+
     def data_size(self, data: Any) -> int:
         """How much training data `data` holds, in `data_unit`s."""
         return len(data)
@@ -236,16 +242,46 @@ def component_class(name: str) -> type[LearnedComponent]:
     return cls
 
 
+def _numpy_to_json(value: Any) -> Any:
+    """`json.dumps`'s fallback for numpy values, which a parameter may well be: a scalar as its
+    Python number, an array as (nested) lists. numpy is imported only when one turns up."""
+    import numpy as np
+
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _header_params(component: LearnedComponent) -> dict[str, Any]:
+    """The hyper-parameters as the header stores them and `read_component` passes them back to
+    `__init__`. A value JSON cannot hold is refused by name: written with `str` as the fallback,
+    `kv_capacity=np.int64(50_000)` came back as the string '50000'."""
+    params = {}
+    for name, value in component.get_params(deep=False).items():
+        try:
+            params[name] = json.loads(json.dumps(value, default=_numpy_to_json))
+        except (TypeError, ValueError) as exc:  # ValueError: a circular reference
+            raise ComponentError(
+                f"{component.name}: parameter {name}={value!r} cannot be saved as JSON ({exc})"
+            ) from None
+    return params
+
+
 def write_component(component: LearnedComponent, directory: Path) -> Path:
     """Save state, then the header, then a manifest with the SHA-256 of every file."""
+    params = _header_params(component)  # before anything is written: it may refuse a parameter
     directory.mkdir(parents=True, exist_ok=True)
     component.save_state(directory)
     header = {
         "name": component.name,
         "schema_version": component.schema_version,
-        "params": component.get_params(deep=False),
-        "metadata": {"saved_at": time.time(), **component.metadata},
+        "params": params,
+        # saved_at last: metadata loaded with a version holds that version's time
+        "metadata": {**component.metadata, "saved_at": time.time()},
     }
+    # default=str reaches only the metadata: facts for people, never passed back to a constructor
     (directory / HEADER).write_text(json.dumps(header, indent=2, sort_keys=True, default=str))
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
     unsafe = [p.name for p in files if p.suffix not in SAFE_SUFFIXES]
@@ -290,17 +326,36 @@ def verify_artifacts(directory: Path, expected_manifest_sha256: str | None = Non
     return manifest
 
 
+def _init_params(cls: type[LearnedComponent], params: dict[str, Any], where: str) -> dict[str, Any]:
+    """A header's hyper-parameters, checked against `cls.__init__` before it sees them. One it
+    does not take (an artifact of a newer or another version of the class) is refused: dropped,
+    it would serve a model configured otherwise than the one evaluated. One missing -- an older
+    artifact written before the class took it -- gets its default, as scikit-learn gives any
+    parameter not passed; a new default that changes what an old artifact did needs a new
+    `schema_version`."""
+    known = cls._param_names()
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        raise ComponentError(
+            f"{where}: unknown parameter(s) {', '.join(unknown)}; {cls.__name__} takes {', '.join(known)}"
+        )
+    return params
+
+
 def read_component(directory: Path, expected_manifest_sha256: str | None = None) -> LearnedComponent:
     """Verify, instantiate by name, load state, validate."""
     verify_artifacts(directory, expected_manifest_sha256)
     header = json.loads((directory / HEADER).read_text())
     cls = component_class(header["name"])
-    if header["schema_version"] != cls.schema_version:
+    if "schema_version" not in header:
+        raise ComponentError(f"{directory}: {header['name']} header has no schema_version")
+    version = header["schema_version"]
+    if type(version) is not int or version != cls.schema_version:  # not 1.0, "1" or true
         raise ComponentError(
-            f"{directory}: {header['name']} schema version {header['schema_version']} is not"
+            f"{directory}: {header['name']} schema version {version!r} is not"
             f" the supported {cls.schema_version}"
         )
-    component = cls(**header.get("params", {}))
+    component = cls(**_init_params(cls, header.get("params", {}), f"{directory}: {header['name']}"))
     component.metadata = dict(header.get("metadata", {}))
     component.load_state(directory)
     try:

@@ -10,12 +10,23 @@ A whitespace tokenizer is available for tests and for quick looks without the pa
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from functools import lru_cache
 
 MINILM = "minilm-wordpiece"
 WHITESPACE = "whitespace"
 TOKENIZERS: tuple[str, ...] = (MINILM, WHITESPACE)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def well_formed(text: str) -> str:
+    """`text` with every surrogate code point replaced by U+FFFD, at the same length. Valid JSON
+    may hold a lone surrogate ("\\ud800"), which Python decodes into a str that neither UTF-8 nor
+    the Rust tokenizer nor MiniLM accepts; a pair in the JSON decodes to one character, so any
+    surrogate left in a str is lone. Applied where text enters hashing, counting and embedding;
+    the same length keeps a character offset into the result an offset into `text`."""
+    return _SURROGATE.sub("\ufffd", text)
 
 
 @lru_cache(maxsize=1)
@@ -36,12 +47,12 @@ def count_tokens(texts: Sequence[str], tokenizer: str = MINILM) -> list[int]:
         return [len(text.split()) for text in texts]
     if tokenizer != MINILM:
         raise ValueError(f"tokenizer: expected one of {', '.join(TOKENIZERS)}, got {tokenizer!r}")
-    encodings = _minilm_tokenizer().encode_batch(list(texts), add_special_tokens=False)
+    encodings = _minilm_tokenizer().encode_batch([well_formed(t) for t in texts], add_special_tokens=False)
     return [len(encoding.ids) for encoding in encodings]
 
 
 def minilm_offsets(texts: Sequence[str]) -> list[list[int]]:
     """For each text, the character offset where each of its MiniLM tokens ends, so a caller can cut
     the text after its first g tokens (a response "so far", for length refinement)."""
-    encodings = _minilm_tokenizer().encode_batch(list(texts), add_special_tokens=False)
+    encodings = _minilm_tokenizer().encode_batch([well_formed(t) for t in texts], add_special_tokens=False)
     return [[end for _, end in encoding.offsets] for encoding in encodings]

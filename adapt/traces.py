@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from adapt.requests import CompletedRequest, ValidationError
-from adapt.tokenizer import MINILM, count_tokens
+from adapt.tokenizer import MINILM, count_tokens, well_formed
 
 FORMATS: tuple[str, ...] = ("azure", "lengths", "burstgpt", "mooncake", "alpaca", "requestlog")
 # No model's context comes near a billion tokens; a larger count is a corrupt cell (and past 2**63
@@ -618,10 +618,12 @@ def trace_stats(trace: Trace) -> dict[str, Any]:
 
 
 def prompt_hash(text: str | None) -> int:
-    """A stable 63-bit fingerprint of a prompt (0 for no text), to recognise repeats cheaply."""
+    """A stable 63-bit fingerprint of a prompt (0 for no text), to recognise repeats cheaply; of the
+    text as it is counted and embedded (`well_formed`: a lone surrogate cannot be UTF-8 encoded)."""
     if text is None:
         return 0
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") >> 1 or 1
+    digest = hashlib.blake2b(well_formed(text).encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1 or 1
 
 
 def instruction_split(texts: Sequence[str], test_share: float = 0.3) -> np.ndarray:

@@ -20,13 +20,19 @@ import numpy as np
 
 from adapt.hotswap import Slot
 from adapt.registry import Registry
+from adapt.steplog import STEP_FIELDS
 from predictors.cost_model import FittedCostModel
 
 
 def _step_log(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     tokens = rng.integers(1, 2048, 200).astype(float)
-    return {"tokens": tokens, "sampled": np.minimum(tokens, 64), "duration_s": 0.005 + 2e-5 * tokens}
+    return {
+        **{name: np.zeros(200) for name in STEP_FIELDS},  # no cached prefixes, no decodes
+        "tokens": tokens,
+        "sampled": np.minimum(tokens, 64),
+        "duration_s": 0.005 + 2e-5 * tokens,
+    }
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ class CompiledQuantileForest:
         if y_leaves.shape[2] != 1:
             raise ValueError("compiled forest: single-output forests only")
         self.y_sorted = np.asarray(forest.forest_.y_train)[0]
+        self.n_features = int(forest.n_features_in_)
         left, right, feature, threshold, roots, keys, starts = [], [], [], [], [], [], [0]
         offset = 0
         for t, estimator in enumerate(forest.estimators_):
@@ -89,8 +90,23 @@ class CompiledQuantileForest:
         return node
 
     def predict(self, X: np.ndarray, quantile: float) -> np.ndarray:
-        """The `quantile` of the union of each row's leaf samples, linearly interpolated."""
-        X = np.asarray(X, dtype=np.float32)
+        """The `quantile` of the union of each row's leaf samples, linearly interpolated.
+
+        X is checked as the library's `predict` checks it: unchecked, a row of the wrong width is
+        routed on whatever columns the node table indexes and an infinite value down one side of
+        every split, each to a plausible number. NaN is refused too, though scikit-learn's trees
+        route it to a side learnt in `fit`: this table does not keep that side (a guess differed by
+        up to 27 tokens in a probe). A quantile outside [0, 1] has no order statistic to pick."""
+        if not 0.0 <= quantile <= 1.0:
+            raise ValueError(f"quantile: expected a number in [0, 1], got {quantile!r}")
+        with np.errstate(over="ignore"):  # a value past float32's range becomes inf, refused below
+            X = np.asarray(X, dtype=np.float32)
+        if X.ndim != 2 or X.shape[1] != self.n_features:
+            raise ValueError(
+                f"X has shape {X.shape}, but the forest was fitted on {self.n_features} features per row"
+            )
+        if not np.isfinite(X).all():
+            raise ValueError("Input X contains NaN, infinity or a value too large for dtype('float32').")
         node = self.leaves(X)
         if len(X) <= _SMALL_BATCH:
             return np.array([self._select(leaves, quantile) for leaves in node])

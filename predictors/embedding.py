@@ -22,6 +22,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from adapt.tokenizer import well_formed
 from predictors.embedding_cache import DiskEmbeddingCache, content_key, open_default
 from predictors.embedding_process import EmbeddingProcess, configured_cpus, configured_nice
 
@@ -78,14 +79,16 @@ def load_model() -> None:
 
 
 def embed(texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
-    """(len(texts), 384) float32 unit vectors, one per text, computed in batches."""
+    """(len(texts), 384) float32 unit vectors, one per text, computed in batches. Texts are made
+    `well_formed` first: one lone surrogate made the model refuse its whole batch."""
     if not texts:
         return np.zeros((0, DIMENSION), dtype=np.float32)
+    texts = [well_formed(text) for text in texts]
     child = _child  # read once: an engine's shutdown may reset it meanwhile
     if child is not None:
         return child.embed(texts, batch_size)
     vectors = _model().encode(
-        list(texts), batch_size=batch_size, normalize_embeddings=True, show_progress_bar=False
+        texts, batch_size=batch_size, normalize_embeddings=True, show_progress_bar=False
     )
     return np.ascontiguousarray(vectors, dtype=np.float32)
 

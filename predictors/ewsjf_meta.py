@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from numbers import Integral
 from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
 
 from adapt.component import ComponentError, LearnedComponent, data_fingerprint
+from predictors import require_fitted
 
 EPS = 1e-6
 REWARD_WEIGHTS = (1.0, 1.0, 1.0, 1.0)  # lambda_1..4 of equation 5
@@ -148,6 +150,17 @@ def layout_group_terms(groups: list[np.ndarray], num_queues: int, max_queues: in
     }
 
 
+def _lengths(data: Any) -> np.ndarray:
+    """A window of prompt lengths as a 1-D array. A table of them is refused here: fitted, it
+    failed deep in the layout with an IndexError; evaluated, it was silently flattened."""
+    lengths = np.asarray(data, dtype=np.float64)
+    if lengths.ndim != 1:
+        raise ValueError(
+            f"ewsjf-meta-policy: expected a 1-D window of prompt lengths, got shape {lengths.shape}"
+        )
+    return lengths
+
+
 class EwsjfMetaPolicy(LearnedComponent):
     """Queue layout + scoring meta-parameters. Hyper-parameters are Theta and the partitioning."""
 
@@ -183,11 +196,16 @@ class EwsjfMetaPolicy(LearnedComponent):
         unchecked, so a bad value is reported where it is used."""
         if self.partition not in ("refine-and-prune", "kmeans"):
             raise ValueError(f"partition: expected refine-and-prune or kmeans, got {self.partition!r}")
+        # max_queues = 0 failed deep in pruning (argmin of nothing); k = 0 silently ran k = 1
+        for name in ("max_queues", "k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+                raise ValueError(f"{name}: expected a whole number >= 1, got {value!r}")
 
     def fit(self, data: Any) -> Self:
         """`data`: a window of prompt lengths (array-like)."""
         self._validate_params()
-        lengths = np.asarray(data, dtype=np.float64)
+        lengths = _lengths(data)
         self.require_data(lengths)
         if self.partition == "kmeans":
             clusters = kmeans_1d(np.sort(lengths), self.k, self.seed)
@@ -197,7 +215,7 @@ class EwsjfMetaPolicy(LearnedComponent):
         self.queues_ = [
             QueueSpec(float(c[0]), float(c[-1]), float(c.mean()), len(c) / total) for c in clusters
         ]
-        self.metadata.update(data_hash=data_fingerprint(lengths), data_window={"prompts": total})
+        self._record_fit(data_hash=data_fingerprint(lengths), data_window={"prompts": total})
         return self
 
     # Equation 4's weights as functions of a queue's mean prompt length.
@@ -211,9 +229,11 @@ class EwsjfMetaPolicy(LearnedComponent):
     def evaluate(self, data: Any) -> dict[str, float]:
         """Layout quality on a window of prompt lengths: compactness and balance (equation 5's
         C and L terms) and the queue count."""
-        return layout_terms(self.queues_, np.asarray(data, dtype=np.float64), self.max_queues)
+        require_fitted(self, "queues_")
+        return layout_terms(self.queues_, _lengths(data), self.max_queues)
 
     def save_state(self, directory: Path) -> None:
+        require_fitted(self, "queues_")
         (directory / "queues.json").write_text(json.dumps([asdict(q) for q in self.queues_], indent=2))
 
     def load_state(self, directory: Path) -> None:

@@ -26,12 +26,37 @@ from typing import Any
 import numpy as np
 
 from adapt.component import ComponentError
+from adapt.traces import MAX_TOKENS
 
 TRAIN_POINTS: tuple[int, ...] = (0, 50, 100, 200, 400)
 EVAL_POINTS: tuple[int, ...] = (0, 50, 100, 200)
 MIN_CALIBRATION_ROWS = 30
 LEAST_PROMPTS = 10
 COVERAGE_BAND = 0.25
+
+
+def request_counts(
+    prompt_tokens: Sequence[float], generated_tokens: Sequence[float], **texts: Sequence[str]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt tokens, generated tokens) of the requests a bound is asked for, as float64, checked
+    where a bound predictor takes them: every column (`texts` too) holds one value per request,
+    every count is a finite number in [0, MAX_TOKENS]. Unchecked, log1p makes a negative count NaN
+    and 1e300 a feature far outside anything fitted, each a bound that means nothing, and columns
+    of different lengths fail deep in numpy or scikit-learn."""
+    columns = {"prompt_tokens": prompt_tokens, "generated_tokens": generated_tokens, **texts}
+    sizes = {name: len(column) for name, column in columns.items()}
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{name}: {size}" for name, size in sizes.items())
+        raise ValueError(f"expected one value per request in every column, got {listed}")
+    counts = []
+    for name in ("prompt_tokens", "generated_tokens"):
+        values = np.asarray(columns[name], dtype=np.float64)
+        bad = ~(np.isfinite(values) & (values >= 0) & (values <= MAX_TOKENS))
+        if values.ndim != 1 or bad.any():
+            shown = float(values[bad][0]) if values.ndim == 1 else columns[name]
+            raise ValueError(f"{name}: expected token counts in [0, {MAX_TOKENS:,}], got {shown!r}")
+        counts.append(values)
+    return counts[0], counts[1]
 
 
 def refinement_rows(output_tokens: Sequence[int], points: Sequence[int]) -> tuple[np.ndarray, ...]:
@@ -76,7 +101,12 @@ def conformal_scales(
 
 
 def apply_scales(raw_bound: np.ndarray, generated: np.ndarray, scales: dict[str, float]) -> np.ndarray:
-    """The calibrated bound: the scale of the last calibration point at or below g applies."""
+    """The calibrated bound: the scale of the last calibration point at or below g applies. A g
+    below 0 (or NaN) has no such point: unchecked, it indexed -1 and took the largest g's scale."""
+    generated = np.asarray(generated)
+    bad = ~(generated >= 0)
+    if bad.any():
+        raise ValueError(f"generated tokens: expected counts >= 0, got {float(generated[bad][0])!r}")
     if not scales:
         return raw_bound
     at = np.searchsorted(np.asarray(TRAIN_POINTS), generated, side="right") - 1

@@ -26,6 +26,7 @@ from typing import Any, Self
 import numpy as np
 
 from adapt.component import ComponentError, LearnedComponent, data_fingerprint
+from predictors import require_fitted
 from predictors.embedding import DIMENSION, shared_cache
 from predictors.length_bounds import (
     EVAL_POINTS,
@@ -36,6 +37,7 @@ from predictors.length_bounds import (
     conformal_scales,
     coverage_metrics,
     refinement_rows,
+    request_counts,
 )
 from predictors.quantile_net_arrays import QuantileNetArrays
 
@@ -140,17 +142,21 @@ class NeuralLength(BoundEvidence, LearnedComponent):
         """Upper bound on the tokens still to come, one per request (>= 1); the same call as
         `QrfLength.predict_bound` so JITServe takes either. `generated_texts` is accepted and
         unused (the network sees the count, not the text); `quantile` must be a trained one."""
-        if not hasattr(self, "net_"):
-            raise ComponentError("neural-length: not fitted")
+        require_fitted(self, "net_")
         wanted = self.quantile if quantile is None else float(quantile)
         if wanted not in self.quantiles:
             raise ValueError(f"neural-length: quantile {wanted} not trained; trained: {self.quantiles}")
-        return self._bounds(
-            self.features(prompt_tokens, prompt_texts, generated_tokens), generated_tokens, wanted
-        )
+        # Checked before any prompt is embedded: -5 tokens was a NaN bound, 1e300 a number.
+        prompt, generated = request_counts(prompt_tokens, generated_tokens, prompt_texts=prompt_texts)
+        return self._bounds(self.features(prompt, prompt_texts, generated), generated, wanted)
+
+    def _column(self, quantile: float) -> int:
+        """The network output that predicts `quantile`. `quantiles` is kept as given (scikit-learn's
+        rule) and may be an array, which has no `index`: the position is found on a list."""
+        return [float(q) for q in self.quantiles].index(float(quantile))
 
     def _bounds(self, rows: np.ndarray, generated_tokens: Sequence[int], quantile: float) -> np.ndarray:
-        raw = self._raw_quantiles(rows)[:, self.quantiles.index(quantile)]
+        raw = self._raw_quantiles(rows)[:, self._column(quantile)]
         if quantile == self.quantile:
             raw = apply_scales(raw, np.asarray(generated_tokens), self.scales_)
         return np.maximum(1.0, raw)
@@ -205,9 +211,9 @@ class NeuralLength(BoundEvidence, LearnedComponent):
             c_prompt, c_texts, c_generated, c_remaining = self._rows(calibration, TRAIN_POINTS)
             raw = self._raw_quantiles(self.features(c_prompt, c_texts, c_generated))
             self.scales_ = conformal_scales(
-                c_remaining, raw[:, self.quantiles.index(self.quantile)], c_generated, self.quantile
+                c_remaining, raw[:, self._column(self.quantile)], c_generated, self.quantile
             )
-        self.metadata.update(
+        self._record_fit(
             calibration_scales=self.scales_,
             training_rows=len(remaining),
             responses=len(data),
@@ -217,7 +223,9 @@ class NeuralLength(BoundEvidence, LearnedComponent):
 
     def evaluate(self, data: Any) -> dict[str, float]:
         """Coverage and over-estimation after 0, 50, 100 and 200 generated tokens, as `qrf-length`;
-        plus `pinball_<q>` (on log lengths) for each trained quantile."""
+        plus `pinball_<q>` (on log lengths) for each trained quantile. Refused unfitted before
+        any prompt is embedded."""
+        require_fitted(self, "net_")
         prompt_tokens, texts, generated, remaining = self._rows(data, EVAL_POINTS)
         bound = self.predict_bound(prompt_tokens, texts, generated)
         metrics = coverage_metrics(remaining, bound, generated, self.quantile)
@@ -240,8 +248,7 @@ class NeuralLength(BoundEvidence, LearnedComponent):
     def save_state(self, directory: Path) -> None:
         from safetensors.numpy import save_file
 
-        if not hasattr(self, "net_"):
-            raise ComponentError("neural-length: nothing to save before fit")
+        require_fitted(self, "net_")
         save_file(
             {name: np.ascontiguousarray(array) for name, array in self.net_.weights.items()},
             directory / WEIGHTS_FILE,

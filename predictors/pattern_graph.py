@@ -40,6 +40,7 @@ import numpy as np
 
 from adapt.component import ComponentError, LearnedComponent, data_fingerprint
 from adapt.programs import ProgramGraph, StageNode
+from predictors import require_fitted
 
 STATE_FILE = "graphs.npz"
 VOCAB_FILE = "vocabulary.json"
@@ -164,7 +165,7 @@ class PatternGraph(LearnedComponent):
             encoded["weight"] = counts[np.arange(len(medoids))].astype(np.float64)
         self.graphs_ = encoded
         self.clock_s_ = getattr(self, "clock_s_", 0.0)  # a refit keeps the clock of `observe`'s decay
-        self.metadata.update(
+        self._record_fit(
             programs=len(graphs),
             stored=len(self),
             data_hash=data_fingerprint([g.to_dict() for g in graphs]),
@@ -267,8 +268,7 @@ class PatternGraph(LearnedComponent):
 
     # ------------------------------------------------------------- save / load
     def save_state(self, directory: Path) -> None:
-        if not len(self):
-            raise ComponentError("pattern-graph: nothing to save before fit")
+        require_fitted(self, "graphs_")  # built by `fit` or the first `observe`, never empty
         np.savez(directory / STATE_FILE, **self.graphs_)
         (directory / VOCAB_FILE).write_text(
             json.dumps({"vocabulary": self.vocabulary_, "clock_s": self.clock_s_})

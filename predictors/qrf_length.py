@@ -32,6 +32,7 @@ from typing import Any, Self
 import numpy as np
 
 from adapt.component import ComponentError, LearnedComponent, data_fingerprint
+from predictors import require_fitted
 from predictors.compiled_forest import CompiledQuantileForest
 from predictors.length_bounds import (
     EVAL_POINTS,
@@ -42,6 +43,7 @@ from predictors.length_bounds import (
     conformal_scales,
     coverage_metrics,
     refinement_rows,
+    request_counts,
 )
 
 FOREST_FILE = "forest.skops"
@@ -103,11 +105,15 @@ class QrfLength(BoundEvidence, LearnedComponent):
     ) -> np.ndarray:
         """One row per request (the scikit-learn X this forest is fitted on). The hashing
         vectorizers are stateless and cost ~1 us to build (their transform ~300 us), so they are
-        built per call rather than kept as derived state."""
+        built per call rather than kept as derived state. Counts and column lengths are checked
+        first (`length_bounds.request_counts`); no requests give no rows."""
         from sklearn.feature_extraction.text import HashingVectorizer
 
-        g = np.asarray(generated_tokens, dtype=np.float32)
-        blocks = [np.column_stack([np.log1p(np.asarray(prompt_tokens, dtype=np.float32)), g, np.log1p(g)])]
+        prompt, generated = request_counts(
+            prompt_tokens, generated_tokens, prompt_texts=prompt_texts, generated_texts=generated_texts
+        )
+        g = generated.astype(np.float32)
+        blocks = [np.column_stack([np.log1p(prompt.astype(np.float32)), g, np.log1p(g)])]
         for n, ngrams, texts in (
             (self.prompt_features, (1, 2), prompt_texts),
             (self.generated_features, (1, 1), generated_texts),
@@ -116,7 +122,8 @@ class QrfLength(BoundEvidence, LearnedComponent):
                 vectorizer = HashingVectorizer(
                     n_features=n, ngram_range=ngrams, alternate_sign=False, norm="l2"
                 )
-                blocks.append(vectorizer.transform(list(texts)).toarray())
+                # (the vectorizer raises StopIteration on an empty batch)
+                blocks.append(vectorizer.transform(list(texts)).toarray() if len(texts) else np.zeros((0, n)))
         return np.hstack(blocks).astype(np.float32)
 
     @property
@@ -133,15 +140,22 @@ class QrfLength(BoundEvidence, LearnedComponent):
         quantile: float | None = None,
     ) -> np.ndarray:
         """Upper bound on the tokens still to come, one per request (>= 1). A forest predicts any
-        quantile, so a caller may ask for another than the one it was configured with."""
-        if not hasattr(self, "forest_"):
-            raise ComponentError("qrf-length: not fitted")
+        `quantile` in [0, 1], so a caller may ask for another than the one it was configured with
+        (`experiments.jitserve_study` takes the median as LTR's point prediction).
+
+        Only the configured `self.quantile` is calibrated: the split-conformal factors `fit`
+        measured (`scales_`) hold for that quantile alone. Any other is the forest's own quantile,
+        which under-covers on unseen prompts (~0.90 at q = 0.95), and it is not ordered with the
+        calibrated one: a bound at 0.951 can be below the bound at 0.95. Refusing other quantiles
+        would drop that legitimate median; rescaling them would be a calibration nobody measured."""
+        require_fitted(self, "forest_")
         rows = self.features(prompt_tokens, prompt_texts, generated_tokens, generated_texts)
         return self._bound(rows, quantile)
 
     def _bound(self, rows: np.ndarray, quantile: float | None = None) -> np.ndarray:
-        raw = self._forest_quantile(rows, quantile or self.quantile)
-        if quantile in (None, self.quantile):
+        wanted = self.quantile if quantile is None else quantile
+        raw = self._forest_quantile(rows, wanted)
+        if wanted == self.quantile:
             raw = apply_scales(raw, rows[:, 1], self.scales_)  # rows[:, 1] is g
         return np.maximum(1.0, raw)
 
@@ -172,7 +186,7 @@ class QrfLength(BoundEvidence, LearnedComponent):
         self.scales_ = {}
         if calibration is not None:
             self.scales_ = self._conformal_scales(calibration)
-        self.metadata.update(
+        self._record_fit(
             calibration_scales=self.scales_,
             training_rows=len(y),
             responses=len(data),
@@ -187,7 +201,9 @@ class QrfLength(BoundEvidence, LearnedComponent):
         return conformal_scales(y, self._forest_quantile(X, self.quantile), points, self.quantile)
 
     def _forest_quantile(self, rows: np.ndarray, quantile: float) -> np.ndarray:
-        """The forest's own (uncalibrated) quantile, through its numpy form, built on first use."""
+        """The forest's own (uncalibrated) quantile, through its numpy form, built on first use;
+        every bound, and so `evaluate`, passes here."""
+        require_fitted(self, "forest_")
         if self._compiled is None:
             self._compiled = CompiledQuantileForest(self.forest_)
         return self._compiled.predict(rows, quantile)
@@ -217,8 +233,7 @@ class QrfLength(BoundEvidence, LearnedComponent):
     def save_state(self, directory: Path) -> None:
         import skops.io
 
-        if not hasattr(self, "forest_"):
-            raise ComponentError("qrf-length: nothing to save before fit")
+        require_fitted(self, "forest_")
         skops.io.dump(self.forest_, directory / FOREST_FILE)
         (directory / SCALES_FILE).write_text(json.dumps(self.scales_))
 

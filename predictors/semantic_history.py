@@ -33,7 +33,7 @@ from typing import Any, Self
 import numpy as np
 
 from adapt.component import ComponentError, LearnedComponent, data_fingerprint
-from adapt.traces import prompt_hash
+from adapt.traces import MAX_TOKENS, prompt_hash
 from predictors.length_distribution import LengthDistribution, bucket_overlap, crps, wasserstein
 from predictors.length_neighbours import LengthNeighbours, nearest_by_ratio
 
@@ -86,6 +86,8 @@ class SemanticHistory(LearnedComponent):
             )
         if not -1.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold: a cosine similarity in [-1, 1], got {self.threshold!r}")
+        if self.max_support < 1:  # 0 made every prediction a distribution of no points
+            raise ValueError(f"max_support: expected at least 1 support point, got {self.max_support!r}")
 
     # ----------------------------------------------------------------- window
     def _reset(self) -> None:
@@ -131,14 +133,17 @@ class SemanticHistory(LearnedComponent):
         has_text: Sequence[bool] | np.ndarray,
         prompt_hashes: Sequence[int] | np.ndarray | None = None,
     ) -> None:
-        """Add completed requests to the window (rows of `embeddings` without text are ignored)."""
+        """Add completed requests to the window (rows of `embeddings` without text are ignored).
+        Every column is converted and checked before anything changes (`_observed`)."""
         count = len(prompt_tokens)
+        prompts, outputs, text, hashes = _observed(
+            count, prompt_tokens, output_tokens, embeddings, has_text, prompt_hashes
+        )
         if count == 0:
             return
         if not hasattr(self, "index_"):
             self._reset()
-        lengths = [int(length) for length in prompt_tokens]  # before anything changes: may raise
-        has_text = np.asarray(has_text, dtype=bool)
+        lengths = prompts.tolist()
         ids = np.arange(self.next_id_, self.next_id_ + count)
         first_id = self.next_id_
         # Entries this batch pushes out of the window leave the length index while the ring still
@@ -152,14 +157,12 @@ class SemanticHistory(LearnedComponent):
             if first + count <= len(self.prompt_tokens_)
             else ids % len(self.prompt_tokens_)
         )
-        self.prompt_tokens_[slots] = prompt_tokens
-        self.output_tokens_[slots] = output_tokens
-        self.prompt_hash_[slots] = 0 if prompt_hashes is None else prompt_hashes
-        self.has_text_[slots] = has_text
-        if has_text.any():
-            self.index_.add_with_ids(
-                np.ascontiguousarray(embeddings[has_text], dtype=np.float32), ids[has_text]
-            )
+        self.prompt_tokens_[slots] = prompts
+        self.output_tokens_[slots] = outputs
+        self.prompt_hash_[slots] = hashes
+        self.has_text_[slots] = text
+        if text.any():
+            self.index_.add_with_ids(np.ascontiguousarray(embeddings[text], dtype=np.float32), ids[text])
         self.next_id_ += count
         for offset, length in enumerate(lengths):
             self.by_length_.add(length, first_id + offset)
@@ -305,7 +308,7 @@ class SemanticHistory(LearnedComponent):
         embeddings, has_text = embed_prompts(texts)
         self._reset()
         self.observe(prompts, outputs, embeddings, has_text, [prompt_hash(t) for t in texts])
-        self.metadata.update(
+        self._record_fit(
             rows=len(texts),
             distinct_prompts=len(set(texts)),
             data_hash=data_fingerprint(np.asarray(prompts), np.asarray(outputs), list(texts)),
@@ -413,6 +416,64 @@ def _one_thread_if(few_queries: bool) -> Iterator[None]:
         yield
     finally:
         faiss.omp_set_num_threads(before)
+
+
+def _observed(
+    count: int,
+    prompt_tokens: Sequence[int] | np.ndarray,
+    output_tokens: Sequence[int] | np.ndarray,
+    embeddings: np.ndarray,
+    has_text: Sequence[bool] | np.ndarray,
+    prompt_hashes: Sequence[int] | np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`observe`'s columns as (prompt tokens, output tokens, has text, prompt hashes) arrays for
+    the window's ring, refused unless each holds `count` rows (an embedding of DIMENSION numbers
+    per row) and each count is whole and in range. Checked before the window changes: a length of
+    2**70 failed after the length index had lost an entry, a short column was broadcast over the
+    batch, and an output of 0 was saved into a window that `validate` then refused to load."""
+    from predictors.embedding import DIMENSION
+
+    prompts = _counts("prompt_tokens", prompt_tokens, count, least=0)
+    outputs = _counts("output_tokens", output_tokens, count, least=1)
+    flags = np.asarray(has_text, dtype=bool)
+    if flags.shape != (count,):
+        raise ValueError(f"semantic-history: has_text: expected {count} flags, got shape {flags.shape}")
+    if np.shape(embeddings) != (count, DIMENSION):
+        raise ValueError(
+            f"semantic-history: embeddings: expected shape {(count, DIMENSION)}, got {np.shape(embeddings)}"
+        )
+    if prompt_hashes is None:
+        return prompts, outputs, flags, np.zeros(count, dtype=np.int64)
+    hashes = np.asarray(prompt_hashes)
+    fits = hashes.size == 0 or hashes.dtype.kind == "i" or (hashes.dtype.kind == "u" and hashes.max() < 2**63)
+    if hashes.shape != (count,) or not fits:
+        raise ValueError(
+            f"semantic-history: prompt_hashes: expected {count} int64 hashes,"
+            f" got {hashes.dtype} values of shape {hashes.shape}"
+        )
+    return prompts, outputs, flags, hashes.astype(np.int64)
+
+
+def _counts(name: str, values: Sequence[int] | np.ndarray, count: int, least: int) -> np.ndarray:
+    """`values` as int64, refused unless there are `count` of them, each a whole number in
+    [least, MAX_TOKENS] (a token count, as `adapt.traces` reads them)."""
+    array = np.asarray(values)
+    if array.shape != (count,):
+        raise ValueError(f"semantic-history: {name}: expected {count} counts, got shape {array.shape}")
+    try:
+        numbers = array.astype(np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"semantic-history: {name}: expected token counts, got {array.dtype} values"
+        ) from None
+    whole = np.isfinite(numbers) & (numbers == np.round(numbers))
+    bad = ~(whole & (numbers >= least) & (numbers <= MAX_TOKENS))
+    if bad.any():
+        raise ValueError(
+            f"semantic-history: {name}: expected whole counts in [{least}, {MAX_TOKENS:,}],"
+            f" got {array[bad].tolist()[0]!r}"
+        )
+    return numbers.astype(np.int64)
 
 
 def embed_prompts(texts: Sequence[str | None]) -> tuple[np.ndarray, np.ndarray]:

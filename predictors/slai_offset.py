@@ -76,7 +76,7 @@ class SlaiOffset(LearnedComponent):
         )
         self.thresholds_ = [best.params["threshold"]]
         self.levels_ = [best.params["low"], best.params["low"] + best.params["extra"]]
-        self.metadata.update(tuning={"trials": n_trials, "best_value": best.value, "seed": seed})
+        self._record_fit(tuning={"trials": n_trials, "best_value": best.value, "seed": seed})
         return self
 
     def evaluate(self, data: Callable[[SlaiOffset], dict[str, Any]]) -> dict[str, float]:

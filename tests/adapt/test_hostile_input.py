@@ -25,7 +25,8 @@ import adapt.cli.replay as cli_replay
 from adapt.cli import main
 from adapt.requests import SLO, CompletedRequest
 from adapt.steplog import load_step_log
-from adapt.traces import MAX_TOKENS, Trace, TraceError, load_trace
+from adapt.tokenizer import TOKENIZERS, count_tokens, minilm_offsets, well_formed
+from adapt.traces import MAX_TOKENS, Trace, TraceError, load_trace, prompt_hash
 
 REPO = Path(__file__).resolve().parents[2]
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -361,6 +362,43 @@ def test_a_hostile_step_log_cell_is_reported_at_its_line_or_read_as_it_means(row
             return
         frame = load_step_log(path)
     assert meaning in frame[column].tolist()
+
+
+# ------------------------------------------------------------------------- lone surrogates
+# Valid JSON may escape a lone surrogate ("\ud800"): json.loads makes it a str that UTF-8, the Rust
+# tokenizer and MiniLM all refuse. Drawn often, since a random code point is rarely one.
+SURROGATE_TEXT = st.lists(
+    st.one_of(
+        st.characters(exclude_categories=()), st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+    ),
+    max_size=30,
+).map("".join)
+
+
+@FUZZ
+@given(texts=st.lists(SURROGATE_TEXT, max_size=4))
+def test_any_text_is_hashed_counted_and_cut_into_tokens_without_an_error(texts):
+    for text in texts:
+        clean = well_formed(text)
+        assert len(clean) == len(text) and clean.encode("utf-8").decode("utf-8") == clean
+        assert 1 <= prompt_hash(text) < 2**63 and prompt_hash(text) == prompt_hash(clean)
+    for tokenizer in TOKENIZERS:
+        counts = count_tokens(texts, tokenizer)
+        assert len(counts) == len(texts) and all(count >= 0 for count in counts)
+    for text, ends in zip(texts, minilm_offsets(texts), strict=True):
+        assert all(0 < end <= len(text) for end in ends)  # offsets into the text as given
+
+
+def test_a_prompt_with_a_lone_surrogate_loads_and_is_counted():
+    records = [
+        {"instruction": "say \ud800 hi", "output_tokens": 3},
+        {"instruction": "ok", "output_tokens": 1},
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _write(Path(tmp), "alpaca.jsonl", "".join(json.dumps(r) + "\n" for r in records).encode())
+        trace = load_trace(path)  # counted with MiniLM's WordPiece
+    assert trace.prompt_tokens.tolist()[0] == count_tokens(["say \ufffd hi"])[0]
+    assert prompt_hash(trace.prompt_text[0]) == prompt_hash("say \ufffd hi")
 
 
 # ---------------------------------------------------------------------------- CLI arguments

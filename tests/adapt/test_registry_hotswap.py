@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from adapt.component import ComponentError, read_component
+from adapt.component import HEADER, MANIFEST, ComponentError, read_component, sha256_file
 from adapt.hotswap import Slot
 from adapt.registry import Registry, RegistryError, StoreLocked
 from predictors.cost_model import FittedCostModel
+from predictors.semantic_history import SemanticHistory
 from serving_hooks.policies.config import PolicyConfig
 from tests.replay_helpers import step_log
 
@@ -67,6 +72,24 @@ def test_numeric_component_round_trip_and_pyfunc(reg):
 
     pyfunc = mlflow.pyfunc.load_model("models:/cost-model@champion")
     assert np.allclose(pyfunc.predict(probe), model.predict(probe))
+
+
+def test_pyfunc_gives_a_predict_of_several_inputs_one_column_each(reg):
+    """semantic-history's `predict(prompt_tokens, texts)` was handed the whole DataFrame as
+    `prompt_tokens`. Requests without text are predicted by prompt length: no MiniLM here."""
+    import mlflow
+    import pandas as pd
+
+    history = SemanticHistory(window=50, fallback_neighbors=2)
+    history.observe([10, 20, 40, 80], [100, 200, 400, 800], np.zeros((4, 384), np.float32), [False] * 4)
+    reg.promote("semantic-history", reg.log(history))
+    pyfunc = mlflow.pyfunc.load_model("models:/semantic-history@champion")
+    got = pyfunc.predict(pd.DataFrame({"prompt_tokens": [12, 70], "texts": [None, None]}))
+    expected = history.predict([12, 70], [None, None])
+    supports = [d.support.tolist() for d in got]
+    assert supports == [d.support.tolist() for d in expected] == [[100.0, 200.0], [400.0, 800.0]]
+    with pytest.raises(ValueError, match=r"predict takes prompt_tokens, texts; .*\(missing: texts\)"):
+        pyfunc.predict(pd.DataFrame({"prompt_tokens": [12]}))
 
 
 def test_cost_model_recovers_a_known_linear_model():
@@ -163,21 +186,76 @@ def test_unsafe_state_cannot_even_be_saved(tmp_path):
         Pickly().save(tmp_path / "c")
 
 
+def rewrite_header(directory: Path, change: Callable[[dict[str, Any]], Any]) -> None:
+    """Change a saved component's header as another version of the code might have written it,
+    and record the header's new checksum, so that only what it says is under test."""
+    header = json.loads((directory / HEADER).read_text())
+    change(header)
+    (directory / HEADER).write_text(json.dumps(header))
+    manifest = json.loads((directory / MANIFEST).read_text())
+    manifest[HEADER] = sha256_file(directory / HEADER)
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+
+
 def test_schema_version_mismatch_is_refused(tmp_path):
     directory = PolicyConfig("fcfs").save(tmp_path / "c")
     assert read_component(directory).policy == "fcfs"
-    from adapt.component import MANIFEST, sha256_file
-
-    header = directory / "component.json"
-    header.write_text(header.read_text().replace('"schema_version": 1', '"schema_version": 99'))
-    manifest = directory / MANIFEST
-    manifest.write_text(
-        manifest.read_text().replace(
-            manifest.read_text().split('"component.json": "')[1][:64], sha256_file(header)
-        )
-    )
+    rewrite_header(directory, lambda header: header.update(schema_version=99))
     with pytest.raises(ComponentError, match="schema version 99"):
         read_component(directory)
+
+
+@pytest.mark.parametrize(("version", "shown"), [("1", "'1'"), (1.0, "1.0"), (True, "True")])
+def test_a_schema_version_that_is_no_integer_is_refused_showing_its_value(tmp_path, version, shown):
+    directory = PolicyConfig("fcfs").save(tmp_path / "c")
+    rewrite_header(directory, lambda header: header.update(schema_version=version))
+    with pytest.raises(ComponentError, match=f"schema version {re.escape(shown)} is not the supported 1"):
+        read_component(directory)
+
+
+def test_a_header_without_a_schema_version_is_refused(tmp_path):
+    directory = PolicyConfig("fcfs").save(tmp_path / "c")
+    rewrite_header(directory, lambda header: header.pop("schema_version"))
+    with pytest.raises(ComponentError, match="policy-config header has no schema_version"):
+        read_component(directory)
+
+
+def test_a_header_with_parameters_the_class_does_not_take_is_refused_naming_them(tmp_path):
+    directory = PolicyConfig("fcfs").save(tmp_path / "c")
+    rewrite_header(directory, lambda header: header["params"].update(order="spf", budget=3))
+    with pytest.raises(
+        ComponentError, match=r"unknown parameter\(s\) budget, order; PolicyConfig takes params, policy"
+    ):
+        read_component(directory)
+
+
+def test_an_older_header_without_a_newer_parameter_loads_with_its_default(tmp_path):
+    directory = PolicyConfig("sarathi", {"token_budget": 256}).save(tmp_path / "c")
+    rewrite_header(directory, lambda header: header["params"].pop("params"))
+    loaded = read_component(directory)
+    assert (loaded.policy, loaded.params) == ("sarathi", None)
+
+
+def test_numpy_parameters_load_back_as_the_numbers_they_were(tmp_path):
+    model = FittedCostModel(kv_capacity=np.int64(50_000)).fit(step_log())
+    loaded = read_component(model.save(tmp_path / "cost"))
+    assert loaded.kv_capacity == 50_000 and type(loaded.kv_capacity) is int  # not '50000'
+    config = PolicyConfig("sarathi", {"token_budget": np.int64(256)})
+    assert read_component(config.save(tmp_path / "config")).params == {"token_budget": 256}
+
+
+def test_a_parameter_json_cannot_hold_is_refused_by_name_before_anything_is_written(tmp_path):
+    config = PolicyConfig("sarathi", {"token_budget": object()})
+    with pytest.raises(ComponentError, match=r"policy-config: parameter params=\{'token_budget': <object"):
+        config.save(tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_save_records_its_own_time_not_that_of_the_version_loaded(tmp_path):
+    loaded = read_component(PolicyConfig("fcfs").save(tmp_path / "v1"))
+    loaded.metadata["saved_at"] = 1.0  # a version saved long ago
+    header = json.loads((loaded.save(tmp_path / "v2") / HEADER).read_text())
+    assert header["metadata"]["saved_at"] > 1.0
 
 
 def test_registry_unreachable_slot_keeps_serving_and_recovers(reg, tmp_path):

@@ -3,6 +3,7 @@ and the registry's entry points all agree with it."""
 
 from adapt.component import component_class, known_components
 from adapt.registry import Registry
+from adapt.steplog import STEP_FIELDS
 from experiments.quickstart import TRAINING
 from pipelines.catalogue import CATALOGUE, TrainOptions, entry, evaluable, retrainers
 from pipelines.outcome import Gate
@@ -55,7 +56,8 @@ def test_train_options_reach_the_pipeline(tmp_path):
 
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 2048, 200)
-    frame = pd.DataFrame({"tokens": tokens, "sampled": 1, "duration_s": 0.004 + 1e-5 * tokens})
+    frame = pd.DataFrame({name: 0 for name in STEP_FIELDS}, index=range(200))  # prefills, none cached
+    frame["tokens"], frame["sampled"], frame["duration_s"] = tokens, 1, 0.004 + 1e-5 * tokens
     path = tmp_path / "steps.csv"
     frame.to_csv(path, index=False)
     registry = Registry(f"sqlite:///{tmp_path / 'r.db'}", cache_dir=tmp_path / "cache")

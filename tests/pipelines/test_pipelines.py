@@ -57,7 +57,8 @@ def test_cost_model_pipeline_gate_refuses_worse_and_accepts_better(tmp_path, cap
     n = 600
     tokens = rng.integers(1, 2048, n).astype(float)
     decodes = np.minimum(tokens, rng.integers(0, 64, n)).astype(float)
-    ctx = decodes * rng.integers(100, 3000, n)
+    context = rng.integers(100, 3000, n)  # every decode of a step has this context
+    ctx = decodes * context
     frame = pd.DataFrame(
         {
             "start_s": np.arange(n) * 0.05,
@@ -65,7 +66,9 @@ def test_cost_model_pipeline_gate_refuses_worse_and_accepts_better(tmp_path, cap
             "sampled": decodes + 1,
             "num_decodes": decodes,
             "decode_ctx_sum": ctx,
+            "decode_ctx_max": np.where(decodes > 0, context, 0),
             "prefill_attn_units": (tokens - decodes) ** 2 / 2,
+            "prefill_kv_read": np.zeros(n),
         }
     )
     frame["duration_s"] = 0.004 + 3e-5 * tokens + 2e-8 * ctx

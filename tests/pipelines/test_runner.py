@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from adapt.registry import Registry
+from adapt.steplog import STEP_FIELDS
 from pipelines.runner import PipelineSpec, Split, run_pipeline
 from predictors.cost_model import FittedCostModel
 
@@ -16,7 +17,8 @@ from predictors.cost_model import FittedCostModel
 def step_log(noise: float, seed: int = 0, n: int = 400) -> pd.DataFrame:
     rng = np.random.default_rng(seed)
     tokens = rng.integers(1, 2048, n).astype(float)
-    frame = pd.DataFrame({"tokens": tokens, "sampled": np.ones(n), "num_decodes": np.zeros(n)})
+    frame = pd.DataFrame({name: np.zeros(n) for name in STEP_FIELDS})  # prefills of nothing cached
+    frame["tokens"], frame["sampled"] = tokens, np.ones(n)
     frame["duration_s"] = (0.004 + 3e-5 * tokens) * (1 + noise * rng.random(n))
     return frame
 

@@ -5,8 +5,10 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from adapt.steplog import ARRIVALS, StepBatch
+from adapt.steplog import ARRIVALS, STEP_FIELDS, StepBatch
 from predictors.cost_model import FEATURES, FittedCostModel
 
 
@@ -16,6 +18,7 @@ def step_log(n: int = 400, seed: int = 0) -> dict[str, np.ndarray]:
     tokens = rng.integers(1, 2048, n).astype(float)
     arrivals = rng.integers(0, 3, n).astype(float)
     return {
+        **{name: np.zeros(n) for name in STEP_FIELDS},  # prefills of nothing cached, no decodes
         "tokens": tokens,
         "sampled": np.ones(n),
         ARRIVALS: arrivals,
@@ -71,3 +74,97 @@ def test_speed_factor_is_measured_time_over_modelled_time_for_the_same_batches()
     assert model.speed_factor(two) == pytest.approx(1.0, rel=1e-6)
     two["duration_s"] = np.array([modelled, modelled])
     assert model.speed_factor(two) == pytest.approx(2.0, rel=1e-6)
+
+
+def test_r2_on_steps_of_one_duration_is_1_only_for_an_exact_model_as_scikit_learn_says():
+    from sklearn.metrics import r2_score
+
+    model = FittedCostModel().fit(step_log())
+    flat = step_log(n=32, seed=2)
+    flat["duration_s"] = np.full(32, 2.0**-7)  # every step took 7.8 ms (a mean exact in binary)
+    assert model.evaluate(flat)["r2"] == r2_score(flat["duration_s"], model.predict(flat)) == 0.0
+    exact = step_log(n=30, seed=2)
+    exact["tokens"] = np.full(30, 500.0)
+    exact[ARRIVALS] = np.zeros(30)
+    exact["duration_s"] = model.predict(exact)  # constant, and predicted exactly
+    assert model.evaluate(exact)["r2"] == 1.0
+
+
+def test_evaluating_no_steps_is_a_clear_error():
+    model = FittedCostModel().fit(step_log())
+    empty = {key: values[:0] for key, values in step_log().items()}
+    with pytest.raises(ValueError, match="no steps to evaluate"):
+        model.evaluate(empty)
+
+
+@pytest.mark.parametrize("missing", STEP_FIELDS)
+def test_a_missing_step_column_is_an_error_not_zeros(missing):
+    log = step_log()
+    del log[missing]
+    with pytest.raises(ValueError, match=f"step column.*{missing} missing"):
+        FittedCostModel().fit(log)
+    model = FittedCostModel().fit(step_log())
+    with pytest.raises(ValueError, match=f"{missing} missing"):
+        model.predict(log)
+
+
+def test_a_misspelt_or_unknown_column_is_refused_by_predict_but_a_logs_notes_are_not_read():
+    model = FittedCostModel().fit(step_log())
+    log = step_log(n=30, seed=3)
+    misspelt = {("arrival" if key == ARRIVALS else key): values for key, values in log.items()}
+    with pytest.raises(ValueError, match=r"unknown step column.*arrival"):
+        model.predict(misspelt)
+    noted = {**log, "gpu": ["H100"] * 30, "eager_s": np.ones(30)}  # as the bundled H100 logs
+    assert model.evaluate(noted) == model.evaluate(log)
+    assert model.speed_factor(noted) == model.speed_factor(log)
+    FittedCostModel().fit(noted)
+
+
+@pytest.mark.parametrize("column", [*STEP_FIELDS, ARRIVALS])
+def test_a_negative_or_nan_count_is_refused(column):
+    model = FittedCostModel().fit(step_log())
+    for bad in (-1.0, float("nan")):
+        log = step_log(n=30, seed=4)
+        log[column] = log[column].copy()
+        log[column][3] = bad
+        with pytest.raises(ValueError, match=f"{column}: expected counts >= 0"):
+            model.predict(log)
+        with pytest.raises(ValueError, match=f"{column}: expected counts >= 0"):
+            FittedCostModel().fit(log)
+
+
+FITTED = FittedCostModel().fit(step_log())
+COUNTS = st.one_of(st.integers(0, 10**6), st.floats(0, 1e9), st.floats())  # NaN, inf, negatives
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    logged=st.fixed_dictionaries(
+        {name: COUNTS for name in STEP_FIELDS}, optional={ARRIVALS: COUNTS, "start_s": st.floats()}
+    ),
+    dropped=st.sets(st.sampled_from(STEP_FIELDS), max_size=2),
+    misspelt=st.sets(st.sampled_from(["arrival", "decode_ctx", "Tokens"]), max_size=1),
+)
+def test_any_step_columns_give_one_non_negative_time_or_a_value_error(logged, dropped, misspelt):
+    """One step's columns, some dropped, some misspelt, any value: a time only with every step
+    column, no unknown key and every count >= 0; else a ValueError, never a time from zeros."""
+    columns = {key: value for key, value in logged.items() if key not in dropped}
+    columns |= {key: 1.0 for key in misspelt}
+    counts = [value for key, value in columns.items() if key in (*STEP_FIELDS, ARRIVALS)]
+    if dropped or misspelt or not all(value >= 0 for value in counts):
+        with pytest.raises(ValueError, match="cost-model"):
+            FITTED.predict(columns)
+        return
+    times = FITTED.predict(columns)
+    assert times.shape == (1,) and np.isfinite(times).all() and times[0] >= FITTED.coef_[0]
+
+
+@pytest.mark.parametrize("capacity", ["50000", 0, 2.5, True])
+def test_a_kv_capacity_that_is_no_token_count_is_refused_at_fit_and_at_load(capacity, tmp_path):
+    """It was never checked: saved as a string, it loaded as one, to fail inside the replay engine."""
+    message = f"kv_capacity: expected a whole number of tokens >= 1, got {capacity!r}"
+    with pytest.raises(ValueError, match=message):
+        FittedCostModel(kv_capacity=capacity).fit(step_log())
+    FittedCostModel().fit(step_log()).save_state(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        FittedCostModel(kv_capacity=capacity).load_state(tmp_path)

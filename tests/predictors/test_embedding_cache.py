@@ -270,6 +270,27 @@ def test_a_forked_child_opens_its_own_connection(tmp_path):
     assert len(disk.get_many([content_key("m", "parent"), content_key("m", "child")], DIMENSION)) == 2
 
 
+class StrictModel:
+    """Stands in for MiniLM inside `embed`: like its tokenizer, it refuses a text UTF-8 cannot
+    encode (`fake_vectors` encodes each text strictly)."""
+
+    def encode(self, texts, batch_size, normalize_embeddings, show_progress_bar):
+        return fake_vectors(texts)
+
+
+def test_a_lone_surrogate_is_embedded_as_the_replacement_character_and_spares_its_batch(
+    tmp_path, monkeypatch
+):
+    """Valid JSON can carry "\\ud800": one such prompt failed its whole batch, and SageSched left
+    every request of the batch on its prior."""
+    monkeypatch.setattr(embedding, "_model", StrictModel)
+    monkeypatch.setattr(embedding, "_child", None)
+    texts = ["fine", "bad \ud800", "\udfff\ud800"]
+    expected = fake_vectors(["fine", "bad \ufffd", "\ufffd\ufffd"])
+    np.testing.assert_array_equal(embedding.embed(texts), expected)
+    np.testing.assert_array_equal(cache_on(tmp_path).embed(texts), expected)  # through both layers
+
+
 @pytest.mark.slow
 def test_real_minilm_vectors_round_trip_bit_for_bit(tmp_path, monkeypatch):
     texts = ["Write a haiku about caching.", "Summarise the plot of Hamlet in one sentence."]

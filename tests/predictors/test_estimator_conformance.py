@@ -6,8 +6,9 @@ data run as they are, and the rest are restated for a small fitted instance of e
 built from tiny data made below: hyper-parameters are the `__init__` arguments, stored unchanged
 and round-tripping through `get_params`/`set_params`; validation waits for `fit`; `fit` returns
 self and leaves the parameters alone; fitted state ends in `_` and `sklearn.base.clone` drops it
-(and `metadata`); a save/load round trip predicts the same and validates. A new entry point
-without a case here fails `test_every_component_has_a_case`.
+(and `metadata`); a save/load round trip predicts the same and validates; a refit of a loaded
+version starts its metadata afresh; what needs fitted state raises scikit-learn's `NotFittedError`
+before fit. A new entry point without a case here fails `test_every_component_has_a_case`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +29,13 @@ from sklearn.exceptions import NotFittedError
 from sklearn.utils import estimator_checks
 from sklearn.utils.validation import check_is_fitted
 
-from adapt.component import LearnedComponent, component_class, known_components
+from adapt.component import (
+    ComponentError,
+    LearnedComponent,
+    component_class,
+    known_components,
+    registry_version,
+)
 from adapt.traces import Trace
 from adapt.workloads.compound import generate_graphs
 from tests.replay_helpers import step_log
@@ -108,6 +117,7 @@ CASES: dict[str, Case] = {
         data=lambda: step_log(n=40),
         predict=lambda model: model.predict(step_log(seed=1, n=10)),
         other={"kv_capacity": 1234},
+        invalid={"kv_capacity": "50000"},
     ),
     "slai-offset": Case(
         params={},
@@ -309,3 +319,57 @@ def test_save_load_round_trip_predicts_the_same(fitted, tmp_path):
     assert as_json(loaded.get_params(deep=False)) == as_json(component.get_params(deep=False))
     assert fitted_attributes(loaded) == fitted_attributes(component)
     assert_same_predictions(fitted.case.predict(loaded), fitted.case.predict(component))
+
+
+def test_a_refit_of_a_loaded_version_starts_its_metadata_afresh(fitted, tmp_path):
+    """A refit is a new model: the registry version, save time and data window of the version it
+    was loaded as must not survive it, or it reports itself as that version."""
+    if fitted.case.stateless:
+        pytest.skip(f"{fitted.name}: nothing to fit")
+    loaded = type(fitted.component).load(fitted.component.save(tmp_path / fitted.name))
+    loaded.metadata.update(registry_version=7, data_window="the loaded version's window")
+    assert "saved_at" in loaded.metadata
+    loaded.fit(fitted.case.data(), **fitted.case.fit_kwargs)
+    assert registry_version(loaded) == "in-memory"
+    assert "saved_at" not in loaded.metadata
+    assert loaded.metadata.get("data_window") != "the loaded version's window"
+
+
+def _save(component: LearnedComponent, directory: Any) -> Any:
+    return component.save(directory)
+
+
+# What each component refuses before fit. The others serve unfitted by design -- semantic-history
+# and pattern-graph from an empty history, slai-offset with its given rule, policy-config has no
+# state -- and qrf-length's and neural-length's `predict_bound` are left to their input checks.
+UNFITTED_CALLS = [
+    pytest.param("cost-model", lambda model, _: model.predict(step_log(n=3)), id="cost-model.predict"),
+    pytest.param("cost-model", lambda model, _: model.evaluate(step_log(n=3)), id="cost-model.evaluate"),
+    pytest.param("cost-model", _save, id="cost-model.save"),
+    pytest.param("qrf-length", lambda qrf, _: qrf.evaluate(prompt_responses()), id="qrf-length.evaluate"),
+    pytest.param("qrf-length", _save, id="qrf-length.save"),
+    pytest.param("neural-length", lambda net, _: net.evaluate(prompt_responses()), id="neural.evaluate"),
+    pytest.param("neural-length", _save, id="neural.save"),
+    pytest.param("ewsjf-meta-policy", lambda meta, _: meta.evaluate(PROMPT_LENGTHS), id="ewsjf.evaluate"),
+    pytest.param("ewsjf-meta-policy", _save, id="ewsjf.save"),
+    pytest.param("pattern-graph", _save, id="pattern-graph.save"),
+]
+
+
+@pytest.mark.parametrize(("name", "call"), UNFITTED_CALLS)
+def test_what_needs_fitted_state_raises_scikit_learns_not_fitted_error_before_fit(name, call, tmp_path):
+    with pytest.raises(NotFittedError, match=f"{name}: not fitted") as raised:
+        call(component_class(name)(), tmp_path / name)
+    assert isinstance(raised.value, ComponentError)  # what the registry and the pipelines catch
+
+
+def test_importing_every_component_leaves_scikit_learn_unimported():
+    """`ComponentNotFitted` subclasses scikit-learn's error, whose import takes over a second: only
+    raising it may import scikit-learn, never loading a component for a serving engine."""
+    script = (
+        "import sys\n"
+        "from adapt.component import component_class, known_components\n"
+        "for name in known_components(): component_class(name)\n"
+        "assert 'sklearn' not in sys.modules, 'imported scikit-learn'\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True)

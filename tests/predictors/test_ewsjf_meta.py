@@ -7,7 +7,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from predictors.ewsjf_meta import QueueSpec, equation5, layout_group_terms, layout_terms
+from predictors.ewsjf_meta import (
+    EwsjfMetaPolicy,
+    QueueSpec,
+    equation5,
+    layout_group_terms,
+    layout_terms,
+)
+
+LENGTHS = np.arange(10.0, 400.0, 7.0)
 
 
 def test_the_layout_terms_by_hand():
@@ -38,3 +46,23 @@ def test_equation5_by_hand():
     assert equation5({**terms, "latency": 0.5}, (1.0, 2.0, 3.0, 4.0)) == pytest.approx(
         0.75 + 1.5 - 0.75 - 2.0
     )
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"max_queues": 0}, {"max_queues": 2.5}, {"k": 0, "partition": "kmeans"}, {"k": True}],
+    ids=["no-queues", "half-a-queue", "no-clusters", "a-boolean"],
+)
+def test_a_queue_or_cluster_count_that_is_not_a_whole_number_from_one_is_refused_by_name(params):
+    """max_queues = 0 used to fail deep in pruning (argmin of nothing), k = 0 to run k = 1."""
+    name = next(iter(params))
+    with pytest.raises(ValueError, match=rf"{name}: expected a whole number >= 1, got {params[name]!r}"):
+        EwsjfMetaPolicy(**params).fit(LENGTHS)
+
+
+def test_a_table_of_lengths_is_refused_rather_than_fitted_or_scored_flattened():
+    table = LENGTHS.reshape(-1, 2)
+    with pytest.raises(ValueError, match=r"1-D window of prompt lengths, got shape \(28, 2\)"):
+        EwsjfMetaPolicy().fit(table)
+    with pytest.raises(ValueError, match="1-D window"):
+        EwsjfMetaPolicy().fit(LENGTHS).evaluate(table)

@@ -55,6 +55,14 @@ def test_conformal_scale_is_the_rounded_up_ratio_quantile():
     assert bounds.tolist() == pytest.approx([100 * 38 / 39, 200.0])
 
 
+def test_a_negative_generated_count_has_no_calibration_point_and_is_refused():
+    """-1 indexed the last factor (g = 400's) before."""
+    scales = {str(p): float(1 + p) for p in TRAIN_POINTS}
+    for generated in ([-1], [0, float("nan")]):
+        with pytest.raises(ValueError, match="generated tokens"):
+            apply_scales(np.full(len(generated), 100.0), np.array(generated), scales)
+
+
 def test_coverage_metrics_by_hand():
     metrics = coverage_metrics(np.array([10.0, 30.0]), np.array([20.0, 20.0]), np.array([0, 0]), 0.95)
     assert metrics["coverage_at_0"] == 0.5
@@ -157,6 +165,23 @@ def _fitted_with_random_network() -> NeuralLength:
     return model
 
 
+def test_quantiles_given_as_an_array_bound_and_save_as_the_same_tuple_does(tmp_path):
+    """scikit-learn keeps a parameter as given, so `quantiles` may be an array, which has no
+    `index`: its column was looked up with one, and training ended in an AttributeError."""
+    from predictors.embedding import DIMENSION
+
+    as_tuple = _fitted_with_random_network()
+    as_array = _fitted_with_random_network().set_params(quantiles=np.array(as_tuple.quantiles))
+    as_array.validate()
+    rows = np.random.default_rng(0).standard_normal((4, DIMENSION + 2)).astype(np.float32)
+    generated = [0, 0, 50, 200]
+    for quantile in as_tuple.quantiles:
+        np.testing.assert_array_equal(
+            as_array._bounds(rows, generated, quantile), as_tuple._bounds(rows, generated, quantile)
+        )
+    assert read_component(as_array.save(tmp_path / "array")).quantiles == list(as_tuple.quantiles)
+
+
 def test_validate_checks_the_network_without_embedding_a_prompt(monkeypatch):
     """Loading a version validates it in the loading process -- a live engine's -- where MiniLM
     must not run (issue 22): the canary goes through the network on a fixed vector instead."""
@@ -171,6 +196,29 @@ def test_validate_checks_the_network_without_embedding_a_prompt(monkeypatch):
     model.scales_ = {str(p): float("nan") for p in TRAIN_POINTS}  # a broken calibration is caught
     with pytest.raises(ComponentError, match="canary"):
         model.validate()
+
+
+@pytest.mark.parametrize(
+    ("prompt_tokens", "generated", "match"),
+    [
+        ([12, -5, 30], [0, 0, 0], "prompt_tokens"),  # a NaN bound before
+        ([12, 1e300, 30], [0, 0, 0], "prompt_tokens"),  # 878 tokens before
+        ([12, float("inf"), 30], [0, 0, 0], "prompt_tokens"),
+        ([12, 20, 30], [0, -50, 0], "generated_tokens"),
+        ([12, 20, 30], [0, 0], "generated_tokens: 2"),
+    ],
+)
+def test_a_count_that_is_no_token_count_is_refused_before_any_prompt_is_embedded(
+    monkeypatch, prompt_tokens, generated, match
+):
+    import predictors.neural_length as module
+
+    def no_embedding():
+        raise AssertionError("a prompt was embedded before the counts were checked")
+
+    monkeypatch.setattr(module, "shared_cache", no_embedding)
+    with pytest.raises(ValueError, match=match):
+        _fitted_with_random_network().predict_bound(prompt_tokens, ["a", "b", "c"], generated)
 
 
 def test_a_version_saved_by_torch_loads_and_predicts_as_torch(tmp_path):

@@ -698,6 +698,60 @@ def test_compiled_forest_equals_quantile_forest():
         assert np.allclose([compiled.predict(X_test[i : i + 1], q)[0] for i in range(5)], expected[:5])
 
 
+@pytest.fixture(scope="module")
+def three_feature_forest():
+    """A small fitted forest on 3 features and its compiled form (fitted once for the module)."""
+    from quantile_forest import RandomForestQuantileRegressor
+
+    from predictors.compiled_forest import CompiledQuantileForest
+
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(300, 3)).astype(np.float32)
+    y = np.exp(X[:, 0] + rng.normal(scale=0.5, size=300)) * 100
+    forest = RandomForestQuantileRegressor(n_estimators=4, max_depth=5, min_samples_leaf=5, random_state=0)
+    forest.fit(X, y)
+    return forest, CompiledQuantileForest(forest)
+
+
+def test_the_compiled_forest_refuses_rows_of_another_width_and_quantiles_outside_0_to_1(
+    three_feature_forest,
+):
+    """A bound predictor whose feature count changed since the fit (`QrfLength.set_params`) must
+    fail, not route its rows on the wrong columns to a plausible number."""
+    _, compiled = three_feature_forest
+    for X in (np.ones((2, 5)), np.ones((8, 5)), np.ones((2, 2)), np.ones(3)):
+        with pytest.raises(ValueError, match="fitted on 3 features"):
+            compiled.predict(X, 0.95)
+    for quantile in (1.5, -0.1, float("nan")):
+        for rows in (1, 8):  # the gathering path and the vectorised search
+            with pytest.raises(ValueError, match="quantile"):
+                compiled.predict(np.zeros((rows, 3)), quantile)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.lists(
+        st.lists(st.one_of(st.floats(-3, 3), st.floats()), min_size=3, max_size=3), min_size=1, max_size=8
+    ),
+    quantile=st.floats(0, 1),
+)
+def test_the_compiled_forest_answers_finite_rows_as_the_library_and_refuses_the_rest(
+    three_feature_forest, rows, quantile
+):
+    """Any row of finite float32 values: the library's prediction; any NaN or infinity (a float64
+    too large for float32 included): a ValueError, never a number."""
+    forest, compiled = three_feature_forest
+    X = np.asarray(rows, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        finite = np.isfinite(X.astype(np.float32)).all()
+    if finite:
+        expected = forest.predict(X, quantiles=quantile)
+        np.testing.assert_allclose(compiled.predict(X, quantile), expected, rtol=1e-9)
+    else:
+        with pytest.raises(ValueError, match="Input X contains"):
+            compiled.predict(X, quantile)
+
+
 def test_prompt_text_is_asked_of_the_engine_only_when_the_bound_reads_it():
     """vLLM detokenises prompts for a policy that says it needs them (a cost per arrival): JITServe
     needs them exactly when its length bound reads words, so live and replay bound alike."""

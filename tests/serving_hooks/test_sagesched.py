@@ -281,6 +281,93 @@ def test_a_length_that_is_not_a_number_changes_nothing():
     assert history.size == 2 and sorted(history._by_length(5).tolist()) == [0, 1]
 
 
+def _window_state(history: SemanticHistory) -> tuple:
+    """Everything `observe` may change, comparable with ==."""
+    return (
+        history.next_id_,
+        history.length_floor_,
+        history.index_floor_,
+        history.index_.ntotal,
+        history.prompt_tokens_.tolist(),
+        history.output_tokens_.tolist(),
+        history.prompt_hash_.tolist(),
+        history.has_text_.tolist(),
+        list(history.by_length_._lengths),
+        {length: list(ids) for length, ids in history.by_length_._ids.items()},
+    )
+
+
+def _full_window() -> SemanticHistory:
+    """64 entries in a window of 64: the next entry evicts one from the length index first."""
+    history = SemanticHistory(window=64, fallback_neighbors=3)
+    history.observe(list(range(1, 65)), [1] * 64, np.zeros((64, 384)), [False] * 64, list(range(1, 65)))
+    return history
+
+
+@pytest.mark.parametrize(
+    ("prompts", "outputs", "hashes", "match"),
+    [
+        ([2**70], [10], None, "prompt_tokens"),  # OverflowError after the length index lost an entry
+        ([-1], [3], None, "prompt_tokens"),
+        ([1.5], [3], None, "prompt_tokens"),
+        ([1, 2], [10], None, "output_tokens: expected 2"),  # broadcast over both before
+        ([5], [0], None, "output_tokens"),  # saved into a window that did not load back
+        ([5], [-3], None, "output_tokens"),
+        ([5], [3], [2**64 - 1], "prompt_hashes"),
+        ([5, 6], [3, 4], [1], "prompt_hashes"),
+    ],
+)
+def test_a_batch_with_a_bad_column_is_refused_and_changes_nothing(prompts, outputs, hashes, match):
+    history = _full_window()
+    before = _window_state(history)
+    with pytest.raises(ValueError, match=match):
+        history.observe(prompts, outputs, np.zeros((len(prompts), 384)), [False] * len(prompts), hashes)
+    assert _window_state(history) == before
+    for embeddings, has_text in ((np.zeros((2, 384)), [True]), (np.zeros((1, 8)), [True])):
+        with pytest.raises(ValueError, match=r"has_text|embeddings"):
+            history.observe([5], [3], embeddings, has_text)
+    assert _window_state(history) == before
+
+
+hostile_counts = st.one_of(  # plain counts three times in five: some batches are kept
+    st.integers(0, 50),
+    st.integers(50, 2_000),
+    st.sampled_from([1, 7, 512]),
+    st.integers(-(2**80), 2**80),
+    st.floats(),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.lists(st.tuples(hostile_counts, hostile_counts), min_size=1, max_size=4))
+def test_any_observed_batch_is_refused_whole_or_kept_in_a_window_that_loads_back(rows, tmp_path_factory):
+    prompts, outputs = [prompt for prompt, _ in rows], [output for _, output in rows]
+    history = _full_window()
+    before = _window_state(history)
+    try:
+        history.observe(prompts, outputs, np.zeros((len(prompts), 384)), [False] * len(prompts))
+    except ValueError:
+        assert _window_state(history) == before
+        return
+    assert history.next_id_ == 64 + len(prompts)
+    directory = tmp_path_factory.mktemp("window")
+    history.save_state(directory)
+    loaded = SemanticHistory(window=64, fallback_neighbors=3)
+    loaded.load_state(directory)
+    loaded.validate()
+    assert loaded.output_tokens_[loaded._live_ids() % len(loaded.output_tokens_)].min() >= 1
+
+
+def test_a_support_of_no_points_is_refused_before_a_window_is_built():
+    """max_support = 0 made every prediction from the window a distribution of no points."""
+    history = SemanticHistory(max_support=0)  # scikit-learn's convention: stored unchecked
+    with pytest.raises(ValueError, match="max_support: expected at least 1 support point, got 0"):
+        history.fit(None)  # before the data is read, let alone embedded
+    with pytest.raises(ValueError, match="max_support"):
+        history.observe([10], [100], np.zeros((1, 384), np.float32), [False])
+    assert history.size == 0
+
+
 @pytest.mark.parametrize(
     ("lengths", "target", "count", "expected"),
     [
