@@ -173,6 +173,17 @@ def verdict(
     return result
 
 
+def attainment_by_class(metrics: dict[str, Any]) -> dict[str, float]:
+    """Each request class's SLO attainment (classes without SLOs left out). Printed for the
+    learned policy and EDF, the deadline-first baseline the issue measures fairness against: a
+    policy can raise its worst class above EDF's while it gives up another class."""
+    return {
+        label: scope["slo_attainment"]
+        for label, scope in metrics.get("by_class", {}).items()
+        if scope.get("slo_attainment") is not None
+    }
+
+
 def engine_settings(target: Target, table: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The engine settings the comparison ran at (the workload's, the same for every policy), and
     those each policy really ran at where it declares its own (`sarathi`, `vllm-v0`), read from the
@@ -262,6 +273,15 @@ def main() -> None:
             shown = ", ".join(
                 f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in outcome.items()
             )
+            by_class = {name: attainment_by_class(table[name]) for name in (target.policy, "edf")}
+            if any(by_class.values()):  # what the worst class alone cannot show: who pays
+                print(
+                    "  SLO attainment by class: "
+                    + "; ".join(
+                        f"{name} " + ", ".join(f"{c} {v:.2f}" for c, v in classes.items())
+                        for name, classes in by_class.items()
+                    )
+                )
             print(f"  -> {'MET' if outcome['met'] else 'MISSED'}: {shown}")
             report.append(
                 {
@@ -272,6 +292,7 @@ def main() -> None:
                     **outcome,
                     "barred": {n: why for n, why in barred.items() if why is not None},
                     "guards": guards,
+                    "attainment_by_class": by_class,
                 }
             )
     if args.json:

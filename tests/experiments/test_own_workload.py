@@ -104,3 +104,11 @@ def test_the_engine_settings_are_the_workloads_and_a_policy_with_its_own_is_name
     assert settings["own_engine_settings"] == {
         "vllm-v0": {"token_budget": 4096, "max_running": config.max_running}
     }
+
+
+def test_attainment_by_class_lists_each_class_with_an_slo():
+    from experiments.own_workload import attainment_by_class
+
+    metrics = {"by_class": {"latency": {"slo_attainment": 0.46}, "best": {"slo_attainment": None}, "x": {}}}
+    assert attainment_by_class(metrics) == {"latency": 0.46}
+    assert attainment_by_class({}) == {}
