@@ -47,6 +47,7 @@ class _Serving:
 
 class Slot:
     """`Slot(reg, name, alias="champion", interval_s=5.0)`; `start()`, `get()`, `version`, `stop()`.
+    `alias` is an alias the slot follows, or a version `vN` it holds.
     `on_swap`, if given, is called (in the swapping thread, after the swap) each time a new
     version goes live in the slot: an engine that applies versions only between its steps uses it
     to say a version is loaded while it idles."""
@@ -65,6 +66,9 @@ class Slot:
         self.registry = registry
         self.name = name
         self.alias = alias
+        # `alias` may name a version (`v3`): the slot then loads that one and never moves (a
+        # server told to serve `jitserve:qrf=v3` keeps v3 whatever is promoted).
+        self._pinned = int(alias[1:]) if alias[:1] == "v" and alias[1:].isdigit() else None
         self.interval_s = interval_s
         self.max_backoff_s = max_backoff_s
         self.on_swap = on_swap
@@ -163,7 +167,7 @@ class Slot:
         with self._lock:
             if self.registry.reconnect_if_replaced():
                 self.reconnects += 1
-            target = self.registry.resolve(self.name, self.alias, missing_ok=True)
+            target = self._pinned or self.registry.resolve(self.name, self.alias, missing_ok=True)
             if target != self._last_target:
                 self._refused.clear()  # the alias moved: a refused version may be retried later
                 self._last_target = target

@@ -33,6 +33,8 @@ from typing import Any
 from adapt.files import write_text_atomic
 from adapt.hotswap import Slot
 from adapt.policy import Policy
+from adapt.registry import CHAMPION
+from serving_hooks.policies import component_references, spec_references
 
 log = logging.getLogger("adapt.live")
 
@@ -50,10 +52,17 @@ class LiveComponents:
         interval_s: float,
         status_file: str | Path | None = None,
         follow_config: bool = False,
+        references: dict[str, tuple[str, str]] | None = None,
     ) -> None:
+        """`references`: per component attribute, the (registered component, version or alias)
+        its slot follows (`serving_hooks.policies.component_references` of the served spec: a
+        version the spec names stays pinned, an alias is followed); default, every component's
+        `champion`."""
         from adapt.registry import Registry
 
         self.registry = Registry()
+        # A slot's first load publishes the status, which reads these: set before any slot starts.
+        self.policy, self.slots, self.applied = policy, {}, {}
         self.interval_s = interval_s
         self.status_file = Path(status_file) if status_file else None
         # The scheduler thread and the slots' threads (on a load) both publish; one at a time.
@@ -76,26 +85,29 @@ class LiveComponents:
             if follow_config
             else None
         )
-        self._follow(policy)
+        self._follow(policy, self._slots_for(policy, references))
         if self.config_slot is not None:
             self.config_slot.start()
         self.apply()
 
-    def _follow(self, policy: Policy, slots: dict[str, Slot] | None = None) -> None:
-        """Serve `policy` with `slots` for its components (made and loaded here when not given),
-        stopping the previous policy's slots."""
-        for slot in getattr(self, "slots", {}).values():
+    def _follow(self, policy: Policy, slots: dict[str, Slot]) -> None:
+        """Serve `policy` with `slots` for its components, stopping the previous policy's slots."""
+        for slot in self.slots.values():
             slot.stop()
-        slots = self._slots_for(policy) if slots is None else slots
         with self._publishing:
             self.policy, self.slots, self.applied = policy, slots, dict.fromkeys(slots)
             self._unusable: dict[str, int | None] = {}  # per attribute, a version the policy refused
 
-    def _slots_for(self, policy: Policy) -> dict[str, Slot]:
-        """One started slot per component of `policy` (each loads its version as it starts)."""
+    def _slots_for(
+        self, policy: Policy, references: dict[str, tuple[str, str]] | None = None
+    ) -> dict[str, Slot]:
+        """One started slot per component of `policy` that `references` names (each loads its
+        version as it starts): pinned to a version the spec named, else following an alias."""
+        if references is None:
+            references = {attribute: (name, CHAMPION) for attribute, name in policy.components.items()}
         slots = {
-            attribute: Slot(self.registry, name, interval_s=self.interval_s, on_swap=self._publish)
-            for attribute, name in policy.components.items()
+            attribute: Slot(self.registry, name, reference, self.interval_s, on_swap=self._publish)
+            for attribute, (name, reference) in references.items()
         }
         for slot in slots.values():
             slot.start()
@@ -111,22 +123,25 @@ class LiveComponents:
             return
         try:
             policy = config.build()
+            references = component_references(config.policy, dict(config.params or {}))
         except Exception:
             log.exception("policy-config v%s: its policy cannot be built; the serving one stays", version)
             return
-        prepared = (version, policy, self._slots_for(policy))
+        prepared = (version, policy, self._slots_for(policy, references))
         with self._preparing:
             stale, self._prepared = self._prepared, prepared
         _stop_slots(stale)  # a newer version came before the engine took the last one
 
     @classmethod
-    def from_environment(cls, policy: Policy) -> LiveComponents | None:
-        """Enabled by `adapt serve` through the environment of the engine process."""
+    def from_environment(cls, policy: Policy, spec: str) -> LiveComponents | None:
+        """Enabled by `adapt serve` through the environment of the engine process; `policy` was
+        built from `spec`, whose component references its slots follow."""
         interval = os.environ.get(WATCH_ENV)
         if not interval:
             return None
         follow = os.environ.get(FOLLOW_CONFIG_ENV) == "1"
-        return cls(policy, float(interval), os.environ.get(STATUS_ENV), follow_config=follow)
+        references = spec_references(spec)
+        return cls(policy, float(interval), os.environ.get(STATUS_ENV), follow, references)
 
     def next_policy(self) -> Policy | None:
         """The policy of a `policy-config` version that went live since the last call, built and
@@ -152,7 +167,8 @@ class LiveComponents:
         now does the status name its policy-config (a build or hand-over that failed left the old
         one serving, and the status says so)."""
         handing, self._handing = self._handing, None
-        self._follow(policy, handing[2] if handing is not None and handing[1] is policy else None)
+        prepared = handing is not None and handing[1] is policy
+        self._follow(policy, handing[2] if prepared else self._slots_for(policy))
         self.config_version = self._config_tried
         self.policy_swaps += 1
         log.info("now serving policy %s (policy-config v%s)", policy.name, self.config_version)

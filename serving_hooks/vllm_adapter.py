@@ -139,7 +139,7 @@ class PolicyScheduler(AsyncScheduler):
         if self.adapt_policy.needs_prompt_text:  # loaded now, not on the first request's arrival
             self._load_tokenizer()
         self._program_starts: dict[str, float] = {}
-        self.live = LiveComponents.from_environment(self.adapt_policy)  # `adapt serve`: follow the registry
+        self.live = LiveComponents.from_environment(self.adapt_policy, spec)  # `adapt serve`: the registry
         self._dropped_ids: set[str] = set()
         self._drops_to_report: list[Any] = []  # dropped by the policy, not yet told to the client
         self._held: list[Any] = []  # waiting requests the plan did not list, out for one step

@@ -24,6 +24,8 @@ from serving_hooks.policies import (
     make_policy_from_spec,
     parse_policy_spec,
     pin_policy_config,
+    pinned_aliases,
+    spec_references,
 )
 
 # A generated workload is built in memory before it replays; more than this is a typo, not a study.
@@ -190,6 +192,34 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def pin_component_aliases(policies: list[str]) -> dict[str, tuple[tuple[str, str], ...]]:
+    """Per policy spec, the versions its components' aliases point at now (`champion` where the
+    spec names none: what `adapt serve --policy SPEC` would serve), said on stderr; a learned
+    policy whose alias carries no version runs without that component, and says so too."""
+    from adapt.registry import Registry
+
+    pins: dict[str, tuple[tuple[str, str], ...]] = {}
+    registry = None
+    for spec in policies:
+        references = spec_references(spec)
+        if not references:
+            pins[spec] = ()
+            continue
+        registry = registry or Registry()
+        pins[spec] = pinned_aliases(spec, registry)
+        pinned = dict(pins[spec])
+        said = []
+        for attribute, (component, reference) in references.items():
+            if attribute in pinned:
+                said.append(f"{attribute}={pinned[attribute]} ({component}@{reference})")
+            elif reference[:1] == "v":
+                said.append(f"{attribute}={reference}")
+            else:
+                said.append(f"{attribute}: none ({component}@{reference} names no version)")
+        print(f"{spec} runs with {', '.join(said)}", file=sys.stderr)
+    return pins
+
+
 def run_replay_command(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
@@ -211,6 +241,7 @@ def run_replay_command(args: argparse.Namespace) -> int:
         if pinned in resolved:
             alias = "" if spec == pinned else f" is {pinned}, which"
             print(f"{spec}{alias} runs {resolved[pinned]}", file=sys.stderr)
+    pins = pin_component_aliases(policies)
     setup = build_setup(args)
     budget = given(args.token_budget, setup.workload.get("token_budget", EngineConfig.token_budget))
     setup.workload.update(token_budget=budget, max_running=args.max_running)
@@ -248,7 +279,8 @@ def run_replay_command(args: argparse.Namespace) -> int:
         "seed": args.seed,
     }
     cells = [
-        ReplayCell(policy, policy, setup, PolicySpec(policy), config, cost, options) for policy in policies
+        ReplayCell(policy, policy, setup, PolicySpec(policy, pins[policy]), config, cost, options)
+        for policy in policies
     ]
     replayed = replay_cells(cells, jobs=args.jobs, progress=not args.quiet, ray=args.ray)
     results: dict[str, dict[str, Any]] = {}

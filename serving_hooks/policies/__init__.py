@@ -11,7 +11,7 @@ from typing import Any
 from adapt.component import ComponentError
 from adapt.mechanics import UnsupportedPolicy, check_policy
 from adapt.policy import Policy
-from adapt.registry import Registry, RegistryError, load_reference
+from adapt.registry import CHAMPION, Registry, RegistryError, load_reference
 from adapt.tracking import tracking_uri
 from serving_hooks.policies.baselines import (
     EDF,
@@ -138,6 +138,29 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name, params
 
 
+def component_references(name: str, params: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Per learned component of policy `name` with `params` (as a spec parses): the registered
+    component and the reference the policy serves it from -- the version or alias the spec names
+    (`qrf=v3`, `qrf=neural-length@champion`), else `champion`. Left out: a component the spec
+    turns off (`qrf=null`) or hands over as an instance. One reading for both engines: `adapt
+    serve`'s slots follow these references (a version stays pinned) and `adapt replay` pins them
+    to the versions they name at its start, so a spec replays with the versions it would serve."""
+    policy_class = POLICIES[name]
+    references = {}
+    for attribute, component in getattr(policy_class, "components", {}).items():
+        given = params.get(attribute, CHAMPION)
+        if isinstance(given, str):
+            references[attribute] = component_reference(policy_class, attribute, given)
+        elif attribute not in params:
+            references[attribute] = (component, CHAMPION)
+    return references
+
+
+def spec_references(spec: str) -> dict[str, tuple[str, str]]:
+    """`component_references` of a spec string (a `policy-config@REF` reads its version)."""
+    return component_references(*parse_policy_spec(spec))
+
+
 def make_policy_from_spec(spec: str) -> Policy:
     """The policy a spec string names (`PolicySpec`: pinned versions loaded once per process)."""
     return PolicySpec(spec)()
@@ -153,15 +176,22 @@ class PolicySpec:
     (SageSched its history window). Aliases are resolved afresh each time (they move)."""
 
     spec: str
+    # The versions the spec's component aliases (`champion` where it names none) pointed at when
+    # `adapt replay` started (`pinned_aliases`): what `adapt serve` would serve, held fixed.
+    pins: tuple[tuple[str, str], ...] = ()
 
     def __call__(self) -> Policy:
         name, params = parse_policy_spec(self.spec)
+        for attribute, version in self.pins:
+            given = params.get(attribute, CHAMPION)
+            if isinstance(given, str) and not _is_version(given.rpartition("@")[2]):
+                params[attribute] = version
         try:
             for attribute in getattr(POLICIES[name], "components", {}):
                 if not isinstance(params.get(attribute), str):
                     continue
                 component, reference = component_reference(POLICIES[name], attribute, params[attribute])
-                if reference[:1] == "v" and reference[1:].isdigit():
+                if _is_version(reference):
                     params[attribute] = _pinned_component(tracking_uri(), component, int(reference[1:]))
             return make_policy(name, **params)
         except (TypeError, ValueError) as exc:
@@ -169,6 +199,26 @@ class PolicySpec:
 
     def __str__(self) -> str:
         return self.spec
+
+
+def _is_version(reference: str) -> bool:
+    return reference[:1] == "v" and reference[1:].isdigit()
+
+
+def pinned_aliases(spec: str, registry: Registry) -> tuple[tuple[str, str], ...]:
+    """`PolicySpec.pins` for `spec`: each component it serves from an alias (`champion` where it
+    names none) as the version that alias points at now -- read once, so every cell of a replay
+    runs one version even if the alias moves -- and none where no version carries the alias (the
+    policy then runs without it, as a server would until one is promoted)."""
+    pins = []
+    for attribute, (component, reference) in spec_references(spec).items():
+        if _is_version(reference):
+            continue  # the spec pins it already
+        version = registry.resolve(component, reference, missing_ok=True)
+        if version is not None:
+            own = POLICIES[parse_policy_spec(spec)[0]].components[attribute] == component
+            pins.append((attribute, f"v{version}" if own else f"{component}@v{version}"))
+    return tuple(pins)
 
 
 def _policy_config_reference(spec: str) -> str | None:
@@ -188,7 +238,7 @@ def registered_policy_config(reference: str) -> Any:
     process and store for each version (a version never changes; an alias is resolved each time)."""
     store = tracking_uri()
     try:
-        if reference[:1] == "v" and reference[1:].isdigit():
+        if _is_version(reference):
             version = int(reference[1:])
         else:
             version = None

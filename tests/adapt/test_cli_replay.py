@@ -326,3 +326,30 @@ def test_an_intake_delay_is_recorded_and_charged_to_every_latency(tmp_path):
     for metric in ("ttft_mean", "ttlt_mean"):
         shift = delayed["policies"]["fcfs"][metric] - plain["policies"]["fcfs"][metric]
         assert shift == pytest.approx(0.5, abs=1e-6), metric
+
+
+def test_a_learned_policy_replays_with_the_champion_it_would_serve_pinned_at_the_start(tmp_path, capsys):
+    """`adapt serve --policy ewsjf` serves the champion layout; `adapt replay --policies ewsjf` ran
+    the default layout instead. Now a component the spec leaves out is the champion's version,
+    read once at the start and said; one the spec names is kept; a policy-config's policy too."""
+    import numpy as np
+
+    from adapt.registry import Registry
+    from predictors.ewsjf_meta import EwsjfMetaPolicy
+    from serving_hooks.policies.config import PolicyConfig
+
+    registry = Registry(cache_dir=tmp_path / "cache")
+    first = registry.log(EwsjfMetaPolicy().fit(np.arange(1, 2000, 7)))
+    second = registry.log(EwsjfMetaPolicy(alpha=2.0).fit(np.arange(1, 4000, 5)))
+    registry.promote("ewsjf-meta-policy", second)
+    config = registry.log(PolicyConfig("ewsjf"))
+    capsys.readouterr()
+    out = tmp_path / "r.json"
+    policies = f"ewsjf,ewsjf:meta=v{first},policy-config@v{config}"
+    args = ["replay", "--workload", "ewsjf-mixed", "--num-requests", "60", "--policies", policies]
+    assert main([*args, "--json", str(out), "--no-mlflow", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert f"ewsjf runs with meta=v{second} (ewsjf-meta-policy@champion)" in err
+    params = json.loads(out.read_text())["policy_params"]
+    assert params["ewsjf"]["meta_version"] == params[f"policy-config@v{config}"]["meta_version"] == second
+    assert params[f"ewsjf:meta=v{first}"]["meta_version"] == first

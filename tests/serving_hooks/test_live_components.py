@@ -123,3 +123,33 @@ def test_a_new_policy_config_is_built_and_loaded_outside_the_engines_step(tmp_pa
         assert json.loads((tmp_path / "s.json").read_text())["policy_config"] == 2
     finally:
         live.stop()
+
+
+def test_a_version_the_spec_names_stays_pinned_live_and_the_rest_follow_the_champion(tmp_path, caplog):
+    """`adapt serve --policy ewsjf:meta=v1` serves v1 whatever is promoted (its slot used to follow
+    the champion and swap v2 in at the first step); a spec that names no version follows the
+    champion. The first status is published without a traceback (the slots' first loads once
+    published before the slots were kept)."""
+    from serving_hooks.policies import PolicySpec, spec_references
+
+    registry = Registry(cache_dir=tmp_path / "cache")
+    first = registry.log(EwsjfMetaPolicy().fit(np.arange(1, 2000, 7)))
+    second = registry.log(EwsjfMetaPolicy(alpha=2.0).fit(np.arange(1, 4000, 5)))
+    registry.promote("ewsjf-meta-policy", second)
+    for spec, serving in ((f"ewsjf:meta=v{first}", first), ("ewsjf", second)):
+        policy = PolicySpec(spec)()
+        status_file = tmp_path / f"{spec}.json"
+        live = LiveComponents(policy, 3600, status_file, references=spec_references(spec))
+        try:
+            live.apply()  # the engine's first step
+            assert json.loads(status_file.read_text())["components"] == {"ewsjf-meta-policy": serving}
+            assert policy.meta.alpha == (3.0 if serving == first else 2.0)  # v1 has the default
+            registry.promote("ewsjf-meta-policy", first if serving == second else second)
+            live.slots["meta"].swap_now()
+            live.apply()
+            moved = first if spec == "ewsjf" else serving  # the champion follower moves, the pin not
+            assert json.loads(status_file.read_text())["components"] == {"ewsjf-meta-policy": moved}
+        finally:
+            live.stop()
+            registry.promote("ewsjf-meta-policy", second)
+    assert "on_swap failed" not in caplog.text
