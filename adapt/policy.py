@@ -58,6 +58,7 @@ class RequestState:
         "slo",
         "tokens_computed",
         "tokens_generated",
+        "tokens_on_time",
     )
 
     def __init__(
@@ -83,6 +84,10 @@ class RequestState:
         self.prompt_embedding = prompt_embedding
         self.tokens_computed = 0
         self.tokens_generated = 0
+        # Output tokens that came by their due time under a latency SLO (`token_due_s`, from the
+        # arrival the engine saw), counted by the engine as each token comes -- in replay by the
+        # same arithmetic as the metrics' on-time tokens, however many steps a run covers.
+        self.tokens_on_time = 0
         self.phase: Phase = "waiting"
         self.first_token_s: float | None = None
         self.last_token_s: float | None = None

@@ -139,10 +139,12 @@ def run_cell(name: str, seed: int, size: Size, root: Path, margin: float = 0.0) 
     cell["decisions"] = [asdict(d) for d in loop.decisions if d.status != "no data"]
     bad = [d for d in loop.decisions if d.source == "bad-candidate" and d.status in ("registered", "refused")]
     cell["bad_candidate_refused"] = bool(bad) and not any(d.promoted for d in bad)  # it went through the gate
-    # The positive control: the same gate let a retrained version through after the shift (a gate
-    # that refused everything would refuse the bad candidate too).
+    # The positive control: the same gate let a retrained version of the staled part through after
+    # the shift (a gate that refused everything would refuse the bad candidate too; the cost
+    # model's own promotions say nothing about that gate).
     cell["good_candidate_promoted"] = any(
-        d.promoted and d.source != "bad-candidate" and d.at_s >= shift_s for d in loop.decisions
+        d.promoted and d.source != "bad-candidate" and d.component == scenario.stales and d.at_s >= shift_s
+        for d in loop.decisions
     )
     cell["swaps"] = loop.swaps
     return cell

@@ -137,7 +137,11 @@ def verdict(
     ceiling = target.ceiling
     if barred is None:
         barred = {name: headline.barred(m, table["fcfs"]) for name, m in table.items()}
-    allowed = {name for name in table if barred[name] is None and name not in (target.oracle, ceiling)}
+    allowed = {  # (a value missing in any seed has no seed mean: it cannot rank)
+        name
+        for name in table
+        if barred[name] is None and values[name] is not None and name not in (target.oracle, ceiling)
+    }
     pick = min if headline.lower_is_better else max
     contenders = {name: values[name] for name in allowed}
     best = pick(contenders, key=contenders.get) if contenders else None
@@ -266,10 +270,11 @@ def main() -> None:
                 served, worst_ttft, attained = guard(m)
                 guards[name] = {"served": served, "worst_ttft_p99": worst_ttft, "worst_attainment": attained}
                 flag = "" if barred[name] is None else f"  (not eligible: {barred[name]})"
-                value = headline.value(m) / headline.scale
+                value = headline.value(m)
+                shown_value = "-" if value is None else f"{value / headline.scale:.3f}"
                 attainment = "-" if attained is None else f"{attained:.2f}"
                 guarded = f"{served:.0%} / {worst_ttft:.1f} s / {attainment}"
-                print(f"  {name:<{width}} {value:>10.3f}   {guarded}{flag}")
+                print(f"  {name:<{width}} {shown_value:>10}   {guarded}{flag}")
             shown = ", ".join(
                 f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in outcome.items()
             )

@@ -801,6 +801,9 @@ class PolicyScheduler(AsyncScheduler):
                 state.first_token_s = now
             if state.phase != "preempted":
                 state.phase = "decode"
+            if state.slo.kind == "latency":  # as the replay's recorder counts them
+                due = state.token_due_s
+                state.tokens_on_time += sum(now <= due(i) for i in range(state.tokens_generated, generated))
         state.tokens_generated = generated
 
     def _log_step(self, now: float, output: Any) -> None:

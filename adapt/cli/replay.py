@@ -199,14 +199,14 @@ def pin_component_aliases(policies: list[str]) -> dict[str, tuple[tuple[str, str
     from adapt.registry import Registry
 
     pins: dict[str, tuple[tuple[str, str], ...]] = {}
-    registry = None
+    registry, resolved = None, {}  # an alias read once for every spec: one version across the cells
     for spec in policies:
         references = spec_references(spec)
         if not references:
             pins[spec] = ()
             continue
         registry = registry or Registry()
-        pins[spec] = pinned_aliases(spec, registry)
+        pins[spec] = pinned_aliases(spec, registry, resolved)
         pinned = dict(pins[spec])
         said = []
         for attribute, (component, reference) in references.items():

@@ -517,8 +517,11 @@ class Recorder:
             last = state.last_token_s
             if last is not None and index > 0:
                 gaps[state.label].append(now - last)
-            if state.slo.kind == "latency" and now <= state.token_due_s(index, self._intake_delay_s):
-                self._open[state.id].ontime_tokens += 1
+            if state.slo.kind == "latency":
+                if now <= state.token_due_s(index, self._intake_delay_s):
+                    self._open[state.id].ontime_tokens += 1
+                if now <= state.token_due_s(index):  # from the arrival the engine saw, as live
+                    state.tokens_on_time += 1
         for label, pending in gaps.items():
             if len(pending) >= _GAP_BATCH:
                 self._flush_gaps(label)
@@ -548,16 +551,24 @@ class Recorder:
         bulk, by weight), `latency` those with a latency SLO (their on-time tokens, read before
         the engine bumps their tokens_generated). The steps themselves are recorded apart
         (`decode_run`, or `step` for a step that also ran prefills)."""
+        delay = self._intake_delay_s
         if len(times) == 1:  # one step (a bulk step): scalar arithmetic, as `tokens` does
             end = ends[0]
             for state in latency:
-                if end <= state.token_due_s(state.tokens_generated, self._intake_delay_s):
+                if end <= state.token_due_s(state.tokens_generated, delay):
                     self._open[state.id].ontime_tokens += 1
+                if end <= state.token_due_s(state.tokens_generated):
+                    state.tokens_on_time += 1
         else:
             ends_array = np.asarray(ends)
             for state in latency:
-                limits = _on_time_limits(state, state.tokens_generated, len(times), self._intake_delay_s)
-                self._open[state.id].ontime_tokens += int(np.count_nonzero(ends_array <= limits))
+                limits = _on_time_limits(state, state.tokens_generated, len(times), delay)
+                on_time = int(np.count_nonzero(ends_array <= limits))
+                self._open[state.id].ontime_tokens += on_time
+                if delay:  # the state's count is from the arrival the engine saw
+                    limits = _on_time_limits(state, state.tokens_generated, len(times), 0.0)
+                    on_time = int(np.count_nonzero(ends_array <= limits))
+                state.tokens_on_time += on_time
         for label, count in counts.items():
             if not count:
                 continue

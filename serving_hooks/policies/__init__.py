@@ -205,16 +205,21 @@ def _is_version(reference: str) -> bool:
     return reference[:1] == "v" and reference[1:].isdigit()
 
 
-def pinned_aliases(spec: str, registry: Registry) -> tuple[tuple[str, str], ...]:
+def pinned_aliases(
+    spec: str, registry: Registry, resolved: dict[tuple[str, str], int | None] | None = None
+) -> tuple[tuple[str, str], ...]:
     """`PolicySpec.pins` for `spec`: each component it serves from an alias (`champion` where it
     names none) as the version that alias points at now -- read once, so every cell of a replay
     runs one version even if the alias moves -- and none where no version carries the alias (the
     policy then runs without it, as a server would until one is promoted)."""
+    resolved = {} if resolved is None else resolved  # shared: one read per alias for many specs
     pins = []
     for attribute, (component, reference) in spec_references(spec).items():
         if _is_version(reference):
             continue  # the spec pins it already
-        version = registry.resolve(component, reference, missing_ok=True)
+        if (component, reference) not in resolved:
+            resolved[component, reference] = registry.resolve(component, reference, missing_ok=True)
+        version = resolved[component, reference]
         if version is not None:
             own = POLICIES[parse_policy_spec(spec)[0]].components[attribute] == component
             pins.append((attribute, f"v{version}" if own else f"{component}@v{version}"))

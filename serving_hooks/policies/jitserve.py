@@ -26,8 +26,8 @@ speed) plus the goodput the victim still expected. It is off by default: on `jit
 here is by recompute and a conservative bound makes running requests look hopeless that would
 have made it. The cutoff p is adapted
 online by an epsilon-greedy bandit over `cutoffs`, rewarded with the frame's goodput as the metrics
-count it: a latency request's tokens that came on time (token i by arrival + TTFT + i * TBT, read
-at the step that sees it), a deadline or compound request's tokens when it finishes in time.
+count it: a latency request's tokens that came on time (token i by arrival + TTFT + i * TBT, as
+the engine counts them), a deadline or compound request's tokens when it finishes in time.
 Admission control drops requests never scheduled within `waiting_time_s` (reported as `dropped`,
 never lost). Bounds are refreshed every `refine_every` generated tokens.
 
@@ -189,7 +189,7 @@ class JITServe(Policy):
     # ------------------------------------------------------------ lifecycle
     def on_arrival(self, request: RequestState, now: float) -> None:
         self._requests[request.id] = request
-        request.cache["jit_credited"] = request.tokens_generated  # (a swap hands some over started)
+        request.cache["jit_credited"] = request.tokens_on_time  # (a swap hands some over started)
         self._unscored.append(request)  # scored at the next step, with that step's other arrivals
         self._arrivals.append(request)
         if self.qrf is not None and request.program is None:
@@ -218,10 +218,11 @@ class JITServe(Policy):
         self._priority.pop(request.id, None)
         if request.finish_s is None:
             return  # dropped
-        if request.slo.kind == "latency":
-            self._credit_tokens(request, now)
-        else:
-            self._frame_reward += self._earned(request)
+        if len(self.cutoffs) > 1:  # the bandit's reward
+            if request.slo.kind == "latency":
+                self._credit_tokens(request)
+            else:
+                self._frame_reward += self._earned(request)
         self._remember_length(request.tokens_generated)
 
     def _write(self, request: RequestState) -> None:
@@ -276,10 +277,10 @@ class JITServe(Policy):
     # ------------------------------------------------------------ planning
     def on_step(self, view: EngineView) -> Plan:
         step_s = view.mean_batch_time_s or DEFAULT_STEP_S
-        if len(self.cutoffs) > 1:  # the tokens the last step delivered count toward this frame
+        if len(self.cutoffs) > 1:  # the tokens on time since the last step count toward this frame
             for request in view.running:
                 if request.slo.kind == "latency":
-                    self._credit_tokens(request, view.now)
+                    self._credit_tokens(request)
         drop = self._admission_control(view.now)
         fresh: list[RequestState] = []
         if self._unscored:
@@ -593,16 +594,15 @@ class JITServe(Policy):
             old = self._lengths_fifo.popleft()
             del self._lengths[bisect.bisect_left(self._lengths, old)]
 
-    def _credit_tokens(self, request: RequestState, now: float) -> None:
-        """Add to the frame's reward the tokens `request` (latency SLO) generated since it was last
-        credited that were on time, taking `now` -- the step that first sees them -- as when they
-        arrived."""
+    def _credit_tokens(self, request: RequestState) -> None:
+        """Add to the frame's reward the on-time tokens `request` (latency SLO) got since it was
+        last credited. The engine counts them as each token comes (`RequestState.tokens_on_time`),
+        so the reward does not depend on which step first sees a token: a replay that runs many
+        decode steps at once credits what one that plans every step does."""
         credited = request.cache.get("jit_credited")
-        generated = request.tokens_generated
-        if credited is None or generated <= credited:
-            return
-        self._frame_reward += sum(now <= request.token_due_s(i) for i in range(credited, generated))
-        request.cache["jit_credited"] = generated
+        if credited is not None and request.tokens_on_time > credited:
+            self._frame_reward += request.tokens_on_time - credited
+            request.cache["jit_credited"] = request.tokens_on_time
 
     def _earned(self, request: RequestState) -> float:
         """The bandit's reward for a finished deadline, compound or best-effort request: prompt and

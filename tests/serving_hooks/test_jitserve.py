@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from adapt.policy import EngineView, RequestState
 from adapt.programs import ProgramGraph, StageNode
-from adapt.replay.engine import EngineConfig
+from adapt.replay.engine import EngineConfig, ReplayEngine
 from adapt.replay.metrics import RecordTable, RequestRecord, _aggregate
 from adapt.requests import SLO, ProgramRef, Request
 from adapt.workloads.compound import generate_graphs, generate_programs, program_requests
@@ -68,29 +68,52 @@ def test_on_time_tokens_by_hand():
 
 
 def test_the_cutoff_bandit_is_rewarded_with_the_frames_on_time_tokens_by_hand():
-    """The bandit's reward counts on-time tokens one by one, as the metrics do (token i due by
-    arrival + TTFT + i * TBT), each at the step that first sees it; a late first token or a late
-    tail no longer zeroes a request's whole output."""
+    """The bandit's reward counts on-time tokens one by one, as the metrics do: the tokens the
+    engine counted on time (`tokens_on_time`) since the last step, credited to the frame that
+    sees them; a late first token or a late tail no longer zeroes a request's whole output."""
     policy = JITServe(cutoffs=(0.8, 1.0), cutoff=0.8, frame_steps=3, explore=0.0, waiting_time_s=None)
-    slo = SLO(kind="latency", ttft_s=0.2, tbt_s=0.1)  # token i due by 0.2 + 0.1 i
-    a = state("a", slo=slo)
+    a = state("a", slo=SLO(kind="latency", ttft_s=0.2, tbt_s=0.1))
     policy.on_arrival(a, 0.0)
     policy.on_step(EngineView(0.0, [a], [], 0.0, 512, 8, 0.05, step_index=0))  # frame 1: cutoff 0.8
     a.phase, a.tokens_computed, a.first_token_s = "decode", 11, 0.25
-    seen = [(1, 0.25), (2, 0.3), (4, 0.45)]  # (tokens generated, the step that sees them)
-    for index, (generated, now) in enumerate(seen, start=1):
-        a.tokens_generated = generated
+    # (tokens generated, of them on time, the step that sees them): token 0 late, token 1 on time,
+    # tokens 2 and 3 in one run, one of them on time
+    seen = [(1, 0, 0.25), (2, 1, 0.3), (4, 2, 0.45)]
+    for index, (generated, on_time, now) in enumerate(seen, start=1):
+        a.tokens_generated, a.tokens_on_time = generated, on_time
         policy.on_step(EngineView(now, [], [a], 0.0, 512, 8, 0.05, step_index=index))
-    # Frame 1 closed at step 3 (0.45 s), crediting: token 0 due 0.2 seen 0.25, late; token 1 due
-    # 0.3 seen 0.3, on time; tokens 2 and 3 due 0.4 and 0.5 seen 0.45: one on time -> 2.
     assert policy._arm_value.tolist() == [2.0, 0.0] and policy.cutoff == 1.0  # the untried arm next
-    a.tokens_generated, a.finish_s, a.phase = 6, 0.62, "finished"
-    policy.on_finish(a, 0.62)  # tokens 4 and 5 due 0.6 and 0.7 at 0.62 -> 1
-    handed_over = state("b", slo=slo, generated=10, phase="decode")  # a swap hands it over started
+    a.tokens_generated, a.tokens_on_time, a.finish_s, a.phase = 6, 3, 0.62, "finished"
+    policy.on_finish(a, 0.62)  # one more on time at its end
+    handed_over = state("b", slo=SLO(kind="latency", ttft_s=0.2, tbt_s=0.1), generated=10, phase="decode")
+    handed_over.tokens_on_time = 10  # a swap hands it over started
     policy.on_arrival(handed_over, 5.0)
     policy.on_step(EngineView(6.0, [], [handed_over], 0.0, 512, 8, 0.05, step_index=6))
     # Frame 2 closed at step 6: 1 token; b's 10 tokens from before this policy are not its to count.
     assert policy._arm_value.tolist() == [2.0, 1.0]
+
+
+def test_the_engine_counts_on_time_tokens_as_the_metrics_do_however_many_steps_a_run_covers():
+    """`RequestState.tokens_on_time`, which JITServe's bandit reads, is the replay recorder's
+    on-time count: the same with decode runs skipped ahead as step by step (judged at the step
+    that saw a token, the bandit credited a run's tokens late and the fast path diverged)."""
+    from adapt.replay.cost import roofline
+
+    rng = np.random.default_rng(1)  # 200 latency requests at 50 req/s (seed 1 diverged before)
+    arrivals = np.cumsum(rng.exponential(0.02, 200))
+    slo = SLO(kind="latency", ttft_s=1.0, tbt_s=0.02)
+    requests = [
+        Request(f"r{i}", float(t), int(rng.integers(10, 300)), int(rng.integers(10, 200)), slo=slo)
+        for i, t in enumerate(arrivals)
+    ]
+    metrics = {}
+    for skip in (True, False):
+        engine = ReplayEngine(
+            JITServe(batch_size=16), roofline("llama-2-7b", "a100-80g"), EngineConfig(skip_decode_runs=skip)
+        )
+        metrics[skip] = engine.run(requests).metrics()
+    for key in ("completed", "goodput_tokens", "ttlt_mean", "dropped"):
+        assert metrics[True][key] == metrics[False][key], key
 
 
 def test_a_deadline_request_rewards_the_bandit_with_all_its_tokens_only_if_on_time():
