@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adapt.component import ComponentError, LearnedComponent
-from adapt.registry import CHAMPION, BrokenVersion, Registry
+from adapt.registry import CHAMPION, BrokenVersion, Registry, version_of
 
 log = logging.getLogger("adapt.hotswap")
 
@@ -68,7 +68,7 @@ class Slot:
         self.alias = alias
         # `alias` may name a version (`v3`): the slot then loads that one and never moves (a
         # server told to serve `jitserve:qrf=v3` keeps v3 whatever is promoted).
-        self._pinned = int(alias[1:]) if alias[:1] == "v" and alias[1:].isdigit() else None
+        self._pinned = version_of(alias)
         self.interval_s = interval_s
         self.max_backoff_s = max_backoff_s
         self.on_swap = on_swap

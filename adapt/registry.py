@@ -494,10 +494,16 @@ def _flat_params(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def version_of(reference: str) -> int | None:
+    """The version a reference a user types names (`v3` -> 3); None for an alias (`champion`)."""
+    return int(reference[1:]) if reference[:1] == "v" and reference[1:].isdigit() else None
+
+
 def load_reference(name: str, reference: str) -> LearnedComponent:
     """A component from the default store by a reference a user types: an alias (`champion`) or
     a version (`v3`), as policy parameters take them (`jitserve:qrf=v2`)."""
     registry = Registry()
-    if reference.startswith("v") and reference[1:].isdigit():
-        return registry.load(name, version=int(reference[1:]))
+    version = version_of(reference)
+    if version is not None:
+        return registry.load(name, version=version)
     return registry.load(name, alias=reference)

@@ -21,11 +21,11 @@ from adapt.workloads.builders import trace_requests
 from serving_hooks.policies import (
     POLICIES,
     PolicySpec,
+    component_references,
     make_policy_from_spec,
     parse_policy_spec,
     pin_policy_config,
     pinned_aliases,
-    spec_references,
 )
 
 # A generated workload is built in memory before it replays; more than this is a typo, not a study.
@@ -196,23 +196,24 @@ def pin_component_aliases(policies: list[str]) -> dict[str, tuple[tuple[str, str
     """Per policy spec, the versions its components' aliases point at now (`champion` where the
     spec names none: what `adapt serve --policy SPEC` would serve), said on stderr; a learned
     policy whose alias carries no version runs without that component, and says so too."""
-    from adapt.registry import Registry
+    from adapt.registry import Registry, version_of
 
     pins: dict[str, tuple[tuple[str, str], ...]] = {}
     registry, resolved = None, {}  # an alias read once for every spec: one version across the cells
     for spec in policies:
-        references = spec_references(spec)
+        name, params = parse_policy_spec(spec)
+        references = component_references(name, params)
         if not references:
             pins[spec] = ()
             continue
         registry = registry or Registry()
-        pins[spec] = pinned_aliases(spec, registry, resolved)
+        pins[spec] = pinned_aliases(name, references, registry, resolved)
         pinned = dict(pins[spec])
         said = []
         for attribute, (component, reference) in references.items():
             if attribute in pinned:
                 said.append(f"{attribute}={pinned[attribute]} ({component}@{reference})")
-            elif reference[:1] == "v":
+            elif version_of(reference) is not None:
                 said.append(f"{attribute}={reference}")
             else:
                 said.append(f"{attribute}: none ({component}@{reference} names no version)")

@@ -11,7 +11,7 @@ from typing import Any
 from adapt.component import ComponentError
 from adapt.mechanics import UnsupportedPolicy, check_policy
 from adapt.policy import Policy
-from adapt.registry import CHAMPION, Registry, RegistryError, load_reference
+from adapt.registry import CHAMPION, Registry, RegistryError, load_reference, version_of
 from adapt.tracking import tracking_uri
 from serving_hooks.policies.baselines import (
     EDF,
@@ -184,15 +184,16 @@ class PolicySpec:
         name, params = parse_policy_spec(self.spec)
         for attribute, version in self.pins:
             given = params.get(attribute, CHAMPION)
-            if isinstance(given, str) and not _is_version(given.rpartition("@")[2]):
+            if isinstance(given, str) and version_of(given.rpartition("@")[2]) is None:
                 params[attribute] = version
         try:
             for attribute in getattr(POLICIES[name], "components", {}):
                 if not isinstance(params.get(attribute), str):
                     continue
                 component, reference = component_reference(POLICIES[name], attribute, params[attribute])
-                if _is_version(reference):
-                    params[attribute] = _pinned_component(tracking_uri(), component, int(reference[1:]))
+                version = version_of(reference)
+                if version is not None:
+                    params[attribute] = _pinned_component(tracking_uri(), component, version)
             return make_policy(name, **params)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"policy {self.spec!r}: {exc}") from exc
@@ -201,28 +202,29 @@ class PolicySpec:
         return self.spec
 
 
-def _is_version(reference: str) -> bool:
-    return reference[:1] == "v" and reference[1:].isdigit()
-
-
 def pinned_aliases(
-    spec: str, registry: Registry, resolved: dict[tuple[str, str], int | None] | None = None
+    name: str,
+    references: dict[str, tuple[str, str]],
+    registry: Registry,
+    resolved: dict[tuple[str, str], int | None] | None = None,
 ) -> tuple[tuple[str, str], ...]:
-    """`PolicySpec.pins` for `spec`: each component it serves from an alias (`champion` where it
-    names none) as the version that alias points at now -- read once, so every cell of a replay
-    runs one version even if the alias moves -- and none where no version carries the alias (the
-    policy then runs without it, as a server would until one is promoted)."""
+    """`PolicySpec.pins` for policy `name` with these `component_references`: each component
+    served from an alias (`champion` where the spec names none) as the version that alias points
+    at now -- read once, so every cell of a replay runs one version even if the alias moves -- and
+    none where no version carries the alias (the policy then runs without it, as a server would
+    until one is promoted)."""
     resolved = {} if resolved is None else resolved  # shared: one read per alias for many specs
+    own = POLICIES[name].components
     pins = []
-    for attribute, (component, reference) in spec_references(spec).items():
-        if _is_version(reference):
+    for attribute, (component, reference) in references.items():
+        if version_of(reference) is not None:
             continue  # the spec pins it already
         if (component, reference) not in resolved:
             resolved[component, reference] = registry.resolve(component, reference, missing_ok=True)
         version = resolved[component, reference]
-        if version is not None:
-            own = POLICIES[parse_policy_spec(spec)[0]].components[attribute] == component
-            pins.append((attribute, f"v{version}" if own else f"{component}@v{version}"))
+        if version is not None:  # in the form the spec takes: `vN`, or `NAME@vN` for an alternative
+            pinned = f"v{version}" if own[attribute] == component else f"{component}@v{version}"
+            pins.append((attribute, pinned))
     return tuple(pins)
 
 
@@ -243,10 +245,8 @@ def registered_policy_config(reference: str) -> Any:
     process and store for each version (a version never changes; an alias is resolved each time)."""
     store = tracking_uri()
     try:
-        if _is_version(reference):
-            version = int(reference[1:])
-        else:
-            version = None
+        version = version_of(reference)
+        if version is None:
             if reference:
                 version = Registry(store).resolve(POLICY_CONFIG, reference, missing_ok=True)
             if version is None:
