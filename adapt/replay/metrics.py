@@ -518,13 +518,21 @@ class Recorder:
             if last is not None and index > 0:
                 gaps[state.label].append(now - last)
             if state.slo.kind == "latency":
-                if now <= state.token_due_s(index, self._intake_delay_s):
-                    self._open[state.id].ontime_tokens += 1
-                if now <= state.token_due_s(index):  # from the arrival the engine saw, as live
-                    state.tokens_on_time += 1
+                self._count_on_time(state, index, now)
         for label, pending in gaps.items():
             if len(pending) >= _GAP_BATCH:
                 self._flush_gaps(label)
+
+    def _count_on_time(self, state: RequestState, index: int, at: float) -> None:
+        """Token `index` of `state` (latency SLO) came at `at`: count it toward the metrics'
+        on-time tokens if due by then from the request's arrival at the server, and toward the
+        state's own count (`tokens_on_time`, which a policy reads) if due from the arrival the
+        engine saw, as the live adapter judges it -- the same test unless an intake delay is set."""
+        seen_on_time = at <= state.token_due_s(index)
+        state.tokens_on_time += seen_on_time
+        delay = self._intake_delay_s
+        if (at <= state.token_due_s(index, delay)) if delay else seen_on_time:
+            self._open[state.id].ontime_tokens += 1
 
     def _flush_run_times(self, label: str | None, weight: float) -> None:
         pending = self._run_times.pop((label, weight))
@@ -553,12 +561,8 @@ class Recorder:
         (`decode_run`, or `step` for a step that also ran prefills)."""
         delay = self._intake_delay_s
         if len(times) == 1:  # one step (a bulk step): scalar arithmetic, as `tokens` does
-            end = ends[0]
             for state in latency:
-                if end <= state.token_due_s(state.tokens_generated, delay):
-                    self._open[state.id].ontime_tokens += 1
-                if end <= state.token_due_s(state.tokens_generated):
-                    state.tokens_on_time += 1
+                self._count_on_time(state, state.tokens_generated, ends[0])
         else:
             ends_array = np.asarray(ends)
             for state in latency:
