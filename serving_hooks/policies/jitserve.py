@@ -607,10 +607,8 @@ class JITServe(Policy):
     def _earned(self, request: RequestState) -> float:
         """The bandit's reward for a finished deadline, compound or best-effort request: prompt and
         output tokens if it met its (stage's program) deadline."""
-        if request.slo.kind in ("deadline", "compound"):
-            tokens = request.prompt_tokens + request.tokens_generated
-            return float(tokens) if request.finish_s <= request.deadline_at else 0.0
-        return float(request.prompt_tokens + request.tokens_generated)
+        late = request.slo.kind in ("deadline", "compound") and request.finish_s > request.deadline_at
+        return 0.0 if late else float(request.prompt_tokens + request.tokens_generated)
 
     def length_bound(self, request: RequestState) -> tuple[str, float] | None:
         """The bound in force for `request` on its total output, and what made it: the `qrf`
