@@ -25,6 +25,7 @@ from adapt.cli.usage import (
     RATE,
     Parser,
     UsageError,
+    add_api_key_argument,
     add_parallel_arguments,
     given,
     integer,
@@ -549,13 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     retrain.add_argument(
         "--watch-interval", type=DURATION, default=10.0, metavar="S", help="poll every S seconds (10)"
     )
-    retrain.add_argument(
-        "--watch-api-key",
-        default=os.environ.get("VLLM_API_KEY"),
-        metavar="KEY",
-        help="the servers' --api-key, without which they refuse the status (default: the VLLM_API_KEY"
-        " environment variable, which keeps the key out of the process list)",
-    )
+    add_api_key_argument(retrain, "--watch-api-key", "the servers'")
     retrain.set_defaults(func=cmd_retrain)
 
     compare = sub.add_parser("compare", help="replay runs side by side (policies x workloads), plots vs load")
@@ -628,13 +623,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL,URL,...",
         help="summarise these replicas instead (exit 1 if one does not answer)",
     )
-    status.add_argument(
-        "--api-key",
-        default=os.environ.get("VLLM_API_KEY"),
-        metavar="KEY",
-        help="the server's --api-key, without which it refuses the status (default: the VLLM_API_KEY"
-        " environment variable, which keeps the key out of the process list)",
-    )
+    add_api_key_argument(status, "--api-key", "the server's")
     status.set_defaults(func=cmd_status)
 
     conformance = sub.add_parser(

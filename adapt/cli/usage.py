@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
@@ -87,6 +88,19 @@ DURATION = number(0.0, 1e10, says="> 0 and below 1e+10")
 DELAY = number(0.0, 1e10, low_open=False, says=">= 0 and below 1e+10")
 COUNT = integer()
 SEED = integer(0)
+
+
+def add_api_key_argument(parser: argparse.ArgumentParser, flag: str, whose: str) -> None:
+    """`flag KEY`: the `--api-key` a server (`whose`: "the server's", "the servers'") was started
+    with, which its status route asks for. Its default is vLLM's own `VLLM_API_KEY` environment
+    variable, which keeps the key out of the process list."""
+    parser.add_argument(
+        flag,
+        default=os.environ.get("VLLM_API_KEY"),
+        metavar="KEY",
+        help=f"{whose} --api-key, without which the status is refused (default: the VLLM_API_KEY"
+        " environment variable, which keeps the key out of the process list)",
+    )
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser, *, ray: bool = True) -> None:
