@@ -703,17 +703,25 @@ def test_jitserve_mix_over_other_answers_keeps_arrivals_slos_and_programs():
 
 
 # ------------------------------------------------------------ compiled QRF
-def test_compiled_forest_equals_quantile_forest():
+def fitted_forest(rng: np.random.Generator, rows: int, features: int, trees: int, depth: int):
+    """A quantile forest fitted on `rows` normal rows (lengths log-normal in the first feature),
+    and its compiled form."""
     from quantile_forest import RandomForestQuantileRegressor
 
     from predictors.compiled_forest import CompiledQuantileForest
 
-    rng = np.random.default_rng(0)
-    X = rng.normal(size=(600, 5)).astype(np.float32)
-    y = np.exp(X[:, 0] + rng.normal(scale=0.5, size=600)) * 100
-    forest = RandomForestQuantileRegressor(n_estimators=8, max_depth=6, min_samples_leaf=5, random_state=0)
+    X = rng.normal(size=(rows, features)).astype(np.float32)
+    y = np.exp(X[:, 0] + rng.normal(scale=0.5, size=rows)) * 100
+    forest = RandomForestQuantileRegressor(
+        n_estimators=trees, max_depth=depth, min_samples_leaf=5, random_state=0
+    )
     forest.fit(X, y)
-    compiled = CompiledQuantileForest(forest)
+    return forest, CompiledQuantileForest(forest)
+
+
+def test_compiled_forest_equals_quantile_forest():
+    rng = np.random.default_rng(0)
+    forest, compiled = fitted_forest(rng, rows=600, features=5, trees=8, depth=6)
     X_test = rng.normal(size=(50, 5)).astype(np.float32)
     for q in (0.5, 0.95):
         expected = forest.predict(X_test, quantiles=q)
@@ -724,16 +732,7 @@ def test_compiled_forest_equals_quantile_forest():
 @pytest.fixture(scope="module")
 def three_feature_forest():
     """A small fitted forest on 3 features and its compiled form (fitted once for the module)."""
-    from quantile_forest import RandomForestQuantileRegressor
-
-    from predictors.compiled_forest import CompiledQuantileForest
-
-    rng = np.random.default_rng(1)
-    X = rng.normal(size=(300, 3)).astype(np.float32)
-    y = np.exp(X[:, 0] + rng.normal(scale=0.5, size=300)) * 100
-    forest = RandomForestQuantileRegressor(n_estimators=4, max_depth=5, min_samples_leaf=5, random_state=0)
-    forest.fit(X, y)
-    return forest, CompiledQuantileForest(forest)
+    return fitted_forest(np.random.default_rng(1), rows=300, features=3, trees=4, depth=5)
 
 
 def test_the_compiled_forest_refuses_rows_of_another_width_and_quantiles_outside_0_to_1(
