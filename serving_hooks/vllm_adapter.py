@@ -61,7 +61,7 @@ from adapt.steplog import ARRIVALS, POLICY_S, step_batch
 from serving_hooks.live import LiveComponents
 from serving_hooks.metrics import SchedulerMetrics
 from serving_hooks.monitor import Monitor
-from serving_hooks.policies import POLICY_CONFIG, make_policy_from_spec
+from serving_hooks.policies import POLICY_CONFIG, make_policy_from_spec, pin_policy_config
 from serving_hooks.vllm_interface import check_classes, check_scheduler
 from serving_hooks.xargs import embedding_from_extra_args, program_from_extra_args, slo_from_extra_args
 
@@ -116,8 +116,10 @@ class PolicyScheduler(AsyncScheduler):
         # Each step's decisions are recorded for `self.decisions` (in-process checks) or the log.
         self._recording = self.decisions is not None or log_decisions
         # The serving policy's spec, logged on the first record and on each whole-policy swap (None:
-        # swapped in by a caller that gave none, which a replay cannot rebuild).
-        spec = os.environ.get("ADAPT_POLICY", "fcfs")
+        # swapped in by a caller that gave none, which a replay cannot rebuild). A `policy-config`
+        # alias is read once, here: the policy and its slots' references come from one version
+        # even if the alias moves while the engine starts, and the log names that version.
+        spec, _ = pin_policy_config(os.environ.get("ADAPT_POLICY", "fcfs"))
         self._policy_spec: str | None = spec
         self._spec_to_log: bool = True
         self._logged_versions: dict[str, str] | None = None  # as the decision log last named them

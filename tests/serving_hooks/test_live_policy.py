@@ -69,3 +69,44 @@ def test_scheduler_follows_the_policy_config_champion(tmp_path, monkeypatch):
         assert run["steps"] == run["identical"] > 10
     finally:
         scheduler.live.stop()
+
+
+def test_a_policy_config_alias_is_served_and_logged_as_the_version_it_named_at_start(tmp_path, monkeypatch):
+    """`adapt serve --policy policy-config@champion` without following: the alias is read once as
+    the engine starts. The policy, its slots and the decision log all name that version, so a
+    promotion afterwards changes neither what serves nor what `adapt conformance` replays."""
+    from adapt.cli import main
+    from adapt.registry import Registry
+    from experiments.bench_scheduler import make_requests, make_scheduler, step
+    from serving_hooks.policies.config import PolicyConfig
+    from serving_hooks.tiny_model import make_tiny_model
+    from serving_hooks.vllm_adapter import PolicyScheduler
+
+    registry = Registry(cache_dir=tmp_path / "cache")
+    registry.promote(
+        "policy-config", registry.log(PolicyConfig("sarathi", {"order": "spf", "token_budget": 48}))
+    )
+    for key, value in {
+        "ADAPT_POLICY": "policy-config@champion",
+        "ADAPT_LOG_DIR": str(tmp_path / "logs"),
+        "ADAPT_LOG_DECISIONS": "1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    scheduler = make_scheduler(
+        make_tiny_model(tmp_path / "tiny"), PolicyScheduler, 4, 2000, prefix_caching=False
+    )
+    assert scheduler.adapt_policy.name == "sarathi" and scheduler.adapt_policy.token_budget == 48
+    registry.promote("policy-config", registry.log(PolicyConfig("fcfs")))  # after the engine started
+    for request in make_requests(12, 0, 0):
+        scheduler.add_request(request)
+    for _ in range(5000):
+        if not scheduler.requests:
+            break
+        step(scheduler)
+    assert not scheduler.requests and scheduler.adapt_policy.token_budget == 48
+
+    report = tmp_path / "conformance.json"
+    assert main(["conformance", "--log-dir", str(tmp_path / "logs"), "--json", str(report)]) == 0
+    (run,) = json.loads(report.read_text())["runs"]
+    assert run["policy"] == "policy-config@v1"  # not the alias, which names v2 by now
+    assert run["steps"] == run["identical"] > 10
