@@ -180,13 +180,14 @@ class SageSched(PriorityPolicy):
             raise ValueError(f"true_lengths: expected one of {', '.join(TRUE_LENGTHS)}, got {true_lengths!r}")
         self.true_lengths = true_lengths
         self.needs_oracle = true_lengths != "none"
-        self.history = resolve_history(history)
         if history_mode is not None:
             from predictors.semantic_history import MODES
 
             if history_mode not in MODES:
                 raise ValueError(f"history_mode: expected one of {', '.join(MODES)}, got {history_mode!r}")
-            self.history.mode = history_mode  # the policy's own copy: the predictor ablation
+        # The predictor ablation's mode holds for every version swapped in; None: each version's own.
+        self.history_mode = history_mode
+        self.history = self._own_history(history)
         self.cost = cost
         self.memory_weight = memory_weight
         self.order = order
@@ -223,10 +224,17 @@ class SageSched(PriorityPolicy):
                 del self._awaiting[request.id]
 
     def use_component(self, attribute: str, component: Any) -> None:
-        """A new history version replaces the window (the policy's own copy, in its mode)."""
-        mode = self.history.mode
-        self.history = resolve_history(component)
-        self.history.mode = mode
+        """A new history version replaces the window: in its own mode unless `history_mode` says
+        otherwise, as it would had the policy been built with it (how a replay loads its version),
+        so a swapped-in version predicts live as it does in replay."""
+        self.history = self._own_history(component)
+
+    def _own_history(self, history: Any) -> Any:
+        """The policy's own copy of `history` (any form `resolve_history` takes), in its mode."""
+        own = resolve_history(history)
+        if self.history_mode is not None:
+            own.mode = self.history_mode
+        return own
 
     def length_estimate(self, request: RequestState) -> tuple[str, float] | None:
         """The component and the mean of the output-length distribution `request` was ordered by,

@@ -193,6 +193,28 @@ def test_threshold_neighbours_then_fallback_then_length():
     assert 7 in by_length.support.tolist()
 
 
+def test_a_swapped_in_history_predicts_in_its_own_mode_as_when_the_policy_is_built_with_it():
+    """Replay builds SageSched with the champion's history; a live server builds it empty and swaps
+    the champion in. Both must predict in the champion's mode (a length-only champion stayed
+    semantic live), and an explicit `history_mode` holds across every swap in both."""
+    champion = SemanticHistory(mode="length", min_neighbors=1, fallback_neighbors=2)
+    champion.observe([10, 20], [100, 200], np.vstack([basis(0), basis(1)]), [True, True])
+    built_with = SageSched(history=champion)
+    swapped_in = SageSched()
+    swapped_in.use_component("history", champion)
+    assert built_with.history.mode == swapped_in.history.mode == "length"
+    assert champion.mode == "length" and built_with.history is not champion  # the policy's own copy
+    query = (np.array([10]), unit(basis(1))[None], [True])  # similar to the 200, close in length to the 100
+    assert (
+        built_with.history.predict_embedded(*query)[0].support.tolist()
+        == swapped_in.history.predict_embedded(*query)[0].support.tolist()
+    )
+
+    ablation = SageSched(history_mode="point")
+    ablation.use_component("history", champion)
+    assert ablation.history.mode == SageSched(history=champion, history_mode="point").history.mode == "point"
+
+
 def test_a_search_leaves_the_callers_openmp_thread_count_as_it_was():
     """OpenMP's count is per thread and shared with torch: a lookup must not leave it at 1."""
     import faiss
