@@ -20,14 +20,14 @@ from typing import Any
 
 from adapt.cli.usage import UsageError
 from adapt.conformance import compare, read_decision_log, replay_decisions
-from adapt.registry import load_reference
+from adapt.registry import load_reference, version_of
 from adapt.replay.engine import ENGINE_FILE, EngineConfig
 
 
 def load_component(reference: str) -> Any:
     """The registered version a log names (`NAME@vN`)."""
     name, _, version = reference.rpartition("@")
-    if not name or not version[1:].isdigit():
+    if not name or version_of(version) is None:
         raise ValueError(f"decision log: {reference!r} is not a registered version (NAME@vN)")
     return load_reference(name, version)
 

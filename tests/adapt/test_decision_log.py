@@ -131,3 +131,11 @@ def test_a_streaming_input_session_ends_the_run_where_it_arrived_even_at_the_fir
         second.decisions == []
         and second.stopped_by == "a streaming-input session (t) at step 0: not modelled"
     )
+
+
+@pytest.mark.parametrize("reference", ["qrf-length@champion", "qrf-length@x3", "qrf-length@v", "v3"])
+def test_a_logged_component_must_name_a_version(reference):
+    from adapt.cli.conformance import load_component
+
+    with pytest.raises(ValueError, match="not a registered version"):
+        load_component(reference)
