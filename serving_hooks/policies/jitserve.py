@@ -191,7 +191,8 @@ class JITServe(Policy):
         self._requests[request.id] = request
         request.cache["jit_credited"] = request.tokens_on_time  # (a swap hands some over started)
         self._unscored.append(request)  # scored at the next step, with that step's other arrivals
-        self._arrivals.append(request)
+        if self.waiting_time_s is not None:  # only admission control reads (and empties) it
+            self._arrivals.append(request)
         if self.qrf is not None and request.program is None:
             self._ask_bound(request, now)  # its forest bound starts now, off the step
         if request.program is not None:

@@ -841,3 +841,18 @@ def test_pattern_matching_weights_each_stored_graph_by_its_stage_kernels_by_hand
     # The per-call output bound of the stage about to run: the same weights on its longest calls.
     assert patterns.stage_output_bound(seen, current) == pytest.approx((80 + weight * 40) / (1 + weight))
     assert PatternGraph(bandwidth=0.5, neighbors=1).fit([same, other]).stage_share(seen, current) == 0.5
+
+
+@pytest.mark.parametrize("waiting_time_s", [None, 0.5])
+def test_a_long_run_keeps_no_request_it_has_finished_with(waiting_time_s):
+    # With admission control off, every arrival stayed in the queue it reads: a server kept every
+    # request (its text, its cache) for good.
+    slo = SLO(ttft_s=1.0, tbt_s=0.1)
+    requests = [
+        Request(f"r{i}", arrival_s=i * 0.01, prompt_tokens=20, output_tokens=5, slo=slo) for i in range(300)
+    ]
+    policy = JITServe(frame_steps=2, waiting_time_s=waiting_time_s)
+    engine = CheckedEngine(policy, ConstantCost(0.01), EngineConfig(max_running=8, kv_capacity_tokens=4000))
+    engine.run(requests)
+    assert engine.violations == [] and not policy._requests
+    assert len(policy._arrivals) <= (0 if waiting_time_s is None else 0.5 / 0.01 + 1)
