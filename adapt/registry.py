@@ -60,6 +60,12 @@ class StoreLocked(RegistryError):
     """Another process holds this store's lock (`Registry.store_lock`)."""
 
 
+class ChampionMoved(RegistryError):
+    """A rollback decided on an earlier read of the aliases finds the champion, or the version it
+    would go back to, changed since (`Registry.rollback(expect_champion=...)`): a newer promotion
+    or a rollback made already, which acting on the old decision would undo or repeat."""
+
+
 class BrokenVersion(RegistryError):
     """A version that exists but cannot be loaded however often it is tried (no checksum, no
     component files): a hot-swap slot refuses it rather than retry it as an unreachable store."""
@@ -168,39 +174,59 @@ class Registry:
 
     @contextlib.contextmanager
     def _model_lock(self, purpose: str, stale_after_s: float) -> Iterator[None]:
-        """The server-backed form of `store_lock` (any store works; tests use sqlite)."""
+        """The server-backed form of `store_lock` (any store works; tests use sqlite). Only MLflow's
+        "already exists" means another holder: any other error (a server down, a 403) is raised as a
+        RegistryError, since read as a held lock it would pass for a second retrain (which exits
+        EXIT_LOCKED) and make promote and rollback wait in vain for a holder that is not there."""
         from mlflow.exceptions import MlflowException
 
         name = f"{LOCK_PREFIX}{purpose}"
         holder = f"{socket.gethostname()}:{os.getpid()}:{time.time():.3f}"
 
-        def take() -> None:
-            self.client.create_registered_model(name, tags={"holder": holder, "since": str(time.time())})
-
-        try:
-            take()
-        except MlflowException:
+        def take() -> bool:
+            """True when this process now holds the lock, False when another one does."""
             try:
-                held = self.client.get_registered_model(name).tags
-            except MlflowException:  # released meanwhile: as good as stale
-                held = {}
+                self.client.create_registered_model(name, tags={"holder": holder, "since": str(time.time())})
+            except MlflowException as exc:
+                # A sqlite store and a REST store's client (from the server's JSON) both name it so.
+                if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise RegistryError(
+                        f"{self.tracking_uri}: cannot take the {purpose} lock: {exc.message}"
+                    ) from exc
+                return False
+            return True
+
+        if not take():
+            held = self._lock_tags(name)
             if time.time() - float(held.get("since", 0.0)) < stale_after_s:
                 raise StoreLocked(
                     f"{self.tracking_uri}: another {purpose} holds this store ({held.get('holder')})"
-                ) from None
+                )
             log.warning("%s: taking over the stale %s lock of %s", name, purpose, held.get("holder"))
             with contextlib.suppress(MlflowException):
                 self.client.delete_registered_model(name)
-            try:
-                take()
-            except MlflowException:
-                raise StoreLocked(f"{self.tracking_uri}: another {purpose} took this store first") from None
+            if not take():
+                raise StoreLocked(f"{self.tracking_uri}: another {purpose} took this store first")
         try:
             yield
         finally:
             with contextlib.suppress(MlflowException):
                 if self.client.get_registered_model(name).tags.get("holder") == holder:
                     self.client.delete_registered_model(name)
+
+    def _lock_tags(self, name: str) -> dict[str, str]:
+        """The tags of a lock model found held; {} when it was released meanwhile (as good as stale).
+        Any other error is no answer, and must not pass for a stale lock that is then taken over."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return dict(self.client.get_registered_model(name).tags)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise RegistryError(
+                    f"{self.tracking_uri}: cannot read the lock {name}: {exc.message}"
+                ) from exc
+            return {}
 
     # ------------------------------------------------------------------ write
     def log(
@@ -297,24 +323,30 @@ class Registry:
             self.client.set_registered_model_alias(name, CHAMPION, str(version))
         log.info("promoted %s version %s to champion (previous: %s)", name, version, current)
 
-    def rollback(self, name: str) -> int:
+    def rollback(
+        self, name: str, *, expect_champion: int | None = None, expect_target: int | None = None
+    ) -> int:
         """Make the previous champion the champion again; returns the version now serving.
-        Versions deleted since they were champion are passed over."""
+        Versions deleted since they were champion are passed over. A caller that decided from an
+        earlier read of the aliases (a drift watch) names the champion and the target it decided
+        on; they are read again under the aliases lock, and if either changed since (another watch
+        rolled back, a retrain promoted) nothing moves and ChampionMoved says so: acting anyway
+        would roll back twice, or undo that promotion."""
         from mlflow.exceptions import MlflowException
 
         with self._aliases_lock(name):
-            history = self._history(name)
             current = self.resolve(name, CHAMPION, missing_ok=True)
-            if current is not None and history and history[-1] == current:
-                history.pop()
-            existing = {int(mv.version) for mv in self.client.search_model_versions(f"name = '{name}'")}
-            deleted = [v for v in history if v not in existing]
-            if deleted:
-                log.warning("%s: versions %s were deleted; rollback passes over them", name, deleted)
-                history = [v for v in history if v in existing]
-            if not history:
-                raise RegistryError(f"{name}: no previous champion to roll back to")
+            if expect_champion is not None and current != expect_champion:
+                now = "unset" if current is None else f"v{current}"
+                raise ChampionMoved(
+                    f"{name}: the champion is {now} now, not v{expect_champion}; not rolled back"
+                )
+            history = self._rollback_history(name, current)
             target = history[-1]
+            if expect_target is not None and target != expect_target:
+                raise ChampionMoved(
+                    f"{name}: v{current} goes back to v{target} now, not v{expect_target}; not rolled back"
+                )
             self.client.set_registered_model_alias(name, CHAMPION, str(target))
             before = history[-2] if len(history) > 1 else None
             if before is None:
@@ -325,6 +357,21 @@ class Registry:
             self.client.set_registered_model_tag(name, HISTORY_TAG, json.dumps(history))
         log.info("rolled back %s: champion %s -> %s", name, current, target)
         return target
+
+    def _rollback_history(self, name: str, current: int | None) -> list[int]:
+        """The champion history less the champion `current` and the versions deleted since they
+        were champion: its last entry is what a rollback restores."""
+        history = self._history(name)
+        if current is not None and history and history[-1] == current:
+            history.pop()
+        existing = {int(mv.version) for mv in self.client.search_model_versions(f"name = '{name}'")}
+        deleted = [v for v in history if v not in existing]
+        if deleted:
+            log.warning("%s: versions %s were deleted; rollback passes over them", name, deleted)
+            history = [v for v in history if v in existing]
+        if not history:
+            raise RegistryError(f"{name}: no previous champion to roll back to")
+        return history
 
     @contextlib.contextmanager
     def _aliases_lock(self, name: str) -> Iterator[None]:

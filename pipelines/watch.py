@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from adapt.registry import CHAMPION, PREVIOUS, Registry
+from adapt.registry import CHAMPION, PREVIOUS, ChampionMoved, Registry
 from serving_hooks.http import STATUS_TIMEOUT_S, read_status
 
 DEFAULT_LEAST_REQUESTS = 200
@@ -225,7 +225,16 @@ class QualityWatch:
         }
 
     def roll_back(self, rollback: Rollback) -> None:
-        restored = self.registry.rollback(rollback.component)
+        """Act on a decision made from an earlier read of the aliases. The registry acts only while
+        its champion and previous champion are still those measured, read again under its lock:
+        another watch on the same store may have rolled back already, or a retrain promoted."""
+        try:
+            restored = self.registry.rollback(
+                rollback.component, expect_champion=rollback.version, expect_target=rollback.predecessor
+            )
+        except ChampionMoved as exc:
+            self.say(f"watch: {exc}")
+            return
         self.registry.tag_version(rollback.component, rollback.version, ROLLED_BACK_TAG, rollback.reason)
         self.say(
             f"watch: rolled back {rollback.component} v{rollback.version} -> v{restored}: {rollback.reason}"

@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from mlflow.exceptions import MlflowException, RestException
 
 from adapt.component import HEADER, MANIFEST, ComponentError, read_component, sha256_file
 from adapt.hotswap import Slot
-from adapt.registry import Registry, RegistryError, StoreLocked
+from adapt.registry import ChampionMoved, Registry, RegistryError, StoreLocked
 from predictors.cost_model import FittedCostModel
 from predictors.semantic_history import SemanticHistory
 from serving_hooks.policies.config import PolicyConfig
@@ -488,6 +489,67 @@ def test_server_store_lock_is_a_registered_model_with_stale_takeover(tmp_path):
         pass
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        MlflowException("API request to http://mlflow:5000/... failed with exception ConnectionError"),
+        RestException({"error_code": "PERMISSION_DENIED", "message": "Permission denied"}),  # a 403
+    ],
+    ids=["server-down", "forbidden"],
+)
+def test_a_server_store_lock_that_cannot_be_asked_is_an_error_not_another_holder(
+    tmp_path, monkeypatch, error
+):
+    # Any MLflow error used to read as a lock held: a retrain exited as locked, a promotion waited 30 s.
+    reg = Registry(f"sqlite:///{tmp_path / 's.db'}", cache_dir=tmp_path / "c")
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(reg.client, "create_registered_model", fail)
+    refused = pytest.raises(RegistryError, match="cannot take the retrain lock")
+    with refused as raised, reg._model_lock("retrain", stale_after_s=3600):
+        pass
+    assert not isinstance(raised.value, StoreLocked) and raised.value.__cause__ is error
+
+
+def test_a_server_store_lock_held_is_not_taken_over_when_its_holder_cannot_be_read(tmp_path, monkeypatch):
+    # An error reading the holder used to count as "released meanwhile", so as stale: a live lock
+    # was deleted to be taken over.
+    uri = f"sqlite:///{tmp_path / 's.db'}"
+    first, second = Registry(uri, cache_dir=tmp_path / "c"), Registry(uri, cache_dir=tmp_path / "c")
+    with first._model_lock("retrain", stale_after_s=3600):
+        held = first.client.get_registered_model("adapt-lock.retrain").tags
+
+        def down(*args: Any, **kwargs: Any) -> None:
+            raise MlflowException(
+                "API request to http://mlflow:5000/... failed with exception ConnectionError"
+            )
+
+        monkeypatch.setattr(second.client, "get_registered_model", down)
+        refused = pytest.raises(RegistryError, match=r"cannot read the lock adapt-lock\.retrain")
+        with refused, second._model_lock("retrain", stale_after_s=3600):
+            pass
+        assert first.client.get_registered_model("adapt-lock.retrain").tags == held
+
+
+def test_a_rest_stores_already_exists_is_a_held_server_store_lock(tmp_path, monkeypatch):
+    """A REST store's client raises the server's "already exists" as a RestException built from
+    its JSON: the same error code as a sqlite store's, so it still reads as another holder."""
+    reg = Registry(f"sqlite:///{tmp_path / 's.db'}", cache_dir=tmp_path / "c")
+    reg.client.create_registered_model(
+        "adapt-lock.retrain", tags={"holder": "h:1", "since": str(time.time())}
+    )
+
+    def exists(*args: Any, **kwargs: Any) -> None:
+        raise RestException({"error_code": "RESOURCE_ALREADY_EXISTS", "message": "already exists"})
+
+    monkeypatch.setattr(reg.client, "create_registered_model", exists)
+    held = pytest.raises(StoreLocked, match=r"another retrain holds this store \(h:1\)")
+    with held, reg._model_lock("retrain", stale_after_s=3600):
+        pass
+
+
 def test_a_slot_holds_the_registered_metrics_of_the_version_it_serves(reg):
     """What a server compares its online measurements with (the drift alarm, serving_hooks.quality)."""
     v1 = reg.log(PolicyConfig("fcfs"), metrics={"coverage_at_0": 0.91, "coverage_at_50": 0.93})
@@ -527,6 +589,20 @@ def test_rollback_passes_over_a_deleted_version(reg):
     assert reg.load("policy-config").policy == "fcfs"
 
 
+def test_a_rollback_expecting_a_champion_or_target_that_changed_moves_nothing(reg):
+    """The champion, and the version it goes back to, are read again under the aliases lock: a
+    caller that decided on v3 -> v2 does nothing once either changed (`pipelines.watch`)."""
+    for policy in ("fcfs", "spf", "edf"):
+        reg.promote("policy-config", reg.log(PolicyConfig(policy)))
+    with pytest.raises(ChampionMoved, match="the champion is v3 now, not v2; not rolled back"):
+        reg.rollback("policy-config", expect_champion=2, expect_target=1)
+    reg.client.delete_model_version("policy-config", "2")  # v3 would now go back to v1
+    with pytest.raises(ChampionMoved, match="v3 goes back to v1 now, not v2; not rolled back"):
+        reg.rollback("policy-config", expect_champion=3, expect_target=2)
+    assert reg.resolve("policy-config") == 3
+    assert reg.rollback("policy-config", expect_champion=3, expect_target=1) == 1
+
+
 def test_promote_waits_for_a_rollback_in_progress_instead_of_undoing_it(reg):
     # Both read the champion history and write it back; overlapping, the later write lost the
     # earlier one (a rollback overlapping a promotion left neither). Now the second one waits
@@ -552,3 +628,4 @@ def test_promote_waits_for_a_rollback_in_progress_instead_of_undoing_it(reg):
     thread.join(5)
     history = json.loads(reg.client.get_registered_model("policy-config").tags["adapt.champion_history"])
     assert reg.resolve("policy-config") == 3 and history == [1, 2, 3]
+

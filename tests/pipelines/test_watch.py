@@ -280,6 +280,35 @@ def test_a_rollback_moves_the_champion_back_and_tags_the_bad_version(tmp_path, s
     assert reg.resolve("policy-config") == v3 and len(said) == 1
 
 
+@pytest.mark.slow
+def test_a_rollback_decided_before_the_registry_moved_is_not_made(tmp_path):
+    """Deciding (`rollbacks`, from the aliases read) and rolling back are two steps; in between,
+    another watch on the store rolled back already, or a retrain promoted. Acting anyway used to
+    roll back twice (v3 -> v2 -> v1), or undo that promotion (v4 -> v3, just tagged rolled back)."""
+    from serving_hooks.policies.config import PolicyConfig
+
+    reg = Registry(f"sqlite:///{tmp_path / 'mlflow.db'}", cache_dir=tmp_path / "cache")
+    v1, v2, v3, v4 = (reg.log(PolicyConfig(policy)) for policy in ("fcfs", "sarathi", "spf", "edf"))
+    for version in (v1, v2, v3):
+        reg.promote("policy-config", version)
+    statuses = {URL: _status(**{"policy-config": _entry(v3, 0.70, 300, predecessor=_before(v2, 0.93))})}
+    said: list[str] = []
+    first, second = QualityWatch([URL], reg, say=said.append), QualityWatch([URL], reg, say=said.append)
+    decided = [rollbacks(statuses, watch._aliases(statuses)) for watch in (first, second)]
+    assert decided[0] == decided[1] != []
+    first.roll_back(decided[0][0])
+    second.roll_back(decided[1][0])
+    assert reg.resolve("policy-config") == v2
+    assert said[1:] == [f"watch: policy-config: the champion is v{v2} now, not v{v3}; not rolled back"]
+
+    reg.promote("policy-config", v3)  # v3 again: the same decision as before
+    (again,) = rollbacks(statuses, first._aliases(statuses))
+    reg.promote("policy-config", v4)  # a retrain promotes in between
+    first.roll_back(again)
+    assert reg.resolve("policy-config") == v4 and reg.resolve("policy-config", "previous") == v3
+    assert said[2:] == [f"watch: policy-config: the champion is v{v4} now, not v{v3}; not rolled back"]
+
+
 # ---------------------------------------------------------- the retrain loop
 class _Clock:
     def __init__(self) -> None:
