@@ -22,10 +22,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from adapt.component import ComponentError, LearnedComponent
-from adapt.registry import CHAMPION, BrokenVersion, Registry, version_of
+from mlflow.exceptions import MlflowException
+
+from adapt.component import LearnedComponent
+from adapt.registry import CHAMPION, BrokenVersion, Registry, RegistryError, version_of
 
 log = logging.getLogger("adapt.hotswap")
+
+# What an unreachable or damaged store raises (its server, database or files: `requests`' errors are
+# OSErrors): tried again with back-off. Any other error loading a version is that version's own --
+# a canary that fails, an `ImportError` on a server without the library the component needs -- and
+# refuses it until the alias moves (retrying it would fail the same way forever).
+STORE_ERRORS: tuple[type[Exception], ...] = (MlflowException, RegistryError, OSError)
 
 
 @dataclass
@@ -139,11 +147,15 @@ class Slot:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Stop following the alias. `wait=False` returns at once, for a caller that must not block
+        (an engine's scheduling step): a load in progress finishes in its own thread, which then
+        ends, and its version is never handed to anyone."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            if wait:
+                self._thread.join(timeout=10)
             self._thread = None
 
     def __enter__(self) -> Slot:
@@ -175,7 +187,12 @@ class Slot:
                 return False
             try:
                 component = self.registry.load(self.name, version=target)
-            except (ComponentError, BrokenVersion, ValueError, KeyError, TypeError) as exc:
+            except BrokenVersion as exc:
+                self._refuse(target, exc)
+                return False
+            except STORE_ERRORS:
+                raise  # the store's trouble, not the version's: `_run` backs off and tries again
+            except Exception as exc:  # the version's own: a canary, its code, a library it needs
                 self._refuse(target, exc)
                 return False
             self._previous = self._serving if self._serving.component is not None else self._previous

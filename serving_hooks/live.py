@@ -93,7 +93,7 @@ class LiveComponents:
     def _follow(self, policy: Policy, slots: dict[str, Slot]) -> None:
         """Serve `policy` with `slots` for its components, stopping the previous policy's slots."""
         for slot in self.slots.values():
-            slot.stop()
+            slot.stop(wait=False)  # in the engine's step: a load in progress must not hold it
         with self._publishing:
             self.policy, self.slots, self.applied = policy, slots, dict.fromkeys(slots)
             self._unusable: dict[str, int | None] = {}  # per attribute, a version the policy refused
@@ -181,9 +181,9 @@ class LiveComponents:
                 continue
             try:
                 self.policy.use_component(attribute, component)
-            except ValueError as exc:  # the policy cannot use this version: the old one serves on
+            except Exception:  # the policy cannot use this version: the old one serves on
                 self._unusable[attribute] = version  # not tried again on every step
-                log.error("policy %s refused %s v%s: %s", self.policy.name, slot.name, version, exc)
+                log.exception("policy %s refused %s v%s", self.policy.name, slot.name, version)
                 continue
             with self._publishing:
                 self.applied[attribute] = version
@@ -259,4 +259,4 @@ class LiveComponents:
 def _stop_slots(prepared: tuple[int, Policy, dict[str, Slot]] | None) -> None:
     """Stop the slots of a prepared policy-config version that will not serve (None: none)."""
     for slot in (prepared[2] if prepared is not None else {}).values():
-        slot.stop()
+        slot.stop(wait=False)  # often in the engine's step, which must not wait for a load

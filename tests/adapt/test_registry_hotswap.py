@@ -629,3 +629,80 @@ def test_promote_waits_for_a_rollback_in_progress_instead_of_undoing_it(reg):
     history = json.loads(reg.client.get_registered_model("policy-config").tags["adapt.champion_history"])
     assert reg.resolve("policy-config") == 3 and history == [1, 2, 3]
 
+
+class _FakeStore:
+    """A registry whose alias points at v2 and whose load of v2 does what the test says."""
+
+    def __init__(self, load: Callable[[int], Any]) -> None:
+        self._load = load
+        self.loads = 0
+
+    def reconnect_if_replaced(self) -> bool:
+        return False
+
+    def resolve(self, name: str, alias: str, missing_ok: bool = False) -> int:
+        return 2
+
+    def load(self, name: str, version: int) -> Any:
+        self.loads += 1
+        return self._load(version)
+
+    def version_metrics(self, name: str, version: int) -> dict[str, float]:
+        return {}
+
+
+def _raises(exc: Exception) -> Callable[[int], Any]:
+    def load(version: int) -> Any:
+        raise exc
+
+    return load
+
+
+@pytest.mark.parametrize(
+    "error", [ImportError("No module named 'torch'"), RuntimeError("state does not fit"), AttributeError("x")]
+)
+def test_a_version_that_fails_to_load_for_its_own_reasons_is_refused_not_retried_as_an_outage(error):
+    # Only ComponentError and a few builtins were refused: a server without torch following
+    # neural-length counted "registry unreachable" and downloaded the version again forever.
+    store = _FakeStore(_raises(error))
+    slot = Slot(store, "neural-length")  # type: ignore[arg-type]
+    for _ in range(3):
+        assert not slot.swap_now()
+    assert store.loads == 1 and slot.failed_swaps == 1 and slot.registry_errors == 0
+    assert slot.events[-1].detail == str(error)
+
+
+@pytest.mark.parametrize("error", [OSError("connection reset"), RegistryError("no such version")])
+def test_a_store_that_fails_while_loading_is_retried_not_the_version_refused(error):
+    from mlflow.exceptions import MlflowException
+
+    for failure in (error, MlflowException("API request failed")):
+        store = _FakeStore(_raises(failure))
+        slot = Slot(store, "qrf-length")  # type: ignore[arg-type]
+        for _ in range(2):
+            with pytest.raises(type(failure)):
+                slot.swap_now()  # `_run` counts it a registry error and backs off
+        assert store.loads == 2 and slot.failed_swaps == 0
+
+
+def test_stopping_a_slot_without_waiting_returns_while_its_thread_is_loading():
+    # A policy-config switch stops the old policy's slots inside the engine's step; `stop()` joined
+    # a thread in the middle of a download for up to 10 s.
+    loading, release = threading.Event(), threading.Event()
+
+    def load(version: int) -> Any:
+        if version == 2:  # the newly promoted version: a large download
+            loading.set()
+            release.wait(5)
+        return PolicyConfig("fcfs")
+
+    store = _FakeStore(load)
+    store.resolve = lambda name, alias, missing_ok=False: 1  # type: ignore[method-assign]
+    slot = Slot(store, "policy-config", interval_s=0.01).start()  # type: ignore[arg-type]
+    assert slot.version == 1
+    store.resolve = lambda name, alias, missing_ok=False: 2  # type: ignore[method-assign]
+    assert loading.wait(5)  # the slot's thread is in the middle of loading v2
+    started = time.monotonic()
+    slot.stop(wait=False)
+    assert time.monotonic() - started < 0.5
+    release.set()

@@ -153,3 +153,34 @@ def test_a_version_the_spec_names_stays_pinned_live_and_the_rest_follow_the_cham
             live.stop()
             registry.promote("ewsjf-meta-policy", second)
     assert "on_swap failed" not in caplog.text
+
+
+def test_a_version_the_policy_cannot_use_for_any_reason_is_refused_once_and_the_step_goes_on(
+    tmp_path, monkeypatch, caplog
+):
+    # Only a ValueError was caught: any other error from `use_component` escaped every step's
+    # apply (a policy error and a traceback per step), the version never marked unusable.
+    registry = Registry(cache_dir=tmp_path / "cache")
+    first = registry.log(EwsjfMetaPolicy().fit(np.arange(1, 2000, 7)))
+    second = registry.log(EwsjfMetaPolicy(alpha=2.0).fit(np.arange(1, 4000, 5)))
+    registry.promote("ewsjf-meta-policy", first)
+    policy = EWSJF()
+    live = LiveComponents(policy, interval_s=3600, status_file=tmp_path / "status.json")
+    try:
+        calls = []
+
+        def broken(attribute, component):
+            calls.append(component.metadata["registry_version"])
+            raise RuntimeError("the layout needs a library this server lacks")
+
+        monkeypatch.setattr(policy, "use_component", broken)
+        registry.promote("ewsjf-meta-policy", second)
+        assert live.slots["meta"].swap_now()
+        for _ in range(3):
+            live.apply()  # the engine's steps
+        assert calls == [second]  # tried once, not on every step
+        published = json.loads((tmp_path / "status.json").read_text())
+        assert published["components"] == {"ewsjf-meta-policy": first}
+        assert caplog.text.count(f"refused ewsjf-meta-policy v{second}") == 1
+    finally:
+        live.stop()
