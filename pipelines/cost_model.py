@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from adapt.registry import Registry
 from adapt.steplog import load_step_log
-from pipelines.outcome import TrainOutcome
+from pipelines.outcome import TrainOutcome, usable_champion
 from pipelines.runner import PipelineSpec, Split, run_pipeline
 from predictors.cost_model import FittedCostModel
 
@@ -40,7 +40,7 @@ def train_cost_model(
     import pandas as pd
 
     frame = data if isinstance(data, pd.DataFrame) else load_step_log(data)
-    champion = registry.champion("cost-model")
+    champion, _ = usable_champion(registry, "cost-model")  # an unloadable one must not block its refit
     if kv_capacity is None:
         kv_capacity = champion.kv_capacity if champion is not None else 50_000
     source = "dataframe" if isinstance(data, pd.DataFrame) else str(data)

@@ -20,7 +20,7 @@ import json
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -36,7 +36,15 @@ from adapt.steplog import CostModel
 from adapt.traces import Trace
 from adapt.workloads import WORKLOADS
 from adapt.workloads.builders import trace_requests
-from pipelines.outcome import Gate, TrainOutcome, latest_data_hash, register_and_gate
+from pipelines.outcome import (
+    Gate,
+    TrainOutcome,
+    latest_version,
+    register_and_gate,
+    trained_on,
+    unchanged,
+    usable_champion,
+)
 from predictors.ewsjf_meta import REWARD_WEIGHTS, THETA_SPACE, EwsjfMetaPolicy, equation5
 from serving_hooks.policies import make_policy
 from serving_hooks.policies.config import PolicyConfig
@@ -178,12 +186,14 @@ def train_ewsjf_meta(
     on chat scored 1.18 on the new mix against 0.75 for a 14-queue one refitted to it (few queues are
     rewarded for balance and penalised less for proliferation), though the refitted layouts serve short
     requests faster under load (`experiments.drift_study`). With `skip_unchanged`, nothing is registered
-    when the lengths equal the latest version's."""
-    champion = registry.champion("ewsjf-meta-policy")
+    when the lengths equal the latest version's (`pipelines.outcome.unchanged`). A champion that
+    cannot be loaded is none (`pipelines.outcome.usable_champion`): default Theta, no comparison."""
+    champion, unusable = usable_champion(registry, "ewsjf-meta-policy")
     lengths = history_lengths(history) if lengths is None else lengths
     candidate = EwsjfMetaPolicy(**(champion.get_params() if champion else {})).fit(lengths)
-    if skip_unchanged and candidate.metadata["data_hash"] == latest_data_hash(registry, "ewsjf-meta-policy"):
-        return TrainOutcome(None, False, {}, None)
+    latest = latest_version(registry, "ewsjf-meta-policy") if skip_unchanged else None
+    if latest is not None and trained_on(latest, candidate.metadata["data_hash"]):
+        return unchanged(registry, latest)
     metrics = candidate.evaluate(lengths)
     metrics["layout_score"] = equation5(metrics)
     champion_metrics = None
@@ -196,9 +206,10 @@ def train_ewsjf_meta(
         metrics["replay_ttft_mean"] = replay_ttft(candidate, replay)
         if champion_metrics is not None:
             champion_metrics["replay_ttft_mean"] = replay_ttft(champion, replay)
-    return register_and_gate(
+    outcome = register_and_gate(
         registry, candidate, metrics, champion_metrics, gate, promote_if_better=promote_if_better
     )
+    return replace(outcome, note=f"{unusable}: default Theta, compared with nothing" if unusable else "")
 
 
 def replay_ttft(meta: EwsjfMetaPolicy, shares: Sequence[ServedShare]) -> float:

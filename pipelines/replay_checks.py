@@ -14,10 +14,12 @@ candidate that scores well offline but schedules worse, not a study (see `experi
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from adapt.registry import Registry
+from pipelines.outcome import usable_champion
 
 REPLAY_SEED = 11
 REPLAY_JOBS = 300
@@ -39,7 +41,8 @@ def _replay(workload: str, rate: float, policy: Any, requests: list[Any] | None 
 def jitserve_goodput(part: str) -> Callable[[Registry, Any, Any], float]:
     """Token goodput of `jitserve` on jitserve-mix at 3.0 jobs/s with the component as its `part`
     ("qrf": the length bound, from qrf-length or neural-length; "patterns": the pattern graph);
-    the other part is the registry's champion, or none. For a bound, the mix's latency and
+    the other part is the registry's champion, or none (also when it cannot be loaded: it must not
+    block the retrain of the part that could work without it). For a bound, the mix's latency and
     deadline requests are the held-out prompts at their answers' lengths (`jitserve_mix(answers=)`);
     a pattern graph's held-out programs are not requests, so it is judged on the bundled mix."""
     other = {"qrf": ("patterns", "pattern-graph"), "patterns": ("qrf", "qrf-length")}[part]
@@ -48,7 +51,10 @@ def jitserve_goodput(part: str) -> Callable[[Registry, Any, Any], float]:
         from adapt.workloads import jitserve_mix
         from serving_hooks.policies import make_policy
 
-        parts = {part: component, other[0]: registry.champion(other[1])}
+        helper, unusable = usable_champion(registry, other[1])
+        if unusable:
+            print(f"[replay] {unusable}: replaying without it", file=sys.stderr, flush=True)
+        parts = {part: component, other[0]: helper}
         requests = None
         if part == "qrf":
             requests = jitserve_mix(3.0, REPLAY_JOBS, REPLAY_SEED, answers=held_out)

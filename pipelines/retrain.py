@@ -5,7 +5,8 @@ Made for cron, systemd timers and Kubernetes CronJobs:
   lock on the store (`Registry.store_lock`: a lock file beside a sqlite database, a lock entry in a
   server-backed registry); a second concurrent run exits at once with EXIT_LOCKED;
 - idempotent: a candidate whose training-data hash equals the latest registered version's is not
-  registered again, so re-running on unchanged data changes nothing;
+  registered again, so re-running on unchanged data changes nothing (but finishes that version's
+  promotion if a failed pass left it undone: `pipelines.outcome.unchanged`);
 - a failure in one component is reported and leaves its champion untouched; the others still run.
 
 Data comes from a directory the serving side fills (the vLLM monitor's logs, or files you drop in;
@@ -51,7 +52,7 @@ from adapt.traces import NoUsableRows, Trace, load_trace
 from pipelines.cost_model import train_cost_model
 from pipelines.ewsjf import ServedShare, train_ewsjf_meta
 from pipelines.jitserve import train_pattern_graph
-from pipelines.outcome import TrainOutcome
+from pipelines.outcome import TrainOutcome, usable_champion
 
 EXIT_OK, EXIT_FAILED, EXIT_LOCKED = 0, 1, 75  # 75 = EX_TEMPFAIL: try again later
 REPLAY_MOST = 2000  # logged requests a layout's gate replays (the most recent), to keep it to seconds
@@ -129,6 +130,7 @@ def _files(data_dir: Path, patterns: tuple[str, ...]) -> list[Path]:
 def _result(name: str, outcome: TrainOutcome, detail: str) -> RetrainResult:
     if outcome.version is None:
         return RetrainResult(name, "unchanged", detail="training data unchanged since the last version")
+    detail = f"{detail}; {outcome.note}" if outcome.note else detail
     return RetrainResult(name, "registered", outcome.version, outcome.promoted, detail)
 
 
@@ -186,13 +188,14 @@ def served_engine(registry: Registry, data_dir: Path) -> tuple[tuple[CostModel, 
     `cost-model` champion, which `retrain_cost_model` refits from the same server's step log just
     before. Judged on a default engine instead, a load that queues on the server may not queue at
     all, and then every layout looks alike. None (and the gate's default) without the file or a
-    cost model; the string says which was used."""
+    usable cost model (one that cannot be loaded must not block the layout's retrain); the string
+    says which was used."""
     files = sorted(data_dir.rglob(ENGINE_FILE), key=lambda p: p.stat().st_mtime)
     if not files:
         return None, f"(no {ENGINE_FILE}: on the default engine)"
-    cost = registry.champion("cost-model")
+    cost, unusable = usable_champion(registry, "cost-model")
     if cost is None:
-        return None, "(no cost-model champion: on the default engine)"
+        return None, f"({unusable or 'no cost-model champion'}: on the default engine)"
     config = EngineConfig.from_json(files[-1].read_text(), source=str(files[-1]))
     return (cost, config), f"on the server's engine (cost-model v{cost.metadata.get('registry_version')})"
 
@@ -453,14 +456,16 @@ class Watch(Protocol):
 
 
 def cron_times(cron: str) -> Iterator[float]:
-    """The fire times of a 5-field cron expression, from now on."""
+    """The fire times of a 5-field cron expression in the host's local time, from now on. The start
+    is an aware datetime: croniter reads a naive one as UTC, which on a host west of UTC put every
+    fire time hours in the past (`*/5` ran some 60 passes back to back at start-up)."""
     from datetime import datetime
 
     from croniter import croniter
 
     if not croniter.is_valid(cron):
         raise ValueError(f"--schedule: invalid cron expression {cron!r}")
-    schedule = croniter(cron, datetime.now())
+    schedule = croniter(cron, datetime.now().astimezone())
     return iter(lambda: schedule.get_next(float), None)
 
 
@@ -486,14 +491,15 @@ def retrain_loop(
 ) -> None:
     """A `retrain_once` pass at every fire time, in this process, until `fire_times` ends. With a
     `watch`, poll it every `watch_interval_s` while waiting and run a pass at once when it asks
-    (a drift alarm: `pipelines.watch`)."""
+    (a drift alarm: `pipelines.watch`). A pass or a poll that fails is reported and the loop goes
+    on: a daemon must outlive a data directory not written yet or a store that does not answer."""
     for fire in fire_times:
         while (now := clock()) < fire:
             if watch is None:
                 sleep(fire - now)
                 continue
             sleep(min(watch_interval_s, fire - now))
-            if (now := clock()) < fire and watch.poll(now):  # at the fire time, the pass is due anyway
+            if (now := clock()) < fire and _poll(watch, now):  # at the fire time, the pass is due anyway
                 retrain_pass(registry, data_dir, retrainers, margin=margin)
                 watch.retrained(clock())
         retrain_pass(registry, data_dir, retrainers, margin=margin)
@@ -501,16 +507,30 @@ def retrain_loop(
             watch.retrained(clock())
 
 
+def _poll(watch: Watch, now: float) -> bool:
+    """`watch.poll(now)`; False, reported, when it fails: the scheduled passes must go on (the next
+    poll may find the servers and the store answering)."""
+    try:
+        return watch.poll(now)
+    except Exception as exc:
+        print(f"retrain: watch poll failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return False
+
+
 def retrain_pass(
     registry: Registry, data_dir: str | Path, retrainers: dict[str, Retrainer], *, margin: float
 ) -> None:
     """`retrain_once`, one printed line per component; a pass another run holds the lock for is
-    reported and skipped (the next one will try again)."""
+    reported and skipped, and so is a pass that fails as a whole (a data directory the servers have
+    not created yet, a store that does not answer): the next one will try again. `--once` calls
+    `retrain_once` itself, so its failures still end it with an error."""
     try:
         for result in retrain_once(registry, data_dir, retrainers, margin=margin):
             print(format_result(result), flush=True)
     except RetrainLocked as exc:
         print(f"retrain: skipped: {exc}", file=sys.stderr)
+    except Exception as exc:
+        print(f"retrain: pass failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
 
 def format_result(result: RetrainResult) -> str:

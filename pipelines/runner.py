@@ -13,7 +13,9 @@ scored on a handful of rows promotes noise. Nothing is registered before every s
 succeeded and the candidate has passed `pipelines.outcome.check_candidate`, and nothing is promoted
 unless the primary metric beats the champion's by `margin` *and* the replay metric (when measured)
 is not worse than the champion's by more than `replay_tolerance` -- so a step that fails, or a
-candidate that scores well offline but schedules worse, leaves the champion untouched.
+candidate that scores well offline but schedules worse, leaves the champion untouched. A champion
+that cannot be loaded is no champion (`pipelines.outcome.usable_champion`): the candidate is
+compared with nothing, and the outcome's note says so.
 """
 
 from __future__ import annotations
@@ -22,12 +24,21 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from adapt.component import LearnedComponent
 from adapt.registry import Registry
-from pipelines.outcome import Gate, TrainOutcome, beats, latest_data_hash, register_and_gate
+from pipelines.outcome import (
+    Gate,
+    TrainOutcome,
+    beats,
+    latest_version,
+    register_and_gate,
+    trained_on,
+    unchanged,
+    usable_champion,
+)
 
 
 @dataclass
@@ -96,13 +107,18 @@ def run_pipeline(
     **params: Any,
 ) -> TrainOutcome:
     """Run `spec` on `data`; `params` go to `spec.build`. Returns what was registered (version
-    None when `skip_unchanged` found the window already registered)."""
+    None when `skip_unchanged` found the window already registered, unless that version's
+    promotion was left undone: `pipelines.outcome.unchanged`)."""
     steps = _Steps(spec.component)
     with steps.step("split"):
         split = spec.split(data)
-    latest = latest_data_hash(registry, spec.component) if skip_unchanged else None
-    if skip_unchanged and spec.training_hash is not None and spec.training_hash(split.train) == latest:
-        return TrainOutcome(None, False, {}, None)
+    latest = latest_version(registry, spec.component) if skip_unchanged else None
+    if (
+        latest is not None
+        and spec.training_hash is not None
+        and trained_on(latest, spec.training_hash(split.train))
+    ):
+        return unchanged(registry, latest)
     candidate = spec.build(**params)
     candidate.require_data(split.train, part="training part")
     candidate.require_data(split.test, least=spec.least_test, part="held-out part")
@@ -112,12 +128,12 @@ def run_pipeline(
             run_id = spec.fit(candidate, split.train, registry)
         else:
             candidate.fit(split.train)
-    if skip_unchanged and candidate.metadata.get("data_hash") == latest:
-        return TrainOutcome(None, False, {}, None)
+    if latest is not None and trained_on(latest, candidate.metadata.get("data_hash")):
+        return unchanged(registry, latest)
     candidate.metadata["data_window"] = split.window
     with steps.step("evaluate"):
         metrics = spec.evaluate(candidate, split.test)
-    champion = registry.champion(spec.component)
+    champion, unusable = usable_champion(registry, spec.component)
     champion_metrics = None
     if champion is not None:
         with steps.step("evaluate champion"):
@@ -141,7 +157,7 @@ def run_pipeline(
     metrics.update(
         {f"seconds_{name.split(' (')[0].replace(' ', '_')}": value for name, value in steps.seconds.items()}
     )
-    return register_and_gate(
+    outcome = register_and_gate(
         registry,
         candidate,
         metrics,
@@ -150,3 +166,4 @@ def run_pipeline(
         promote_if_better=promote_if_better and replay_holds,
         run_id=run_id,
     )
+    return replace(outcome, note=f"{unusable}: compared with nothing" if unusable else "")

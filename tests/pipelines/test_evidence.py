@@ -114,3 +114,12 @@ def test_a_bound_far_from_its_quantile_is_refused(registry):
         register_and_gate(registry, bound, missed, None, gate, promote_if_better=True)
     assert registry.names() == []
     assert register_and_gate(registry, bound, metrics, None, gate, promote_if_better=True).promoted
+
+
+def test_a_cost_model_champion_that_cannot_be_loaded_does_not_block_its_refit(registry):
+    # `train_cost_model` read the champion's KV capacity before the pipeline ran: a champion that
+    # no longer loads failed every refit that could replace it.
+    train_cost_model(registry, timed(step_log(0.1)), promote_if_better=True)
+    registry.client.delete_model_version_tag("cost-model", "1", "adapt.manifest_sha256")
+    outcome = train_cost_model(registry, timed(step_log(0.1, seed=1)), promote_if_better=True)
+    assert (outcome.version, outcome.promoted) == (2, True) and registry.resolve("cost-model") == 2

@@ -599,3 +599,75 @@ def test_a_gate_takes_the_newest_requests_across_a_reboot_by_their_wall_clock(tm
         "".join(line.replace('"wall_arrival_s"', '"other"') for line in old.read_text().splitlines(True))
     )
     assert {r.prompt_tokens for r in logged_requests(request_logs(data), most=200)} == {11}
+
+
+def test_champions_that_cannot_be_loaded_do_not_block_the_layouts_retrain(tmp_path, monkeypatch):
+    """A cost-model champion without its checksum (which times the gate's replay) and a layout
+    champion this code's schema no longer reads (a code upgrade) failed every layout retrain, so
+    nothing could replace them: now the gate replays on the default engine, the candidate is
+    compared with nothing, and the result's line says both."""
+    from adapt.replay.engine import ENGINE_FILE
+    from pipelines.ewsjf import train_ewsjf_meta
+    from pipelines.retrain import retrain_cost_model
+    from predictors.ewsjf_meta import EwsjfMetaPolicy
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_logs(data, seed=0, n=300)
+    (data / ENGINE_FILE).write_text(EngineConfig(max_running=4).to_json())
+    registry = Registry(f"sqlite:///{tmp_path / 'r.db'}", cache_dir=tmp_path / "c")
+    retrain_cost_model(registry, data, margin=0.0)
+    train_ewsjf_meta(registry, lengths=np.full(100, 64.0), promote_if_better=True)
+    registry.client.delete_model_version_tag("cost-model", "1", "adapt.manifest_sha256")
+    monkeypatch.setattr(EwsjfMetaPolicy, "schema_version", EwsjfMetaPolicy.schema_version + 1)
+    result = retrain_ewsjf_layout(registry, data, margin=0.0)
+    assert (result.status, result.version, result.promoted) == ("registered", 2, True)
+    assert "(the cost-model champion cannot be loaded (BrokenVersion: " in result.detail
+    assert "on the default engine); the ewsjf-meta-policy champion cannot be loaded (ComponentError: " in (
+        result.detail
+    )
+    assert registry.resolve("ewsjf-meta-policy") == 2
+
+
+def test_a_layout_whose_promotion_was_lost_is_promoted_by_the_next_pass(tmp_path, monkeypatch):
+    """Registered, then the promotion failed (the aliases lock busy): a pass on the same lengths
+    skipped it as unchanged, for ever."""
+    from adapt.registry import StoreLocked
+    from pipelines.ewsjf import train_ewsjf_meta
+
+    registry = Registry(f"sqlite:///{tmp_path / 'r.db'}", cache_dir=tmp_path / "c")
+    lengths = np.full(100, 64.0)
+
+    def busy(*args, **kwargs):
+        raise StoreLocked("aliases lock busy: a rollback was running")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Registry, "promote", busy)
+        with pytest.raises(StoreLocked):
+            train_ewsjf_meta(registry, lengths=lengths, promote_if_better=True, skip_unchanged=True)
+    outcome = train_ewsjf_meta(registry, lengths=lengths, promote_if_better=True, skip_unchanged=True)
+    assert (outcome.version, outcome.promoted, registry.resolve("ewsjf-meta-policy", missing_ok=True)) == (
+        1,
+        True,
+        1,
+    )
+    assert (
+        train_ewsjf_meta(registry, lengths=lengths, promote_if_better=True, skip_unchanged=True).version
+        is None
+    )
+
+
+def test_a_replay_check_runs_without_an_other_part_whose_champion_cannot_be_loaded(monkeypatch, capsys):
+    """jitserve's replay takes its other part from the registry: a broken qrf-length champion failed
+    every pattern-graph retrain's gate (and a broken pattern-graph one every bound's)."""
+    import pipelines.replay_checks
+    from adapt.registry import BrokenVersion
+    from pipelines.replay_checks import jitserve_goodput
+
+    class Broken:
+        def champion(self, name):
+            raise BrokenVersion(f"{name} v3: no manifest checksum recorded; not an adapt component")
+
+    monkeypatch.setattr(pipelines.replay_checks, "_replay", lambda *args: {"goodput_tokens": 7.0})
+    assert jitserve_goodput("patterns")(Broken(), None, None) == 7.0
+    assert "the qrf-length champion cannot be loaded (BrokenVersion: qrf-length v3" in capsys.readouterr().err
