@@ -321,6 +321,36 @@ class ReplayEngine:
         the last step were taken in -- and told to the policy -- under the old version)."""
         self._component_swaps.append((attribute, component))
 
+    def abort(self, request_id: str, at: float | None = None) -> bool:
+        """End a request that did not finish, between two steps, as vLLM's `finish_requests`
+        does for its client's abort (a disconnect, a stop string its API server applies) or an
+        error: out of its queue, its blocks freed (their cached content kept), recorded as
+        dropped, reason "aborted" (not served: no metric counts it finished), and its policy told
+        with no finish time (`on_finish`, as `PolicyScheduler._free_request` tells it). Requests
+        that arrived by `at` (default now) enter first: they reached the live engine before it.
+        A token still in flight for it is discarded when it comes. False if it is not here."""
+        if at is not None:
+            self._admit_arrivals(until_s=at)
+        state = self.waiting.pop(request_id, None)
+        if state is None:
+            state = next((s for s in self.running if s.id == request_id), None)
+            if state is None:
+                return False
+            self._leave_running(state)
+        self.kv.release(state.id)
+        if self._prefix_cache is not None:
+            self._prefix_cache.forget(state.id)
+        self._placeholders.pop(state.id, None)
+        del self._true_len[state.id]
+        self._note_freed(state)
+        now = self.now if at is None else at
+        state.phase = "finished"
+        self.recorder.dropped(state, now, "aborted")
+        self.policy.on_finish(state, now)
+        self._parent_done(state.id, finished=False)
+        self._decodes_sampled_at = self._all_sampled_at = -math.inf  # no decode run from here
+        return True
+
     # ----------------------------------------------------------------- arrivals
     def add(self, request: Request) -> None:
         """Queue a future arrival; requests must be added in arrival order. A dependant (a request
