@@ -9,13 +9,17 @@ number, lasts until the next live step, and sees arrivals at the same step bound
 whose every input is the same in both engines must then decide the same; `compare` counts the
 steps where it did and shows the first where it did not, with both engines' queues.
 
-Conformance needs the live run to be one the replay can describe: no KV watermark, and requests
-that end where the scheduler sees it -- at `max_tokens` or on a stop or EOS token, whose output
-length the log keeps (`finished`); a stop *string*, which vLLM's API server applies by aborting
-the request, is not. With prefix caching on, each arrival carries its prompt blocks' keys and
-each request that left its answer blocks' keys, and the replay's prefix cache finds the hits vLLM
-found: on shared system prompts, on a conversation's earlier turns (answers included), on a
-preempted request's own blocks.
+Conformance needs the live run to be one the replay can describe: no KV watermark. A request
+that a sampled token ended -- `max_tokens`, a stop or EOS token, vLLM's repetition detection --
+gets the output length the log keeps (`finished`); one that did not finish -- its client aborted
+it (a disconnect, or a stop *string*, which vLLM's API server applies by aborting), or it ended
+in an error -- is aborted where the log says it left (`aborted`: id -> moment,
+`ReplayEngine.abort`), in order with a prefix cache reset logged in the same interval. Where a
+policy that reads prompts went live with requests in flight, the live engine gave them their text
+then; the log keeps it (`prompt_texts`) and the replay gives it at the same step. With prefix
+caching on, each arrival carries its prompt blocks' keys and each request that left its answer
+blocks' keys, and the replay's prefix cache finds the hits vLLM found: on shared system prompts,
+on a conversation's earlier turns (answers included), on a preempted request's own blocks.
 """
 
 from __future__ import annotations
@@ -115,7 +119,8 @@ def _followable(run: list[dict[str, Any]]) -> LoggedRun:
 
 def requests_from_log(decisions: Sequence[dict[str, Any]]) -> list[Request]:
     """The requests a live decision log saw arrive, each as long as the log says it finished (a
-    stop token ends it early) or, if it never finished there, its client's `max_tokens`."""
+    stop token or repetition detection ends it early) or, if it never finished there (it ran
+    past the log's end, or was aborted), its client's `max_tokens`."""
     lengths = {key: n for step in decisions for key, n in step.get("finished", {}).items()}
     answers = {key: keys for step in decisions for key, keys in step.get("answer_blocks", {}).items()}
     requests = []
@@ -191,21 +196,55 @@ def replay_decisions(
     pending = next(arrivals, None)
     for i, live in enumerate(decisions):
         arrived = {a[0] for a in live["arrived"]}
+        texts = live.get("prompt_texts", {})
         while pending is not None and pending.request_id in arrived:
-            engine.add(pending)
+            engine.add(_with_text(pending, texts))
             pending = next(arrivals, None)
-        reset = live.get("prefix_cache_reset")
-        if reset == "preempting":  # running requests preempted to free their blocks, then the reset
-            engine.reset_prefix_cache(preempt_running=True, at=live.get("prefix_cache_reset_t"))
-        elif reset:  # the live engine was idle; a replay that is not keeps its cache, as vLLM
-            engine.reset_prefix_cache()  # would, and shows where it diverged
+        _between_steps(engine, live)
         if switches and i in switches:
             engine.switch_policy(switches[i])
         for attribute, component in (swaps or {}).get(i, {}).items():
             engine.use_component(attribute, component)
+        _give_texts(engine, texts)
         duration = decisions[i + 1]["t"] - live["t"] if i + 1 < len(decisions) else 0.0
         engine.step(TraceStep(live["t"], live["index"], duration, live["delivered_t"]))
     return engine.decisions  # type: ignore[return-value]
+
+
+def _between_steps(engine: ReplayEngine, live: dict[str, Any]) -> None:
+    """What the live engine did between the last step and this one, in its order: requests that
+    did not finish (`aborted`: a client's abort or an error, each at its moment) and a prefix
+    cache reset -- one that preempted running requests at its moment (`prefix_cache_reset_t`),
+    an idle one after the aborts (it could not have reset while one held a block)."""
+    reset = live.get("prefix_cache_reset")
+    reset_t = live.get("prefix_cache_reset_t") if reset == "preempting" else None
+    aborted = live.get("aborted", {}).items()
+    for request_id, at in aborted:
+        if reset_t is None or at < reset_t:
+            engine.abort(request_id, at)
+    if reset == "preempting":  # running requests preempted to free their blocks, then the reset
+        engine.reset_prefix_cache(preempt_running=True, at=reset_t)
+    elif reset:  # the live engine was idle; a replay that is not keeps its cache, as vLLM
+        engine.reset_prefix_cache()  # would, and shows where it diverged
+    for request_id, at in aborted:
+        if reset_t is not None and at >= reset_t:
+            engine.abort(request_id, at)
+
+
+def _with_text(request: Request, texts: Mapping[str, str]) -> Request:
+    """A request that came since the last step, with the text the live engine gave it at this
+    step (`_give_texts`): from its arrival, the only point before the step the replay has."""
+    text = texts.get(request.request_id)
+    return request if text is None else dataclasses.replace(request, prompt_text=text)
+
+
+def _give_texts(engine: ReplayEngine, texts: Mapping[str, str]) -> None:
+    """The prompt texts the live engine gave its requests in flight when a policy that reads
+    them went live (`PolicyScheduler._give_prompt_texts`), given to the replay's before the step
+    that policy plans."""
+    if texts:
+        for state in [*engine.waiting.values(), *engine.running]:
+            state.prompt_text = texts.get(state.id, state.prompt_text)
 
 
 @dataclass(frozen=True)

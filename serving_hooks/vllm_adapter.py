@@ -67,6 +67,16 @@ from serving_hooks.xargs import embedding_from_extra_args, program_from_extra_ar
 
 log = logging.getLogger("adapt.vllm")
 
+# vLLM's finished statuses of a request that did not finish its answer: an abort (its client's --
+# a disconnect, or a stop string, which vLLM's API server applies by aborting -- or the policy's
+# drop), an error, a prompt vLLM ignored. Its policy hears no finish time, as for a drop in the
+# replay, and the decision log notes when it left, not a length (`PolicyScheduler._record_end`).
+UNFINISHED_STATUSES = frozenset(
+    getattr(RequestStatus, name)
+    for name in ("FINISHED_ABORTED", "FINISHED_ERROR", "FINISHED_IGNORED")
+    if hasattr(RequestStatus, name)  # (older vLLMs lack some)
+)
+
 check_classes(
     vllm.__version__,
     {
@@ -142,10 +152,10 @@ class PolicyScheduler(AsyncScheduler):
             self._load_tokenizer()
         self._program_starts: dict[str, float] = {}
         self.live = LiveComponents.from_environment(self.adapt_policy, spec)  # `adapt serve`: the registry
-        self._dropped_ids: set[str] = set()
+        self._dropped_ids: set[str] = set()  # the plan's drops, while `finish_requests` frees them
         self._drops_to_report: list[Any] = []  # dropped by the policy, not yet told to the client
         self._held: list[Any] = []  # waiting requests the plan did not list, out for one step
-        self._unplanned: set[str] = set()  # on_arrival raised: the policy cannot plan these, FCFS does
+        self._unplanned: set[str] = set()  # on_arrival/on_preempt raised: FCFS admits these
         self._last_step: tuple[float, dict[str, float]] | None = None
         self._arrivals = 0  # requests added since the last schedule call (`adapt.steplog.ARRIVALS`)
         self._policy_s = 0.0  # the last step's time in the policy and its plan (`adapt.steplog.POLICY_S`)
@@ -155,9 +165,14 @@ class PolicyScheduler(AsyncScheduler):
         self._waiting_view = WaitingView(self._waiting_states)
         self._arrived_since: list[list] = []
         self._freed_since: list[str] = []
-        # Output lengths of the requests that finished since the last step (a stop token or
-        # max_tokens): what a replay of this log gives each request (`adapt.conformance`).
+        # Output lengths of the requests that finished since the last step (a stop token,
+        # max_tokens, repetition detection): what a replay of this log gives each request
+        # (`adapt.conformance`); and when those that did not finish (`UNFINISHED_STATUSES`, the
+        # plan's drops aside) left, where a replay aborts them.
         self._finished_since: dict[str, int] = {}
+        self._aborted_since: dict[str, float] = {}
+        # Prompt texts given to requests in flight since the last step (`_give_prompt_texts`).
+        self._texts_since: dict[str, str] = {}
         # With prefix caching on, the content keys of the answers' full blocks of the requests
         # freed since the last step: a later prompt that contains an answer hits them.
         self._answer_blocks_since: dict[str, list[str]] = {}
@@ -305,21 +320,19 @@ class PolicyScheduler(AsyncScheduler):
         # Its prefix-cache content keys, once, for the decision and request logs that keep them.
         logged = self._recording or (state is not None and self.monitor is not None)
         content = self._content_keys(request) if logged and self._prefix_caching else None
+        now = self._output_at or time.monotonic()  # one moment for the log and the policy
         if self._recording:
             self._freed_since.append(request.request_id)
-            if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
-                self._finished_since[request.request_id] = int(request.num_output_tokens)
+            self._record_end(request, now)
             if content is not None and content[1]:
                 self._answer_blocks_since[request.request_id] = content[1]
         dropped = request.request_id in self._dropped_ids
-        self._dropped_ids.discard(request.request_id)
         if state is not None:
-            now = self._output_at or time.monotonic()
             self._take_output(request, state, now)  # a finishing request's last token, first
             state.phase = "finished"
-            # A dropped or aborted request did not finish: policies tell the two apart by this,
-            # as in the replay engine.
-            aborted = request.status == RequestStatus.FINISHED_ABORTED
+            # A dropped, aborted or failed request did not finish: policies tell the two apart by
+            # this, as in the replay engine (an error's truncated answer is no length to learn).
+            aborted = request.status in UNFINISHED_STATUSES
             state.finish_s = None if aborted else now
             self._call("on_finish", state, now)
             if self.monitor is not None:
@@ -330,6 +343,16 @@ class PolicyScheduler(AsyncScheduler):
                 outcome = "dropped" if dropped else "aborted" if aborted else "finished"
                 self._record_finish(state, outcome, now)
         return super()._free_request(request, *args, **kwargs)
+
+    def _record_end(self, request: Any, now: float) -> None:
+        """How a request left, for the decision log: its answer's length where a sampled token
+        ended it (a stop token, `max_tokens`, repetition detection), which a replay gives the
+        request; else (`UNFINISHED_STATUSES`) when it left, where a replay aborts it
+        (`ReplayEngine.abort`) -- but a drop, which the replay's own plan makes."""
+        if request.status not in UNFINISHED_STATUSES:
+            self._finished_since[request.request_id] = int(request.num_output_tokens)
+        elif request.request_id not in self._dropped_ids:
+            self._aborted_since[request.request_id] = now
 
     def _record_finish(self, state: RequestState, outcome: str, now: float) -> None:
         """Metrics of a request that left; when it was the last one, the gauges too (no step
@@ -384,7 +407,7 @@ class PolicyScheduler(AsyncScheduler):
         engine found."""
         try:
             output = int(request.num_output_tokens)
-            finished = not dropped and request.status != RequestStatus.FINISHED_ABORTED and output > 0
+            finished = not dropped and request.status not in UNFINISHED_STATUSES and output > 0
             finish = freed_at
             first = min(max(state.first_token_s or finish, state.arrival_s), finish) if finished else None
             record = CompletedRequest(
@@ -498,11 +521,14 @@ class PolicyScheduler(AsyncScheduler):
         if self.live is None:
             return
         try:
+            reading = self.adapt_policy.needs_prompt_text
             replacement = self.live.next_policy()
             if replacement is not None:
                 self._switch_policy(replacement, spec=f"{POLICY_CONFIG}@v{self.live.next_config_version}")
                 self.live.adopt(replacement)
             self.live.apply()
+            if self.adapt_policy.needs_prompt_text and not reading:  # a version that reads prompts
+                self._give_prompt_texts()
         except Exception:
             self._policy_error()
             log.exception("applying a new policy or component version failed; the old one serves")
@@ -518,11 +544,14 @@ class PolicyScheduler(AsyncScheduler):
         a preempted one keeps its phase, so the policy can tell it was started -- running ones as
         arrivals then admissions), then let it schedule. If it is refused or raises on the way,
         the old policy keeps serving, with its own prediction queues. Its mechanics apply from the
-        next step (`_apply_mechanics`). `spec` names it in the decision log."""
+        next step (`_apply_mechanics`). `spec` names it in the decision log. A policy that reads
+        prompts gets the requests in flight with their text (`_give_prompt_texts`)."""
         self._check(policy)
         now = time.monotonic()
         previous_queues, self.prediction_queues = self.prediction_queues, []
         try:
+            if policy.needs_prompt_text:
+                self._give_prompt_texts()
             policy.use_predictions(self._prediction_queue)
             # admitted: running, or a streaming-input session between inputs (vLLM resumes it)
             running = {r.request_id for r in self.running}
@@ -546,6 +575,26 @@ class PolicyScheduler(AsyncScheduler):
         self._unplanned.clear()
         for queue in previous_queues:
             queue.close()
+
+    def _give_prompt_texts(self) -> None:
+        """A policy that reads prompts took over (a whole policy, or a component version that
+        reads them): requests in flight that arrived without their text (`add_request` decodes it
+        only for such a policy) get it now, or they would stay on the policy's length-only prior.
+        The decision log carries each (`prompt_texts`), so a replay gives its requests the same
+        text at the same step (`adapt.conformance`)."""
+        for request_id, state in self._states.items():
+            request = self.requests.get(request_id)
+            if state.prompt_text is not None or request is None:
+                continue
+            state.prompt_text = self._prompt_text(request)
+            if state.prompt_text is None:  # no token ids (a prompt given as embeddings)
+                continue
+            if state.prompt_embedding is not None:  # as on arrival: a worker embedding it finds it done
+                from predictors.embedding import shared_cache
+
+                shared_cache().remember(state.prompt_text, state.prompt_embedding)
+            if self._recording:
+                self._texts_since[request_id] = state.prompt_text
 
     # ------------------------------------------------------------- one step
     def schedule(self, *args: Any, **kwargs: Any):
@@ -573,7 +622,7 @@ class PolicyScheduler(AsyncScheduler):
             self._policy_error()
             fallback = True
             log.exception("policy %s failed; this step runs as vLLM FCFS", self.adapt_policy.name)
-            self.running = original
+            self._fall_back(original)
         self._policy_s = time.monotonic() - now
         try:
             output = super().schedule(*args, **kwargs)
@@ -678,6 +727,8 @@ class PolicyScheduler(AsyncScheduler):
             "preempted": sorted(output.preempted_req_ids),
             "freed": sorted(self._freed_since),
             "finished": self._finished_since,
+            **({"aborted": self._aborted_since} if self._aborted_since else {}),
+            **({"prompt_texts": self._texts_since} if self._texts_since else {}),
             **({"answer_blocks": self._answer_blocks_since} if self._answer_blocks_since else {}),
             **({"prefix_cache_reset": self._cache_reset} if self._cache_reset else {}),
             **({"prefix_cache_reset_t": self._cache_reset_t} if self._cache_reset == "preempting" else {}),
@@ -699,6 +750,7 @@ class PolicyScheduler(AsyncScheduler):
         self._undelivered.append(record)
         self._arrived_since, self._freed_since, self._finished_since = [], [], {}
         self._answer_blocks_since, self._cache_reset, self._sessions_since = {}, None, []
+        self._aborted_since, self._texts_since = {}, {}
 
     def _live_versions(self) -> dict[str, str]:
         """The component versions serving (`attribute -> NAME@vN`), as a policy spec pins them;
@@ -888,12 +940,7 @@ class PolicyScheduler(AsyncScheduler):
             if state.id in self.requests and state.id not in self._waiting_states:
                 raise running_drop(self.adapt_policy.name, state.id)
         if plan.drop:
-            self._dropped_ids.update(s.id for s in plan.drop)
-            if self.metrics is not None:  # counted first: the last drop may publish (idle engine)
-                self.metrics.dropped("admission_control", sum(s.id in self.requests for s in plan.drop))
-            self._drops_to_report += self.finish_requests(
-                [s.id for s in plan.drop], RequestStatus.FINISHED_ABORTED
-            )
+            self._drop({s.id for s in plan.drop if s.id in self.requests})
         self._preempt_order = []
         for state in plan.preempt:
             request = self.requests.get(state.id)
@@ -937,9 +984,9 @@ class PolicyScheduler(AsyncScheduler):
                 admissible.discard(state.id)  # a plan that lists a request twice admits it once
                 front.append(self.requests[state.id])
         # Only what the plan lists may be admitted, as in the replay engine: the rest of the queue
-        # sits out this step (put back after it). Requests the policy never took (its on_arrival
-        # raised) stay, in FCFS order, after the plan's: otherwise nothing would ever admit them.
-        front_ids = {r.request_id for r in front} | self._unplanned
+        # sits out this step (put back after it), but for requests the policy cannot plan.
+        front_ids = {r.request_id for r in front}
+        front_ids.update(self._unplanned_kept(admissible - front_ids, room - len(front)))
         self._held = [r for r in self.waiting if r.request_id not in front_ids]
         if self._held:
             self.waiting.remove_requests(self._held)
@@ -947,6 +994,44 @@ class PolicyScheduler(AsyncScheduler):
             self.waiting.remove_requests(front)
             self.waiting.prepend_requests(reversed(front))  # extendleft reverses: keep plan order
         return deferred
+
+    def _drop(self, request_ids: set[str]) -> None:
+        """Abort the waiting requests the plan dropped, each once however often it lists them
+        (`update_from_output` reports them to their clients). `_dropped_ids` holds them only while
+        `finish_requests` frees them, for `_free_request` to log them as dropped: an id given for
+        a request that had already left would otherwise stay, and mark a later request reusing it."""
+        if not request_ids:
+            return
+        if self.metrics is not None:  # counted first: the last drop may publish (idle engine)
+            self.metrics.dropped("admission_control", len(request_ids))
+        self._dropped_ids = request_ids
+        try:
+            self._drops_to_report += self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        finally:
+            self._dropped_ids = set()
+
+    def _unplanned_kept(self, admissible: set[str], room: int) -> list[str]:
+        """The waiting requests the policy cannot plan (`_unplanned`) that stay queued, in FCFS
+        order after the plan's: otherwise nothing would ever admit them. At most `room` of them:
+        vLLM checks its cap against `running`, which lacks this step's deferred requests, and
+        would admit past `max_num_seqs`. None the plan preempted this step (not `admissible`)."""
+        if room <= 0 or not self._unplanned:
+            return []
+        unplanned = self._unplanned.intersection(admissible)
+        return [r.request_id for r in self.waiting if r.request_id in unplanned][:room]
+
+    def _fall_back(self, original: list[Any]) -> None:
+        """The policy raised: this step runs as vLLM FCFS, from the running requests as they were,
+        less those the plan preempted before it raised. vLLM's `_preempt_request` queued those:
+        left in `running` too, vLLM would schedule them twice and count a phantom slot. They sit
+        this step out, as a plan's victims do (and as vLLM's own do), so `_after_schedule` tells
+        the policy of their preemption rather than vLLM re-admitting them unnoticed."""
+        self.running = [r for r in original if r.status == RequestStatus.RUNNING]
+        victims = set(self._preempt_order[: self._policy_preempts])
+        held = [r for r in self.waiting if r.request_id in victims] if victims else []
+        if held:
+            self.waiting.remove_requests(held)
+            self._held += held
 
     def _restore(self, original: list[Any], deferred: list[Any]) -> None:
         """Put deferred requests back, keeping admission order for the ones that stayed."""
@@ -993,12 +1078,15 @@ class PolicyScheduler(AsyncScheduler):
         self._policy_preempts = 0
 
     def _preempted(self, state: RequestState, now: float) -> None:
-        """vLLM preempted this request (recompute): it waits again, and its policy is told."""
+        """vLLM preempted this request (recompute): it waits again, and its policy is told. A
+        policy whose `on_preempt` raised may never list it again (the adapter admits only what a
+        plan lists): like one whose `on_arrival` raised, FCFS admits it (`_unplanned`)."""
         self._waiting_states[state.id] = state
         state.phase = "preempted"
         state.tokens_computed = 0
         state.num_preemptions += 1
-        self._call("on_preempt", state, now)
+        if not self._call("on_preempt", state, now):
+            self._unplanned.add(state.id)
 
 
 def block_keys(block_hashes: Sequence[Any]) -> list[str]:

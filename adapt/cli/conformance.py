@@ -6,10 +6,11 @@ engine run in that log under the policy the server served -- with the component 
 names -- with the live steps' times (`adapt.conformance.replay_decisions`), and prints the
 share of identical steps and the first divergence with both engines' queues. It is the check of
 `tests/integration/test_conformance.py`, on an operator's own traffic, engine and GPU: answers
-that end on EOS, async scheduling, the real model's step times, and what went live while it served
--- component versions and, with `--follow-policy-config`, whole policies -- each loaded from the
-registry and handed over at the step the server did. The log names the policy it served; an engine
-restart starts a new run.
+that end on EOS, requests its clients abort (a disconnect, a stop string) or that end in an error,
+async scheduling, the real model's step times, and what went live while it served -- component
+versions and, with `--follow-policy-config`, whole policies -- each loaded from the registry and
+handed over at the step the server did. The log names the policy it served; an engine restart
+starts a new run.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def run_conformance(log_dir: str, policy: str | None, json_path: str | None) -> 
             print(f"  policy {name} live at step {run.decisions[i]['index']}, and so in the replay")
         for i, refs in run.swaps.items():
             print(f"  {refs} live at step {run.decisions[i]['index']}, and so in the replay")
+        aborted = sum(len(step.get("aborted", {})) for step in run.decisions)
+        if aborted:
+            why = "a client's abort, a stop string or an error"
+            print(f"  {aborted} requests aborted live ({why}), and so in the replay")
         if run.stopped_by:
             print(f"  compared up to there: {run.stopped_by}")
         reports.append(
@@ -80,6 +85,7 @@ def run_conformance(log_dir: str, policy: str | None, json_path: str | None) -> 
                 "first_divergence": agreement.first_divergence,
                 "switches": {run.decisions[i]["index"]: name for i, name in run.switches.items()},
                 "swaps": {run.decisions[i]["index"]: refs for i, refs in run.swaps.items()},
+                "aborted": aborted,
                 "stopped_by": run.stopped_by,
             }
         )
