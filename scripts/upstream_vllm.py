@@ -6,7 +6,7 @@ GPU nodes install upstream `vllm` (`.[gpu]`), not the CPU build the test suite r
 the adapter against the releases the extra allows (default: its oldest and newest,
 `serving_hooks.vllm_interface.UPSTREAM_VERSIONS`). Each release's wheel is installed once, without
 its dependencies, into `DIR/VERSION` (default `~/.cache/adapt/upstream-vllm`; pip caches the wheel
-too), beside this venv's CPU torch; then `tests/integration/test_scheduler_harness.py` runs with
+too), beside this venv's CPU torch; then the harness modules (`HARNESS`) run with
 that vLLM first on the path and `VLLM_TARGET_DEVICE=cpu` (a CUDA wheel cannot infer a device on a
 machine without a GPU; vLLM's scheduler and KV block accounting need none). The harness serves every
 servable policy's requests in vLLM's real scheduler and checks every name the adapter relies on
@@ -25,7 +25,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-HARNESS = "tests/integration/test_scheduler_harness.py"
+HARNESS = (  # the harness modules: each drives vLLM's real scheduler without a model
+    "tests/integration/test_scheduler_harness.py",
+    "tests/integration/test_conformance_finishes.py",
+    "tests/integration/test_adapter_policy_errors.py",
+)
 
 
 def installed(version: str, cache: Path) -> Path:
@@ -60,7 +64,7 @@ def run_harness(version: str, cache: Path) -> subprocess.CompletedProcess:
     check = f"import vllm, sys; sys.exit(vllm.__version__ != {version!r})"
     if subprocess.run([sys.executable, "-c", check], env=environment, cwd=ROOT).returncode != 0:
         raise RuntimeError(f"vllm {version}: {site} does not import as vLLM {version}")
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", HARNESS]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *HARNESS]
     return subprocess.run(command, env=environment, cwd=ROOT, capture_output=True, text=True)
 
 

@@ -88,11 +88,25 @@ def _outside_ends(
     def at(k: int) -> Callable[[], None]:
         def end() -> None:
             scheduler.finish_requests(aborts.get(k, []), RequestStatus.FINISHED_ABORTED)
-            scheduler.grammar_compile_error_reqs.update(errors.get(k, []))
+            _fail_grammars(scheduler, errors.get(k, []))
 
         return end
 
     return {k: at(k) for k in {*aborts, *errors}}
+
+
+def _fail_grammars(scheduler, request_ids: list[str]) -> None:
+    """Put requests among the scheduler's grammars that failed to compile: a set of ids in vLLM up
+    to 0.32, a dict of id -> `RequestError` from 0.33 on."""
+    failed = scheduler.grammar_compile_error_reqs
+    if isinstance(failed, dict):
+        from vllm.outputs import RequestError
+
+        failed.update(
+            {i: RequestError(code="validation_error", message="a test's grammar") for i in request_ids}
+        )
+    else:
+        failed.update(request_ids)
 
 
 def _agreement(scheduler, policy: Policy, **handed_over: Any):
