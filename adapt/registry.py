@@ -307,6 +307,7 @@ class Registry:
 
     def promote(self, name: str, version: int, alias: str = CHAMPION) -> None:
         """Point `alias` at `version`. Promoting a new champion keeps the old one as `previous`."""
+        _check_promoted_alias(alias)
         self._version(name, version)  # fails clearly if missing
         if alias != CHAMPION:
             self.client.set_registered_model_alias(name, alias, str(version))
@@ -539,6 +540,21 @@ def _flat_params(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def _check_promoted_alias(alias: str) -> None:
+    """Refuse `previous` (in any case), which promote and rollback set together with the champion
+    history under the aliases lock (set alone, a rollback would restore a version that never was
+    champion), and a case variant of another alias this module names (`Champion`): a separate
+    alias that looks like the real one while the champion stays where it was."""
+    if alias.lower() == PREVIOUS:
+        raise RegistryError(
+            f"alias {alias!r}: {PREVIOUS!r} is set by promote and rollback (the champion before the"
+            " last promotion); promote to champion instead, or roll back"
+        )
+    for reserved in (CHAMPION, CHALLENGER):
+        if alias != reserved and alias.lower() == reserved:
+            raise RegistryError(f"alias {alias!r}: aliases are case-sensitive; did you mean {reserved!r}?")
 
 
 def version_of(reference: str) -> int | None:

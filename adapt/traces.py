@@ -36,7 +36,7 @@ import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -252,13 +252,28 @@ def _timestamp(path: Path, lineno: int, name: str, raw: str) -> float:
     try:
         float(raw)
     except ValueError:
-        try:
-            return datetime.fromisoformat(raw.strip()[:26]).timestamp()
-        except ValueError:
-            raise TraceError(
-                path, f"expected seconds or a date-time, got {raw!r}", line=lineno, field=name
-            ) from None
+        return _date_time(path, lineno, name, raw)
     return _number(path, lineno, name, raw, integer=False, maximum=MAX_TIMESTAMP_S)
+
+
+def _date_time(path: Path, lineno: int, name: str, raw: str) -> float:
+    """Seconds since 1970 of an ISO date-time, held to the range numeric timestamps are, its UTC
+    offset kept (Azure's raw trace writes `2023-11-16 18:15:46.6805900+00:00`: seven fraction
+    digits, which Python reads to the microsecond). One without an offset is read as UTC, not as
+    this machine's local time, so a trace's gaps do not depend on where it is loaded (nor jump an
+    hour at a DST change)."""
+    try:
+        moment = datetime.fromisoformat(raw.strip())
+    except ValueError:
+        raise TraceError(
+            path, f"expected seconds or a date-time, got {raw!r}", line=lineno, field=name
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    seconds = moment.timestamp()
+    if not 0 <= seconds <= MAX_TIMESTAMP_S:
+        raise TraceError(path, f"date-time out of range (1970 to 2286), got {raw!r}", line=lineno, field=name)
+    return seconds
 
 
 def _pick(path: Path, header: list[str], *names: str) -> str:
@@ -565,6 +580,8 @@ def _load_requestlog(path: Path) -> Trace:
 def load_trace(path: str | Path, fmt: str | None = None, *, tokenizer: str = MINILM) -> Trace:
     """Load any supported trace or dataset; `fmt=None` auto-detects it."""
     path = Path(path)
+    if path.is_dir():
+        raise TraceError(path, "is a directory; expected a trace file")
     if not path.is_file():
         raise TraceError(path, "no such file")
     if path.stat().st_size == 0:

@@ -36,6 +36,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from adapt.cli.usage import COUNT, OUTPUT, RATE, SEED, choice_list, write_json
+
 PLACEMENTS = ("engine-worker", "api-server")
 # per placement, median of the rounds
 FIGURES = ("share_on_prior", "ttft_p50", "ttft_p99", "e2e_mean", "ttft_mean", "outside_engine_s", "hold_s")
@@ -119,22 +121,22 @@ def median_of(rounds: list[dict[str, Any]], key: str) -> float | None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rate", type=float, default=8.0, help="requests per second (Poisson)")
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--max-prompt-words", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=2, help="rounds, placements round-robin in each")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--placements", default=",".join(PLACEMENTS), help=f"any of {', '.join(PLACEMENTS)}")
+    parser.add_argument("--rate", type=RATE, default=8.0, help="requests per second (Poisson)")
+    parser.add_argument("--requests", type=COUNT, default=200)
+    parser.add_argument("--max-tokens", type=COUNT, default=64)
+    parser.add_argument("--max-prompt-words", type=COUNT, default=200)
+    parser.add_argument("--repeats", type=COUNT, default=2, help="rounds, placements round-robin in each")
+    parser.add_argument("--seed", type=SEED, default=0)
+    parser.add_argument(
+        "--placements",
+        type=choice_list(PLACEMENTS),
+        default=",".join(PLACEMENTS),
+        help=f"any of {', '.join(PLACEMENTS)}",
+    )
     parser.add_argument("--model", help="model directory (default: a tiny random model made here)")
-    parser.add_argument("--json", dest="json_out", metavar="OUT")
+    parser.add_argument("--json", dest="json_out", type=OUTPUT, metavar="OUT")
     args = parser.parse_args(argv)
-    if args.rate <= 0 or args.requests < 1 or args.repeats < 1:
-        parser.error("--rate must be > 0, --requests and --repeats >= 1")
-    chosen = [p.strip() for p in args.placements.split(",") if p.strip()]
-    unknown = sorted(set(chosen) - set(PLACEMENTS))
-    if unknown or not chosen:
-        parser.error(f"--placements: expected some of {', '.join(PLACEMENTS)}, got {args.placements!r}")
+    chosen = args.placements
     with tempfile.TemporaryDirectory(prefix="adapt-embed-placement-") as tmp:
         workdir = Path(tmp)
         # The servers follow a registry: an empty one of this run's, unless the caller names one.
@@ -167,9 +169,9 @@ def main(argv: list[str] | None = None) -> None:
         cells = [figures[k] for k in FIGURES]
         shown = " ".join(f"{v:>9.3f}" if v is not None else f"{'-':>9}" for v in cells)
         print(f"{name:<15} {shown} {figures['failed']:>7}")
-    if args.json_out:
+    if args.json_out is not None:
         payload = {"rate": args.rate, "requests": args.requests, "placements": placements}
-        Path(args.json_out).write_text(json.dumps(payload, indent=2))
+        write_json(args.json_out, payload)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,13 @@ Components are fitted on the bundled data first (about 20 s). `--json OUT` write
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
+from adapt.cli.usage import COUNT, OUTPUT, write_json
 from adapt.policy import EngineView, RequestState
 from adapt.requests import SLO
 from adapt.traces import load_trace, split_by_instruction
@@ -113,18 +112,18 @@ def bench_patterns(repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--waiting", type=int, default=10_000)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--json", metavar="OUT", help="write the figures as JSON here")
+    parser.add_argument("--waiting", type=COUNT, default=10_000)
+    parser.add_argument("--repeats", type=COUNT, default=20)
+    parser.add_argument("--json", type=OUTPUT, metavar="OUT", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     ms = {
         **bench_qrf(args.repeats),
         "gmax_frame": bench_gmax(args.waiting, args.repeats),
         "pattern_match": bench_patterns(args.repeats),
     }
-    if args.json:
+    if args.json is not None:
         settings = {"waiting": args.waiting, "running": 256, "repeats": args.repeats}
-        Path(args.json).write_text(json.dumps({"settings": settings, "ms": ms}, indent=2))
+        write_json(args.json, {"settings": settings, "ms": ms})
 
 
 if __name__ == "__main__":

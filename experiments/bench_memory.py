@@ -12,7 +12,6 @@ Issue targets: 1,000,000 requests under 1.5 GB, 200,000 under 400 MB.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from adapt.cli.usage import COUNT, OUTPUT, write_json
 from adapt.traces import load_trace
 from adapt.workloads import bundled
 
@@ -74,11 +74,11 @@ def measure(trace: Path) -> dict[str, object]:
     return {"peak_rss_mb": round(peak_kb / 1024, 1), "wall_s": round(wall, 1), "table_row": row}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, nargs="+", default=[200_000, 1_000_000])
-    parser.add_argument("--json", metavar="OUT", help="write the figures as JSON here")
-    args = parser.parse_args()
+    parser.add_argument("--requests", type=COUNT, nargs="+", default=[200_000, 1_000_000])
+    parser.add_argument("--json", type=OUTPUT, metavar="OUT", help="write the figures as JSON here")
+    args = parser.parse_args(argv)
     results: dict[str, dict[str, object]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         # Smallest first: RUSAGE_CHILDREN keeps the largest peak of any child so far.
@@ -89,8 +89,8 @@ def main() -> None:
             results[str(count)] = figures
             print(f"{count:>9,} requests: peak RSS {figures['peak_rss_mb']:,} MB, wall {figures['wall_s']} s")
             print(f"           {figures['table_row']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    if args.json is not None:
+        write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ With metrics off (`adapt serve --no-metrics`) the scheduler holds no recorder: e
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -40,6 +39,8 @@ import time
 import types
 from pathlib import Path
 from typing import Any
+
+from adapt.cli.usage import COUNT, OUTPUT, write_json
 
 POLICY = "jitserve:batch_size=null:waiting_time_s=null"
 REFERENCE = Path(__file__).parent / "data" / "steps_h100_llama-3-8b.csv"
@@ -135,13 +136,13 @@ def reference_step_ms(running: int) -> float:
     return 1000 * float(decode["duration_s"].min())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--running", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--pairs", type=int, default=2, help="runs without and with metrics, alternating")
-    parser.add_argument("--json", metavar="OUT", help="write the figures as JSON here")
-    args = parser.parse_args()
+    parser.add_argument("--running", type=COUNT, default=256)
+    parser.add_argument("--steps", type=COUNT, default=300)
+    parser.add_argument("--pairs", type=COUNT, default=2, help="runs without and with metrics, alternating")
+    parser.add_argument("--json", type=OUTPUT, metavar="OUT", help="write the figures as JSON here")
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="adapt-bench-metrics-") as tmp:
         # Before prometheus_client is imported (vLLM imports it): values go to mapped files.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(Path(tmp) / "prometheus")
@@ -183,9 +184,8 @@ def main() -> None:
         f" A/B deltas {', '.join(f'{d:+.0f}' for d in figures['ab_deltas_us_per_step'])} us (machine noise);"
         f" a scrape takes {figures['scrape_ms']:.2f} ms in the API-server process"
     )
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+    if args.json is not None:
+        write_json(args.json, figures)
 
 
 if __name__ == "__main__":

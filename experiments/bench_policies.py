@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
+from adapt.cli.usage import COUNT, OUTPUT, choice_list, write_json
 from adapt.policy import EngineView, RequestState
 from adapt.requests import SLO
 from serving_hooks.policies import POLICIES, make_policy
@@ -60,24 +59,24 @@ def bench(name: str, steps: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=COUNT, default=200)
     parser.add_argument(
-        "--policies", default=",".join(POLICIES), help="comma-separated (default: every policy)"
+        "--policies",
+        type=choice_list(POLICIES),
+        default=",".join(POLICIES),
+        help="comma-separated (default: every policy)",
     )
-    parser.add_argument("--json", metavar="OUT", help="write the figures as JSON here")
+    parser.add_argument("--json", type=OUTPUT, metavar="OUT", help="write the figures as JSON here")
     args = parser.parse_args(argv)
-    names = [name.strip() for name in args.policies.split(",") if name.strip()]
-    unknown = [name for name in names if name not in POLICIES]
-    if unknown:
-        parser.error(f"--policies: unknown {', '.join(unknown)}; expected some of {', '.join(POLICIES)}")
+    names = args.policies
     print(f"{'policy':<12} median on_step (us), 256 running / 1,000 waiting")
     figures = {}
     for name in names:
         figures[name] = {"on_step_us": bench(name, args.steps) * 1e6}
         print(f"{name:<12} {figures[name]['on_step_us']:10.1f}")
-    if args.json:
+    if args.json is not None:
         settings = {"steps": args.steps, "running": 256, "waiting": 1000}
-        Path(args.json).write_text(json.dumps({"settings": settings, "policies": figures}, indent=2))
+        write_json(args.json, {"settings": settings, "policies": figures})
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from adapt.cli.usage import COUNT, POSITIVE
 from adapt.hotswap import Slot
 from adapt.registry import Registry
 from adapt.steplog import STEP_FIELDS
@@ -35,11 +36,11 @@ def _step_log(seed: int) -> dict[str, np.ndarray]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--promotions", type=int, default=20)
-    parser.add_argument("--poll", type=float, default=1.0)
-    args = parser.parse_args()
+    parser.add_argument("--promotions", type=COUNT, default=20)
+    parser.add_argument("--poll", type=POSITIVE, default=1.0)
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         registry = Registry(f"sqlite:///{Path(tmp) / 'bench.db'}", cache_dir=Path(tmp) / "cache")
         log_times, versions = [], []

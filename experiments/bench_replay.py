@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from adapt.cli.usage import COUNT, NAME_LIST, OUTPUT, write_json
 from adapt.parallel import default_jobs
 from adapt.replay.cells import ReplayCell, compare_serial_parallel
 from adapt.replay.cost import roofline
@@ -61,21 +60,23 @@ def _report(name: str, requests, wall: float, metrics: dict) -> None:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--synthetic", type=int, default=200_000, help="size of the synthetic trace")
-    parser.add_argument("--policies", default=",".join(("fcfs", *LEARNED)), help="policies on the hour")
-    parser.add_argument("--json", metavar="OUT", help="write the figures as JSON here")
-    parser.add_argument("--jobs", type=int, default=default_jobs(), help="processes for section 4")
+    parser.add_argument("--synthetic", type=COUNT, default=200_000, help="size of the synthetic trace")
+    parser.add_argument(
+        "--policies", type=NAME_LIST, default=",".join(("fcfs", *LEARNED)), help="policies on the hour"
+    )
+    parser.add_argument("--json", type=OUTPUT, metavar="OUT", help="write the figures as JSON here")
+    parser.add_argument("--jobs", type=COUNT, default=default_jobs(), help="processes for section 4")
     parser.add_argument(
         "--ray", nargs="?", const="local", metavar="ADDRESS", help="section 4 on Ray too (default: local)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     azure = load_trace(bundled("azure_conv_2023.csv.gz"))
     requests = build_requests(azure)
     hour: dict[str, dict[str, float]] = {}
-    for policy in args.policies.split(","):
+    for policy in args.policies:
         wall, metrics = _replay(requests, "llama-2-13b", "a100-80g", policy=policy)
         _report(f"azure-conv hour, {policy}, llama-2-13b/a100-80g", requests, wall, metrics)
         hour[policy] = {"wall_s": round(wall, 3), "realtime_factor": round(metrics["makespan_s"] / wall, 1)}
@@ -120,8 +121,8 @@ def main() -> None:
             f" identical: {parallel['ray_identical']}"
         )
     print(line)
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+    if args.json is not None:
+        write_json(args.json, figures)
 
 
 if __name__ == "__main__":

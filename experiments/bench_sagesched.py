@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from adapt.cli.usage import COUNT
 from adapt.policy import RequestState
 from adapt.requests import SLO
 from adapt.traces import load_trace
@@ -37,10 +38,10 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
+    parser.add_argument("--repeats", type=COUNT, default=20)
+    args = parser.parse_args(argv)
     trace = load_trace(bundled("alpaca_eval_lengths.jsonl.gz"))
     prompts = list(dict.fromkeys(trace.prompt_text))
     embed(prompts[:4])  # load the model outside the timings

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 import os
 import statistics
@@ -33,6 +32,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from adapt.cli.usage import COUNT, NAME_LIST, OUTPUT, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -241,17 +242,17 @@ def _delivered(scheduler: Any) -> int | None:
     return summary["delivered"] + summary["supplied"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from serving_hooks.policies import servable_policies
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--running", type=int, default=256)
-    parser.add_argument("--waiting", type=int, default=1000)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--policies", default=",".join(servable_policies()))
+    parser.add_argument("--running", type=COUNT, default=256)
+    parser.add_argument("--waiting", type=COUNT, default=1000)
+    parser.add_argument("--steps", type=COUNT, default=100)
+    parser.add_argument("--policies", type=NAME_LIST, default=",".join(servable_policies()))
     parser.add_argument("--model", help="a model directory for vLLM's config (default: a tiny one)")
-    parser.add_argument("--json", metavar="OUT", help="write the figures as JSON here")
-    args = parser.parse_args()
+    parser.add_argument("--json", type=OUTPUT, metavar="OUT", help="write the figures as JSON here")
+    args = parser.parse_args(argv)
     logging.getLogger("vllm").setLevel(logging.WARNING)
     logging.getLogger("adapt").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="adapt-bench-") as tmp:
@@ -266,7 +267,7 @@ def main() -> None:
             f"{'running':>9}{'waiting':>9}"
         )
         report = {}
-        for policy in [None, *args.policies.split(",")]:
+        for policy in [None, *args.policies]:
             r = bench(model_dir, policy, args.running, args.waiting, args.steps)
             report["vllm" if policy is None else policy] = r
             label = "vllm (AsyncScheduler)" if policy is None else f"adapt: {policy}"
@@ -278,9 +279,9 @@ def main() -> None:
                 + (f"  ({r['prediction_errors']} failed model batches)" if r["prediction_errors"] else ""),
                 flush=True,
             )
-    if args.json:
+    if args.json is not None:
         settings = {"running": args.running, "waiting": args.waiting, "steps": args.steps}
-        Path(args.json).write_text(json.dumps({"settings": settings, "schedulers": report}, indent=2))
+        write_json(args.json, {"settings": settings, "schedulers": report})
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from adapt.cli.usage import COUNT, OUTPUT, RATE, SEED, write_json
 from adapt.requests import Request
 
 
@@ -163,20 +164,19 @@ def main(argv: list[str] | None = None) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--workload", default="jitserve-mix")
     source.add_argument("--trace")
-    parser.add_argument("--num-requests", type=int, default=50)
-    parser.add_argument("--rate", type=float, default=2.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-prompt-words", type=int, default=200)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--json", dest="json_out")
+    parser.add_argument("--num-requests", type=COUNT, default=50)
+    parser.add_argument("--rate", type=RATE, default=2.0)
+    parser.add_argument("--seed", type=SEED, default=0)
+    parser.add_argument("--max-prompt-words", type=COUNT, default=200)
+    parser.add_argument("--max-tokens", type=COUNT, default=64)
+    parser.add_argument("--json", dest="json_out", type=OUTPUT)
     args = parser.parse_args(argv)
     requests = load_requests(args)
     records = asyncio.run(run_load(args.url, args.model, requests, args.max_prompt_words, args.max_tokens))
     summary = summarise(records)
     print(json.dumps(summary, indent=2))
-    if args.json_out:
-        with open(args.json_out, "w") as handle:
-            json.dump({"summary": summary, "records": [r.__dict__ for r in records]}, handle, indent=2)
+    if args.json_out is not None:
+        write_json(args.json_out, {"summary": summary, "records": [r.__dict__ for r in records]})
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from adapt.cli.usage import COUNT, NAME_LIST, OUTPUT, write_json
+
 DEFAULT = "vllm-default"
 
 
@@ -174,14 +176,14 @@ def run(model: str, policy: str, args: argparse.Namespace) -> dict:
     raise RuntimeError(f"{policy}: no result (exit {done.returncode}):\n{done.stderr[-3000:]}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=768)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--policies", help="comma-separated (default: every servable policy)")
+    parser.add_argument("--requests", type=COUNT, default=768)
+    parser.add_argument("--max-tokens", type=COUNT, default=128)
+    parser.add_argument("--max-num-seqs", type=COUNT, default=64)
+    parser.add_argument("--policies", type=NAME_LIST, help="comma-separated (default: every servable policy)")
     parser.add_argument(
-        "--repeats", type=int, default=1, help="rounds over all configurations (median taken)"
+        "--repeats", type=COUNT, default=1, help="rounds over all configurations (median taken)"
     )
     parser.add_argument("--model", help="model directory (default: a generated tiny model)")
     parser.add_argument(
@@ -189,10 +191,10 @@ def main() -> None:
         action="store_true",
         help="requests arrive with their prompts' vectors (embedded before the burst, untimed)",
     )
-    parser.add_argument("--json", metavar="OUT", help="write the table as JSON here")
+    parser.add_argument("--json", type=OUTPUT, metavar="OUT", help="write the table as JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--vectors", help=argparse.SUPPRESS)  # --embedded: the workers' .npy
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         worker(args.model, args.worker, args.requests, args.max_tokens, args.max_num_seqs, args.vectors)
         return
@@ -216,7 +218,7 @@ def main() -> None:
         )
         from serving_hooks.policies import servable_policies
 
-        configs = [DEFAULT, *(args.policies.split(",") if args.policies else servable_policies())]
+        configs = [DEFAULT, *(args.policies or servable_policies())]
         runs: dict[str, list[dict]] = {policy: [] for policy in configs}
         for repeat in range(args.repeats):  # round robin, so a drift in machine speed hits all alike
             for policy in round_order(configs, repeat):
@@ -244,10 +246,10 @@ def main() -> None:
                 + ("" if row["finished"] == args.requests else f"  only {row['finished']} finished"),
                 flush=True,
             )
-        if args.json:
+        if args.json is not None:
             names = ("requests", "max_tokens", "max_num_seqs", "repeats", "embedded")
             settings = {k: getattr(args, k) for k in names}
-            Path(args.json).write_text(json.dumps({"settings": settings, "policies": report}, indent=2))
+            write_json(args.json, {"settings": settings, "policies": report})
 
 
 def round_order(configs: list[str], repeat: int) -> list[str]:

@@ -29,15 +29,14 @@ loop could win back, whatever the loop does.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from adapt.cli.usage import COUNT, NAME_LIST, OUTPUT, RATE_LIST, SEED_LIST, write_json
 from adapt.replay.cost import roofline
 from adapt.replay.engine import ReplayEngine
 from adapt.workloads import WORKLOADS, jitserve_mix
@@ -145,27 +144,26 @@ def table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--old", default=",".join(OLD), help="generators of the model before the upgrade")
-    parser.add_argument("--new", default=",".join(NEW), help="generators of the model after it")
-    parser.add_argument("--rates", default="2.0,3.0", help="jitserve-mix job rates (its default is 2.0)")
-    parser.add_argument("--requests", type=int, default=1500, help="jobs per replay")
-    parser.add_argument("--seeds", default="1,2,3")
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args(argv)
-    report = run(
-        tuple(args.old.split(",")),
-        tuple(args.new.split(",")),
-        [float(r) for r in args.rates.split(",")],
-        args.requests,
-        [int(s) for s in args.seeds.split(",")],
+    parser.add_argument(
+        "--old", type=NAME_LIST, default=",".join(OLD), help="generators of the model before the upgrade"
     )
+    parser.add_argument(
+        "--new", type=NAME_LIST, default=",".join(NEW), help="generators of the model after it"
+    )
+    parser.add_argument(
+        "--rates", type=RATE_LIST, default="2.0,3.0", help="jitserve-mix job rates (its default is 2.0)"
+    )
+    parser.add_argument("--requests", type=COUNT, default=1500, help="jobs per replay")
+    parser.add_argument("--seeds", type=SEED_LIST, default="1,2,3")
+    parser.add_argument("--json", type=OUTPUT, default=None)
+    args = parser.parse_args(argv)
+    report = run(tuple(args.old), tuple(args.new), args.rates, args.requests, args.seeds)
     print(f"old {', '.join(report['old'])} -> new {', '.join(report['new'])}")
     coverage = report["coverage"]
     print(f"coverage of the new answers: stale {coverage['stale']:.3f}, fresh {coverage['fresh']:.3f}")
     print(table(report))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
         print(f"wrote {args.json}")
     return 0
 

@@ -9,13 +9,13 @@ the same experiment so `mlflow ui` shows them next to the runs.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from adapt import tracking
+from adapt.cli.usage import prepare_output, write_json
 from adapt.plots import figure, save
 
 METRICS = ("ttft_mean", "ttlt_mean", "tbt_p99", "throughput_tps", "goodput_tokens", "slo_attainment")
@@ -95,6 +95,8 @@ def plot_versus_load(rows: list[dict[str, Any]], out: Path) -> list[Path]:
 
 
 def run_compare(experiment: str, metric: str, out_dir: str, json_out: str | None, log: bool = True) -> int:
+    if json_out is not None:  # a path it cannot write fails now, not after the runs were read
+        prepare_output(json_out)
     rows = collect_runs(experiment)
     if not rows:
         print(f"no replay runs in experiment {experiment!r} yet (adapt replay ... or adapt quickstart)")
@@ -106,8 +108,8 @@ def run_compare(experiment: str, metric: str, out_dir: str, json_out: str | None
     plots = plot_versus_load(rows, out)
     for path in plots:
         print(f"plot: {path}")
-    if json_out:
-        Path(json_out).write_text(json.dumps(rows, indent=2) + "\n")
+    if json_out is not None:
+        write_json(json_out, rows)
     if log:
         client = tracking.client()
         experiment_id = tracking.ensure_experiment(client, experiment, tracking.tracking_uri())

@@ -26,7 +26,6 @@ the first window from which every later one is (`experiments.drift_windows`).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from adapt.cli.usage import OUTPUT, OUTPUT_DIR, SEED_LIST, choice_list, number, write_json
 from adapt.hotswap import PolicySlots
 from adapt.plots import figure, save
 from adapt.registry import Registry
@@ -224,16 +224,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fast", action="store_true", help="180 s of traffic instead of 450 s, 20 s windows instead of 30 s"
     )
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"of {', '.join(SCENARIOS)}")
-    parser.add_argument("--margin", type=float, default=0.0, help="the gate's relative margin")
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--plot-dir", type=Path, default=Path("reports/drift"))
+    parser.add_argument("--seeds", type=SEED_LIST, default="0,1,2")
+    parser.add_argument(
+        "--scenarios",
+        type=choice_list(SCENARIOS),
+        default=",".join(SCENARIOS),
+        help=f"of {', '.join(SCENARIOS)}",
+    )
+    parser.add_argument(
+        "--margin", type=number(0.0, low_open=False), default=0.0, help="the gate's relative margin"
+    )
+    parser.add_argument("--json", type=OUTPUT, default=None)
+    parser.add_argument("--plot-dir", type=OUTPUT_DIR, default="reports/drift")
     args = parser.parse_args(argv)
     size = FAST if args.fast else FULL
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = args.seeds
     summaries = {}
-    for name in args.scenarios.split(","):
+    for name in args.scenarios:
         cells = {}
         for seed in seeds:
             started = time.perf_counter()
@@ -253,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {plot(name, summaries[name], args.plot_dir)}", file=sys.stderr)
     print(table(summaries))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"scenarios": summaries}, indent=2))
+        write_json(args.json, {"scenarios": summaries})
         print(f"wrote {args.json}")
     return 0
 

@@ -16,11 +16,10 @@ are left out; `sarathi` is `fcfs` at 512, so it is covered by the 512 budget.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 
+from adapt.cli.usage import COUNT_LIST, OUTPUT, SEED_LIST, write_json
 from adapt.replay.engine import EngineConfig
 from adapt.replay.runner import ReplaySetup, replay_policy
 from adapt.workloads import WORKLOADS
@@ -70,15 +69,14 @@ def measure(budgets: list[int], seeds: list[int], fast: bool) -> dict:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budgets", default="512,2048", help="token budgets to try")
-    parser.add_argument("--seeds", default="0", help="workload seeds (mean over them)")
+    parser.add_argument("--budgets", type=COUNT_LIST, default="512,2048", help="token budgets to try")
+    parser.add_argument("--seeds", type=SEED_LIST, default="0", help="workload seeds (mean over them)")
     parser.add_argument("--fast", action="store_true", help="the quickstart's --fast sizes")
-    parser.add_argument("--json", type=Path, help="write the measurements here")
-    args = parser.parse_args()
-    budgets = [int(b) for b in args.budgets.split(",")]
-    seeds = [int(s) for s in args.seeds.split(",")]
+    parser.add_argument("--json", type=OUTPUT, help="write the measurements here")
+    args = parser.parse_args(argv)
+    budgets, seeds = args.budgets, args.seeds
     result = measure(budgets, seeds, args.fast)
     print(f"{'workload':<15}" + "".join(f"{f'best baseline at {b}':>34}" for b in budgets) + "   chosen")
     for workload, row in result.items():
@@ -87,8 +85,8 @@ def main() -> None:
             for b in budgets
         )
         print(f"{workload:<15}{cells}   {row['chosen_budget']}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    if args.json is not None:
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

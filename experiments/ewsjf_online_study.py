@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from adapt.cli.usage import COUNT, OUTPUT, SEED_LIST, write_json
 from adapt.replay.cost import roofline
 from adapt.replay.engine import ReplayEngine
 from adapt.replay.metrics import ReplayResult
@@ -241,12 +240,12 @@ def table(steady: dict[str, Any], shift: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fast", action="store_true", help="1,500 steady and 2,160 shift requests")
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--window", type=int, default=100, help="ewsjf-online's window (arrivals)")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--seeds", type=SEED_LIST, default="0,1,2")
+    parser.add_argument("--window", type=COUNT, default=100, help="ewsjf-online's window (arrivals)")
+    parser.add_argument("--json", type=OUTPUT, default=None)
     args = parser.parse_args(argv)
     size = FAST if args.fast else FULL
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = args.seeds
     steady, shift = {}, {}
     for seed in seeds:
         started = time.perf_counter()
@@ -260,8 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(table(out["steady"], out["shift"]))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
         print(f"wrote {args.json}")
     return 0
 

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
-from pathlib import Path
 
-from adapt.cli.usage import add_parallel_arguments
+from adapt.cli.usage import COUNT, OUTPUT_DIR, add_parallel_arguments, write_json
 from adapt.online import tune
 from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.cost import add_overlap_argument
@@ -45,22 +43,21 @@ def row(metrics: dict) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--requests", type=COUNT, default=2000)
+    parser.add_argument("--trials", type=COUNT, default=20)
     add_overlap_argument(parser)
     add_parallel_arguments(parser)
-    parser.add_argument("--out", default="reports/ewsjf")
+    parser.add_argument("--out", type=OUTPUT_DIR, default="reports/ewsjf")
     parser.add_argument(
         "--decode-attention",
         choices=("sum", "max"),
         default="sum",
         help="max: uneven batches are paced by their longest context (where EWSJF's throughput gain shows)",
     )
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args = parser.parse_args(argv)
+    out = args.out
     spec = WORKLOADS["ewsjf-mixed"]
     lengths = history_lengths()
 
@@ -139,12 +136,10 @@ def main() -> None:
             f"  {label:<18} {s['queues']:>3}  {s['tokens_per_s']:.0f}  {s['short_ttft_mean']:.2f}"
             f"  {s['long_ttft_p99']:.1f}"
         )
-    (out / "ewsjf_study.json").write_text(
-        json.dumps(
-            {"tuned": result.params, "rewards": rewards, "table": table, "queue_study": study},
-            indent=2,
-            default=str,
-        )
+    write_json(
+        out / "ewsjf_study.json",
+        {"tuned": result.params, "rewards": rewards, "table": table, "queue_study": study},
+        default=str,
     )
     print(f"json: {out / 'ewsjf_study.json'}")
 

@@ -72,6 +72,8 @@ from typing import Any
 
 import numpy as np
 
+from adapt.cli.usage import prepare_output, write_json
+
 ERROR_KEYS = (  # what `error_summary` gives, for replay against live or live against its repeat
     "e2e_median_abs_pct_error",
     "e2e_p90_abs_pct_error",
@@ -668,13 +670,15 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def execute(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
-    """`adapt fidelity`: measure, print the table, write `--json`."""
+    """`adapt fidelity`: measure, print the table, write `--json` (checked before the live runs)."""
+    if args.json is not None:
+        prepare_output(args.json)
     args.policies = policies
     report = run(args, progress=lambda line: print(line, flush=True))
     print_table(report)
-    if args.json:
+    if args.json is not None:
         payload = report["results"][0] if len(policies) == 1 else report
-        Path(args.json).write_text(json.dumps(payload, indent=2))
+        write_json(args.json, payload)
     return report
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from adapt.cli.usage import add_parallel_arguments
+from adapt.cli.usage import COUNT, OUTPUT, SEED_LIST, add_parallel_arguments, write_json
 from adapt.registry import CHAMPION, Registry
 from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.cost import DEFAULT_OVERLAP
@@ -310,23 +310,25 @@ def own_budgets(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fast", action="store_true", help=f"{REQUESTS[True]} requests per run")
-    parser.add_argument("--seeds", default="1,2,3", help="seeds (azure: trace windows; others: arrivals)")
-    parser.add_argument("--requests", type=int, help=f"requests per run (default {REQUESTS[False]})")
+    parser.add_argument(
+        "--seeds", type=SEED_LIST, default="1,2,3", help="seeds (azure: trace windows; others: arrivals)"
+    )
+    parser.add_argument("--requests", type=COUNT, help=f"requests per run (default {REQUESTS[False]})")
     parser.add_argument("--store", help="MLflow store with the champions (default: the tracking URI)")
-    parser.add_argument("--json", metavar="OUT")
+    parser.add_argument("--json", type=OUTPUT, metavar="OUT")
     add_parallel_arguments(parser)
     args = parser.parse_args(argv)
     if args.store:  # workers read the store from the environment
         os.environ["MLFLOW_TRACKING_URI"] = args.store
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = args.seeds
     specs = champion_specs(Registry(), args.fast)
     report = run_study(specs, seeds, args.requests or REQUESTS[args.fast], args.jobs, args.ray)
     print(f"engine for every policy: {json.dumps(engine_settings())}{own_budgets(report)}")
     print(f"headline {HEADLINE.title}; a policy that dropped requests may not rank")
     for name, result in report["scenarios"].items():
         print(format_scenario(name, result, seeds))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.json is not None:
+        write_json(args.json, report)
     return 0
 
 

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from adapt.cli.usage import COUNT, OUTPUT, write_json
 
 BUNDLED_LOGS = sorted((Path(__file__).parent / "data").glob("steps_h100_*.csv"))
 SHAPE_COLUMNS: tuple[str, ...] = ("prefill_tokens", "prefill_cached", "decodes", "decode_context")
@@ -265,10 +266,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("measure", help="time step shapes on this machine's GPU")
-    run.add_argument("--out", type=Path, required=True, help="step log CSV to write")
+    run.add_argument("--out", type=OUTPUT, required=True, help="step log CSV to write")
     run.add_argument("--model", default="llama-2-7b", help="architecture preset (adapt.replay.cost.MODELS)")
-    run.add_argument("--pool-tokens", type=int, default=80_000, help="KV tokens per layer to allocate")
-    run.add_argument("--repeats", type=int, default=20, help="timed runs per shape (median kept)")
+    run.add_argument("--pool-tokens", type=COUNT, default=80_000, help="KV tokens per layer to allocate")
+    run.add_argument("--repeats", type=COUNT, default=20, help="timed runs per shape (median kept)")
     cmp = commands.add_parser("compare", help="which roofline form predicts the measured mixed steps")
     cmp.add_argument(
         "--log", type=Path, action="append", help="step log written by measure (default: the bundled ones)"
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     cmp.add_argument(
         "--gpu", default="h100-80g", help="GPU preset the log was measured on (adapt.replay.cost.GPUS)"
     )
-    cmp.add_argument("--json", type=Path, help="write the comparison here")
+    cmp.add_argument("--json", type=OUTPUT, help="write the comparison here")
     args = parser.parse_args(argv)
     if args.command == "measure":
         measure(args.out, args.model, args.pool_tokens, args.repeats)
@@ -286,8 +287,8 @@ def main(argv: list[str] | None = None) -> None:
         results = [compare_forms(log, args.gpu) for log in args.log or BUNDLED_LOGS]
         for result in results:
             print_comparison(result)
-        if args.json:
-            args.json.write_text(json.dumps(results, indent=2, default=_finite))
+        if args.json is not None:
+            write_json(args.json, results, default=_finite)
 
 
 def _finite(value: object) -> object:

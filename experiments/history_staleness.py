@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from adapt.cli.usage import COUNT, NAME_LIST, OUTPUT, RATE_LIST, SEED_LIST, write_json
 from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.runner import ReplaySetup
 from adapt.workloads import WORKLOADS, sagesched_mix
@@ -101,27 +100,25 @@ def table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--old", default=",".join(OLD), help="generators of the model before the change")
-    parser.add_argument("--new", default=",".join(NEW), help="generators of the model after it")
-    parser.add_argument("--rates", default="3.0,4.5", help="sagesched-mix rates (its default is 3.0)")
-    parser.add_argument("--requests", type=int, default=2000, help="requests per replay")
-    parser.add_argument("--seeds", default="1,2,3")
-    parser.add_argument("--jobs", type=int, default=None, help="replay processes (default: one per core)")
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args(argv)
-    report = run(
-        tuple(args.old.split(",")),
-        tuple(args.new.split(",")),
-        [float(r) for r in args.rates.split(",")],
-        args.requests,
-        [int(s) for s in args.seeds.split(",")],
-        args.jobs,
+    parser.add_argument(
+        "--old", type=NAME_LIST, default=",".join(OLD), help="generators of the model before the change"
     )
+    parser.add_argument(
+        "--new", type=NAME_LIST, default=",".join(NEW), help="generators of the model after it"
+    )
+    parser.add_argument(
+        "--rates", type=RATE_LIST, default="3.0,4.5", help="sagesched-mix rates (its default is 3.0)"
+    )
+    parser.add_argument("--requests", type=COUNT, default=2000, help="requests per replay")
+    parser.add_argument("--seeds", type=SEED_LIST, default="1,2,3")
+    parser.add_argument("--jobs", type=COUNT, default=None, help="replay processes (default: one per core)")
+    parser.add_argument("--json", type=OUTPUT, default=None)
+    args = parser.parse_args(argv)
+    report = run(tuple(args.old), tuple(args.new), args.rates, args.requests, args.seeds, args.jobs)
     print(f"old {', '.join(report['old'])} -> new {', '.join(report['new'])}; mean TTLT (s)")
     print(table(report))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
         print(f"wrote {args.json}")
     return 0
 

@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from adapt.cli.usage import add_parallel_arguments
+from adapt.cli.usage import COUNT, OUTPUT_DIR, RATE_LIST, SEED_LIST, add_parallel_arguments, write_json
 from adapt.policy import Policy, RequestState
 from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.cost import DEFAULT_OVERLAP, add_overlap_argument
@@ -207,24 +205,23 @@ def markdown(study: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="2.0,2.5,3.0")
-    parser.add_argument("--requests", type=int, default=1500, help="jobs per run (compound jobs add calls)")
-    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--rates", type=RATE_LIST, default="2.0,2.5,3.0")
+    parser.add_argument("--requests", type=COUNT, default=1500, help="jobs per run (compound jobs add calls)")
+    parser.add_argument("--seeds", type=SEED_LIST, default="0,1,2")
     parser.add_argument("--components", default="fit", help="fit (bundled data), champion, or vN")
     parser.add_argument("--ablations", action="store_true", help="also run jitserve with parts switched off")
     add_overlap_argument(parser)
     add_parallel_arguments(parser)
-    parser.add_argument("--out", default="reports/jitserve")
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    parser.add_argument("--out", type=OUTPUT_DIR, default="reports/jitserve")
+    args = parser.parse_args(argv)
+    out = args.out
     qrf, patterns = load_components(args.components)
     study = run_study(
-        [float(r) for r in args.rates.split(",")],
+        args.rates,
         args.requests,
-        [int(s) for s in args.seeds.split(",")],
+        args.seeds,
         qrf,
         patterns,
         args.ablations,
@@ -232,7 +229,7 @@ def main() -> None:
         args.jobs,
         args.ray,
     )
-    (out / "jitserve_study.json").write_text(json.dumps(study, indent=2))
+    write_json(out / "jitserve_study.json", study)
     text = markdown(study)
     (out / "jitserve_study.md").write_text(text + "\n")
     print(text)

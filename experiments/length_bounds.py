@@ -19,15 +19,14 @@ prompt, and a refresh whose prompt embedding is cached) and per request in a bat
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from adapt.cli.usage import COUNT, OUTPUT, RATE, SEED_LIST, write_json
 from adapt.traces import load_trace
 from adapt.workloads import bundled
 
@@ -101,11 +100,11 @@ def replay_goodput(bounds: dict[str, Any], rate: float, requests: int, seeds: li
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(bundled("alpaca_eval_lengths.jsonl.gz")))
-    parser.add_argument("--rate", type=float, default=3.0, help="jitserve-mix job rate for the replay")
-    parser.add_argument("--requests", type=int, default=1500, help="jobs per replay")
-    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--rate", type=RATE, default=3.0, help="jitserve-mix job rate for the replay")
+    parser.add_argument("--requests", type=COUNT, default=1500, help="jobs per replay")
+    parser.add_argument("--seeds", type=SEED_LIST, default="0")
     parser.add_argument("--no-replay", action="store_true")
-    parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON")
+    parser.add_argument("--json", type=OUTPUT, metavar="OUT", help="also write the figures as JSON")
     args = parser.parse_args(argv)
 
     from adapt.traces import split_by_instruction
@@ -121,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(["", *tables(results)]))
     goodput = None
     if not args.no_replay:
-        seeds = [int(s) for s in args.seeds.split(",")]
+        seeds = args.seeds
         bounds = {label: model for label, (model, _) in fitted.items()}
         goodput = replay_goodput(bounds, args.rate, args.requests, seeds)
         print(
@@ -130,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         for label, value in goodput.items():
             print(f"  {label:<36} {value / 1e6:.3f} M tokens")
-    if args.json:
+    if args.json is not None:
         report = {
             "data": args.data,
             "train": len(train),
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
             "predictors": results,
             "goodput": goodput,
         }
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
         print(f"wrote {args.json}")
 
 

@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
-import json
 import math
 import os
 import subprocess
@@ -51,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from adapt.cli.usage import OUTPUT, RATE, SEED, choice_list, write_json
 from adapt.requests import Request
 from adapt.workloads.drift import chat_to_summaries, pre_shift_lengths
 from experiments.drift_windows import mean_after, window_means
@@ -310,15 +310,13 @@ def _swap(swap: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fast", action="store_true")
-    parser.add_argument("--arms", default=",".join(ARMS))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rate", type=float, help="requests per second (default: the size's)")
-    parser.add_argument("--json", metavar="OUT")
+    parser.add_argument("--arms", type=choice_list(ARMS), default=",".join(ARMS))
+    parser.add_argument("--seed", type=SEED, default=0)
+    parser.add_argument("--rate", type=RATE, help="requests per second (default: the size's)")
+    parser.add_argument("--json", type=OUTPUT, metavar="OUT")
     parser.add_argument("--keep", metavar="DIR", help="keep the stores, logs and server logs here")
     args = parser.parse_args(argv)
-    arms = args.arms.split(",")
-    if unknown := set(arms) - set(ARMS):
-        parser.error(f"--arms: unknown {sorted(unknown)}; expected some of {', '.join(ARMS)}")
+    arms = args.arms
     size = FAST if args.fast else FULL
     if args.rate is not None:
         size = dataclasses.replace(size, rate=args.rate)
@@ -337,8 +335,8 @@ def main(argv: list[str] | None = None) -> None:
             },
         }
     print_table(report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.json is not None:
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

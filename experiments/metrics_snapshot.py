@@ -26,6 +26,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from adapt.cli.usage import DURATION, OUTPUT
+
 POLICY = "jitserve:batch_size=2:waiting_time_s=0.5"
 CLIENTS = 5
 SCRAPE_EVERY_S = 2.0
@@ -154,11 +156,11 @@ def plot(scrapes: list[tuple[float, dict]], promoted_at: float, out: Path) -> No
     fig.savefig(out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--out", default="docs/images/adapt-metrics.png")
-    args = parser.parse_args()
+    parser.add_argument("--seconds", type=DURATION, default=60.0)
+    parser.add_argument("--out", type=OUTPUT, default="docs/images/adapt-metrics.png")
+    args = parser.parse_args(argv)
     from adapt.cli import main as adapt
     from adapt.registry import Registry
     from adapt.workloads.compound import generate_graphs

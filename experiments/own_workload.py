@@ -27,15 +27,21 @@ would gain over the best baseline, and how much of that the learned policy reach
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from adapt.cli.usage import add_parallel_arguments
+from adapt.cli.usage import (
+    COUNT,
+    OUTPUT,
+    POSITIVE_LIST,
+    SEED_LIST,
+    add_parallel_arguments,
+    choice_list,
+    write_json,
+)
 from adapt.registry import CHAMPION, Registry
 from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.runner import ReplaySetup
@@ -208,18 +214,22 @@ def _settings_line(settings: dict[str, Any]) -> str:
     return line + (f" (own settings: {own})" if own else "")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="1,2,3", help="held-out workload seeds (0 is tuned on)")
-    parser.add_argument("--scales", default="1,1.5", help="multiples of each workload's default rate")
-    parser.add_argument("--requests", type=int, help="requests per run (default: the workload's)")
-    parser.add_argument("--workloads", default=",".join(t.workload for t in TARGETS))
+    parser.add_argument(
+        "--seeds", type=SEED_LIST, default="1,2,3", help="held-out workload seeds (0 is tuned on)"
+    )
+    parser.add_argument(
+        "--scales", type=POSITIVE_LIST, default="1,1.5", help="multiples of each workload's default rate"
+    )
+    parser.add_argument("--requests", type=COUNT, help="requests per run (default: the workload's)")
+    names = [t.workload for t in TARGETS]
+    parser.add_argument("--workloads", type=choice_list(names), default=",".join(names))
     add_parallel_arguments(parser)
-    parser.add_argument("--json", metavar="OUT")
-    args = parser.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",")]
-    scales = [float(s) for s in args.scales.split(",")]
-    targets = [t for t in TARGETS if t.workload in args.workloads.split(",")]
+    parser.add_argument("--json", type=OUTPUT, metavar="OUT")
+    args = parser.parse_args(argv)
+    seeds, scales = args.seeds, args.scales
+    targets = [t for t in TARGETS if t.workload in args.workloads]
     registry = Registry()
 
     cells = []
@@ -261,7 +271,7 @@ def main() -> None:
             outcome = verdict(target, table, scale, barred)
             settings = engine_settings(target, table)
             rate = WORKLOADS[target.workload].rate * scale
-            print(f"\n{target.workload} at {rate:g} req/s (x{scale}), seeds {args.seeds}: {headline.title}")
+            print(f"\n{target.workload} at {rate:g} req/s (x{scale}), seeds {seeds}: {headline.title}")
             print(f"  engine: {_settings_line(settings)}")
             width = max(map(len, table))
             print(f"  {'':<{width}} {'headline':>10}   served / worst P99 TTFT / worst attainment")
@@ -300,8 +310,8 @@ def main() -> None:
                     "attainment_by_class": by_class,
                 }
             )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"seeds": seeds, "results": report}, indent=2) + "\n")
+    if args.json is not None:
+        write_json(args.json, {"seeds": seeds, "results": report})
 
 
 if __name__ == "__main__":

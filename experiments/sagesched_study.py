@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from adapt.cli.usage import add_parallel_arguments
+from adapt.cli.usage import COUNT, OUTPUT_DIR, RATE_LIST, SEED_LIST, add_parallel_arguments, write_json
 from adapt.policy import Policy
 from adapt.registry import load_reference
 from adapt.replay.cells import ReplayCell, replay_cells
@@ -175,32 +173,33 @@ def markdown(study: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="3.0,4.5", help="req/s (default: the workload's rate and 1.5x it)")
-    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument(
+        "--rates", type=RATE_LIST, default="3.0,4.5", help="req/s (default: the workload's rate and 1.5x it)"
+    )
+    parser.add_argument("--requests", type=COUNT, default=2000)
     parser.add_argument("--history", default="fit", help="fit (bundled train split), champion, or vN")
-    parser.add_argument("--seeds", default="0,1,2", help="workload seeds; the table averages them")
+    parser.add_argument(
+        "--seeds", type=SEED_LIST, default="0,1,2", help="workload seeds; the table averages them"
+    )
     parser.add_argument(
         "--token-budget",
-        type=int,
+        type=COUNT,
         default=WORKLOADS["sagesched-mix"].token_budget,
         help="engine tokens per step (vLLM max_num_batched_tokens); default: the workload's, 512",
     )
     add_overlap_argument(parser)
     add_parallel_arguments(parser)
-    parser.add_argument("--out", default="reports/sagesched")
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    parser.add_argument("--out", type=OUTPUT_DIR, default="reports/sagesched")
+    args = parser.parse_args(argv)
+    out, rates, seeds = args.out, args.rates, args.seeds
     history = load_history(args.history)
-    rates = [float(r) for r in args.rates.split(",")]
-    seeds = [int(s) for s in args.seeds.split(",")]
     study = run_study(
         rates, args.requests, history, seeds, args.token_budget, args.overlap, args.jobs, args.ray
     )
     study["history"] = {**history.get_params(), "size": history.size, **history.metadata}
-    (out / "sagesched_study.json").write_text(json.dumps(study, indent=2, default=str))
+    write_json(out / "sagesched_study.json", study, default=str)
     text = markdown(study)
     (out / "sagesched_study.md").write_text(text + "\n")
     print(text)

@@ -20,13 +20,20 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from adapt.cli.usage import add_parallel_arguments
+from adapt.cli.usage import (
+    COUNT,
+    OUTPUT_DIR,
+    RATE,
+    RATE_LIST,
+    SEED_LIST,
+    add_parallel_arguments,
+    write_json,
+)
 from adapt.plots import figure, save
 from adapt.policy import Policy
 from adapt.replay.cells import ReplayCell, replay_cells
@@ -150,31 +157,29 @@ def headline(seed: int, table: dict[str, dict[float, dict[str, Any]]]) -> dict[s
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=800)
-    parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--tune-rate", type=float, default=2.8)
-    parser.add_argument("--rates", default=",".join(str(r) for r in RATES))
+    parser.add_argument("--requests", type=COUNT, default=800)
+    parser.add_argument("--trials", type=COUNT, default=20)
+    parser.add_argument("--tune-rate", type=RATE, default=2.8)
+    parser.add_argument("--rates", type=RATE_LIST, default=",".join(str(r) for r in RATES))
     parser.add_argument(
         "--seeds",
+        type=SEED_LIST,
         default="0",
         help="traces to sweep; the offset is tuned on seed 0 only, the rest are held out",
     )
     add_overlap_argument(parser)
     add_parallel_arguments(parser)
-    parser.add_argument("--out", default="reports/slai")
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    parser.add_argument("--out", type=OUTPUT_DIR, default="reports/slai")
+    args = parser.parse_args(argv)
+    out, rates, seeds = args.out, args.rates, args.seeds
 
     print(f"tuning slai-offset at {args.tune_rate} req/s ({args.trials} trials)", file=sys.stderr)
     objective = ReplayObjective(args.tune_rate, args.requests, overlap=args.overlap)
     tuned = SlaiOffset().fit(objective, n_trials=args.trials, jobs=args.jobs)
     print(f"tuned offset: thresholds {tuned.thresholds_}, levels {tuned.levels_}", file=sys.stderr)
 
-    rates = [float(r) for r in args.rates.split(",")]
-    seeds = [int(s) for s in args.seeds.split(",")]
     tables = sweep(rates, args.requests, seeds, tuned, args.overlap, args.jobs, args.ray)
     headlines = []
     for seed, table in tables.items():
@@ -198,20 +203,18 @@ def main() -> None:
             f" sarathi-fcfs {h['sarathi_ttft_p50']:.3f} s, " + ", ".join(parts)
         )
     plot = kv_plot(max(rates), args.requests, tuned, out, args.overlap)
-    (out / "slai_study.json").write_text(
-        json.dumps(
-            {
-                "overlap": args.overlap,
-                "tuned": tuned.rule(),
-                "rates": rates,
-                "headlines": headlines,
-                "tables": {
-                    str(seed): {k: {str(r): v for r, v in row.items()} for k, row in table.items()}
-                    for seed, table in tables.items()
-                },
+    write_json(
+        out / "slai_study.json",
+        {
+            "overlap": args.overlap,
+            "tuned": tuned.rule(),
+            "rates": rates,
+            "headlines": headlines,
+            "tables": {
+                str(seed): {k: {str(r): v for r, v in row.items()} for k, row in table.items()}
+                for seed, table in tables.items()
             },
-            indent=2,
-        )
+        },
     )
     print(f"plot: {plot}\njson: {out / 'slai_study.json'}")
 

@@ -21,7 +21,7 @@ from pipelines.outcome import TrainOutcome
 @dataclass(frozen=True)
 class TrainOptions:
     """What `adapt train` accepts (its flags under the same names); each entry reads the options
-    that apply to its component."""
+    that apply to its component (`CatalogueEntry.options`), and the CLI refuses the others."""
 
     data: str | None = None
     test_share: float = 0.3
@@ -35,11 +35,18 @@ class TrainOptions:
     jobs: int = 1
 
 
+# Every entry reads these (the gate's); `CatalogueEntry.options` lists the others an entry reads.
+SHARED_OPTIONS = frozenset({"promote_if_better", "margin"})
+PROMPT_OPTIONS = frozenset({"data", "test_share", "replay"})
+TUNING_OPTIONS = frozenset({"rate", "num_requests", "trials", "overlap", "jobs"})
+
+
 @dataclass(frozen=True)
 class CatalogueEntry:
     """One component: how to train it from CLI options, score a registered version on a data file
     (`evaluate`, optional), and refit it from a serving log directory (`retrain`, optional:
-    components tuned on replay are retrained by `adapt tune`)."""
+    components tuned on replay are retrained by `adapt tune`). `options`: the `TrainOptions` its
+    `train` reads beyond `SHARED_OPTIONS`, so that `adapt train` refuses a flag it would ignore."""
 
     name: str
     summary: str
@@ -48,6 +55,7 @@ class CatalogueEntry:
     evaluate: Callable[..., dict[str, float]] | None = None
     retrain: retrain.Retrainer | None = None
     needs_data: bool = False
+    options: frozenset[str] = frozenset()
 
 
 def _train_cost_model(registry: Registry, o: TrainOptions) -> TrainOutcome:
@@ -107,12 +115,14 @@ CATALOGUE: dict[str, CatalogueEntry] = {
             _train_cost_model,
             retrain=retrain.retrain_cost_model,
             needs_data=True,
+            options=frozenset({"data"}),
         ),
         CatalogueEntry(
             "slai-offset",
             "SLAI's KV-pressure-dependent decode offset, tuned by Optuna on replay of slai-tiers",
             "none (tuned on replay; --rate, --num-requests, --trials, --overlap)",
             _train_slai_offset,
+            options=TUNING_OPTIONS,
         ),
         CatalogueEntry(
             "ewsjf-meta-policy",
@@ -130,6 +140,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
             retrain=retrain.prompt_retrainer(
                 "semantic-history", semantic_history.train_semantic_history, "wasserstein"
             ),
+            options=PROMPT_OPTIONS,
         ),
         CatalogueEntry(
             "qrf-length",
@@ -138,6 +149,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
             _prompt_trainer(jitserve.train_qrf_length),
             evaluate=jitserve.evaluate_qrf_length,
             retrain=retrain.prompt_retrainer("qrf-length", jitserve.train_qrf_length, "pinball_loss"),
+            options=PROMPT_OPTIONS,
         ),
         CatalogueEntry(
             "neural-length",
@@ -148,6 +160,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
             retrain=retrain.prompt_retrainer(
                 "neural-length", neural_length.train_neural_length, "pinball_loss"
             ),
+            options=PROMPT_OPTIONS,
         ),
         CatalogueEntry(
             "pattern-graph",
@@ -156,6 +169,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
             _train_pattern_graph,
             evaluate=jitserve.evaluate_pattern_graph,
             retrain=retrain.retrain_pattern_graph,
+            options=frozenset({"data", "replay"}),
         ),
     )
 }

@@ -62,15 +62,16 @@ def server_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The child's argv and environment (exposed for tests and for users wrapping it)."""
     from adapt import tracking
-    from serving_hooks.policies import parse_policy_spec
 
-    parse_policy_spec(policy)  # an unknown policy fails here, not inside the engine process
     if watch_interval_s <= 0:
         raise ValueError(f"--watch-interval: must be > 0, got {watch_interval_s}")
     if log_decisions and log_dir is None:
         raise ValueError("--log-decisions: give --log-dir, where the decision log goes")
+    if log_prompts and log_dir is None:
+        raise ValueError("--log-prompts: give --log-dir, where the request log goes")
     if drift_margin is not None and not 0 <= drift_margin <= 1:
         raise ValueError(f"--drift-margin: must be in [0, 1], got {drift_margin}")
+    check_servable(policy)
     status = (
         Path(status_file) if status_file else Path(tempfile.mkdtemp(prefix="adapt-serve-")) / "status.json"
     )
@@ -120,6 +121,21 @@ def server_command(
         # engine: sagesched 0.74 of vLLM's default against 0.955, `bench_throughput --embedded`).
         env.setdefault("ADAPT_EMBEDDING_PROCESS", "1")
     return argv, env
+
+
+def check_servable(policy: str) -> None:
+    """Build the policy `policy` names and check vLLM can serve it (`adapt.mechanics`), so a bad
+    parameter, a missing component version or an oracle fails here in one line, not inside the
+    engine process after the model has loaded. The engine checks it again against the token budget
+    it was started with, which only vLLM knows."""
+    from adapt.mechanics import check_policy
+    from adapt.registry import RegistryError
+    from serving_hooks.policies import make_policy_from_spec
+
+    try:
+        check_policy(make_policy_from_spec(policy), "vllm")
+    except (ValueError, RegistryError) as exc:
+        raise ValueError(f"--policy: {exc}") from exc
 
 
 def serve(model: str, policy: str, **kwargs) -> int:

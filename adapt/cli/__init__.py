@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from adapt.cli.usage import (
     COUNT,
@@ -32,6 +32,9 @@ from adapt.cli.usage import (
     number,
 )
 from adapt.traces import FORMATS, load_trace, trace_stats
+
+if TYPE_CHECKING:
+    from pipelines.catalogue import CatalogueEntry, TrainOptions
 
 MARGIN = number(0.0, low_open=False)  # a relative improvement a candidate must show
 EXIT_USAGE, EXIT_BUG = 2, 70  # 70: EX_SOFTWARE (sysexits.h)
@@ -158,21 +161,50 @@ def _print_outcome(name: str, outcome) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from dataclasses import fields
-
-    from pipelines.catalogue import TrainOptions, entry
+    from pipelines.catalogue import entry
 
     component = entry(args.component)
     if component.needs_data and not args.data:
         raise UsageError(f"{args.component}: --data is required ({component.data_help})")
-    options = TrainOptions(**{field.name: getattr(args, field.name) for field in fields(TrainOptions)})
+    options = _train_options(args, component)
     _print_outcome(args.component, component.train(_registry(args), options))
     return 0
 
 
+def _train_options(args: argparse.Namespace, component: CatalogueEntry) -> TrainOptions:
+    """The `TrainOptions` given on the command line (a flag left out is None there, so the field
+    keeps its default), refusing any the component does not read: `train slai-offset --data X`
+    once exited 0 and registered a version as if X had been used. `--jobs` counts as given when it
+    differs from its default (every core), as `adapt tune` reads it."""
+    from dataclasses import fields
+
+    from adapt.parallel import default_jobs
+    from pipelines.catalogue import SHARED_OPTIONS, TrainOptions
+
+    names = [field.name for field in fields(TrainOptions)]
+    values = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    given = [name for name in values if not (name == "jobs" and values[name] == default_jobs())]
+    read = SHARED_OPTIONS | component.options
+    unused = [_train_flag(name) for name in given if name not in read]
+    if unused:
+        takes = ", ".join(_train_flag(name) for name in names if name in read)
+        raise UsageError(
+            f"train {component.name}: {', '.join(unused)} not used by this component (it reads {takes})"
+        )
+    return TrainOptions(**values)
+
+
+def _train_flag(option: str) -> str:
+    """The `adapt train` flag that sets a `TrainOptions` field."""
+    return "--no-replay" if option == "replay" else f"--{option.replace('_', '-')}"
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    from adapt.cli.usage import prepare_output, write_json
     from pipelines.catalogue import entry
 
+    if args.json_out is not None:  # a path it cannot write fails now, not after the evaluation
+        prepare_output(args.json_out)
     evaluate = entry(args.component).evaluate
     assert evaluate is not None  # argparse's choices are the evaluable components
     metrics = evaluate(_registry(args), args.data, alias=args.alias, version=args.version)
@@ -188,8 +220,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         print(f"{args.component} on {args.data}")
         for key, value in metrics.items():
             print(f"  {key}: {value:.4g}")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(metrics, indent=2))
+    if args.json_out is not None:
+        write_json(args.json_out, metrics)
     return 0
 
 
@@ -468,14 +500,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--test-share",
         type=number(0.0, 1.0),
-        default=0.3,
-        help="semantic-history, qrf-length, neural-length: share of instructions held out",
+        help="semantic-history, qrf-length, neural-length: share of instructions held out (default 0.3)",
     )
     train.add_argument("--promote-if-better", action="store_true")
     train.add_argument(
         "--no-replay",
         dest="replay",
         action="store_false",
+        default=None,  # None: not given (`_train_options`), so the component's default applies
         help="semantic-history, qrf-length, neural-length, pattern-graph: skip the replay check (the"
         " policy the component drives, replayed with candidate and champion; a candidate that"
         " schedules worse is not promoted)",
@@ -483,10 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--margin", type=MARGIN, default=0.0, help="relative improvement required to promote")
     train.add_argument("--rate", type=RATE, help="slai-offset: arrival rate to tune at (default 2.0)")
     train.add_argument("--num-requests", type=COUNT, help="slai-offset: requests per replay (default 800)")
-    train.add_argument("--trials", type=COUNT, default=20, help="slai-offset: Optuna trials")
+    train.add_argument("--trials", type=COUNT, help="slai-offset: Optuna trials (default 20)")
     add_overlap_argument(train, help=SLAI_OVERLAP_HELP)
     add_parallel_arguments(train, ray=False)
-    train.set_defaults(func=cmd_train)
+    train.set_defaults(func=cmd_train, overlap=None)  # None: not given (`_train_options`)
 
     evaluate = sub.add_parser("evaluate", help="score a registered component on any data file")
     evaluate.add_argument("component", choices=evaluable())

@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
 
-from adapt.cli.usage import COUNT, DELAY, DURATION, RATE, SEED, UsageError, add_parallel_arguments, given
+from adapt.cli.usage import (
+    COUNT,
+    DELAY,
+    DURATION,
+    NAME_LIST,
+    OUTPUT,
+    RATE,
+    SEED,
+    UsageError,
+    add_parallel_arguments,
+    given,
+    write_json,
+)
 from adapt.replay.cells import ReplayCell, replay_cells
 from adapt.replay.cluster import ROUTERS
 from adapt.replay.cost import GPUS, MODELS, add_overlap_argument
 from adapt.replay.engine import EngineConfig
 from adapt.replay.runner import ReplaySetup, log_to_mlflow
+from adapt.requests import Request
 from adapt.traces import load_trace
-from adapt.workloads import WORKLOADS, get_workload
+from adapt.workloads import WORKLOADS, WorkloadSpec, get_workload
 from adapt.workloads.builders import trace_requests
 from serving_hooks.policies import (
     POLICIES,
@@ -51,6 +63,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--workload", choices=sorted(WORKLOADS), help="a named workload")
     parser.add_argument(
         "--policies",
+        type=NAME_LIST,
         default="fcfs,sjf-oracle",
         help=(
             f"comma-separated NAME or NAME:key=value:..., NAME from {','.join(POLICIES)}; or"
@@ -103,7 +116,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         help="roofline (default), or a registered cost-model fitted to a real engine: champion or a version",
     )
     parser.add_argument("--seed", type=SEED, default=0)
-    parser.add_argument("--json", metavar="OUT", help="write {workload, policies} JSON here")
+    parser.add_argument("--json", type=OUTPUT, metavar="OUT", help="write {workload, policies} JSON here")
     parser.add_argument("--no-mlflow", action="store_true", help="do not log runs to MLflow")
     parser.add_argument("--experiment", default="replay", help="MLflow experiment name")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -147,10 +160,32 @@ def _workload_setup(args: argparse.Namespace) -> ReplaySetup:
         )
     num = math.ceil(wanted)
     requests = spec.build(rate, num, args.seed)
+    if args.num_requests is None and args.duration is not None:
+        num, requests = _reach_duration(spec, rate, args.seed, args.duration, num, requests)
     info = spec.info(rate, num, args.seed)
+    if args.duration is not None:  # num_requests becomes the count kept; this one rebuilds them
+        info["generated_requests"] = num
     return ReplaySetup(
         requests, info, given(args.model, spec.model), given(args.gpu, spec.gpu), given(args.tp, spec.tp)
     )
+
+
+def _reach_duration(
+    spec: WorkloadSpec, rate: float, seed: int, duration: float, num: int, requests: list[Request]
+) -> tuple[int, list[Request]]:
+    """`--duration S` keeps the arrivals before S; if every generated request arrived before S, the
+    window's end would be empty where the arrival process has more. So the count doubles, and the
+    workload is generated afresh, until an arrival reaches S (or the source has no more: azure-conv's
+    trace ends). A generator draws per count -- a larger count is another sequence, not a longer
+    one -- so the requests are those of the first count in num * 2**k that reaches S: the same for
+    the same workload, rate, seed and S, and `generated_requests` in the workload info."""
+    while max((r.arrival_s for r in requests), default=0.0) < duration and num < MAX_GENERATED:
+        more = min(2 * num, MAX_GENERATED)
+        grown = spec.build(rate, more, seed)
+        if len(grown) <= len(requests):
+            break
+        num, requests = more, grown
+    return num, requests
 
 
 def check_tp(model: str, tp: int) -> None:
@@ -168,6 +203,7 @@ def build_setup(args: argparse.Namespace) -> ReplaySetup:
     check_tp(setup.model, setup.tp)
     if args.duration is not None:
         setup.requests = [r for r in setup.requests if r.arrival_s < args.duration]
+        setup.workload["duration_s"] = args.duration
     if not setup.requests:
         raise UsageError("no requests to replay (check --duration / --num-requests)")
     setup.workload.update(model=setup.model, gpu=setup.gpu, tp=setup.tp, num_requests=len(setup.requests))
@@ -222,9 +258,7 @@ def pin_component_aliases(policies: list[str]) -> dict[str, tuple[tuple[str, str
 
 
 def run_replay_command(args: argparse.Namespace) -> int:
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if not policies:
-        raise UsageError("--policies: none given")
+    policies = list(args.policies)
     given_specs, resolved = list(policies), {}  # resolved: policy-config@vN -> the spec it runs
     for index, spec in enumerate(given_specs):
         try:
@@ -298,18 +332,7 @@ def run_replay_command(args: argparse.Namespace) -> int:
         if metrics["dropped"]:
             causes = ", ".join(f"{n} {cause}" for cause, n in metrics["dropped_by_reason"].items())
             print(f"{policy}: {metrics['dropped']} dropped ({causes})", file=sys.stderr)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "workload": setup.workload,
-                    "policies": results,
-                    "policy_params": policy_params,
-                },
-                indent=2,
-                default=str,
-            )
-            + "\n"
-        )
+    if args.json is not None:
+        document = {"workload": setup.workload, "policies": results, "policy_params": policy_params}
+        write_json(args.json, document, default=str)
     return 0

@@ -2,16 +2,22 @@
 
 Every flag is checked for type, range and finiteness as argparse reads it (no `x or default`
 later that would turn a 0 into the default, no `inf` rate reaching a workload generator), and a bad
-one is the same one line, exit 2, as every other error the CLI reports.
+one is the same one line, exit 2, as every other error the CLI reports. So are a comma list's items
+(`SEED_LIST`, `choice_list`) and an output path (`OUTPUT`: checked, and its folder made, before the work
+whose result it holds; `write_json` then writes it whole or not at all). The experiment scripts use the
+same types, so a bad flag there fails as argparse reads it too.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
-from collections.abc import Callable
-from typing import NoReturn, TypeVar
+import secrets
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
 
@@ -88,6 +94,130 @@ DURATION = number(0.0, 1e10, says="> 0 and below 1e+10")
 DELAY = number(0.0, 1e10, low_open=False, says=">= 0 and below 1e+10")
 COUNT = integer()
 SEED = integer(0)
+
+
+def choice(choices: Iterable[str]) -> Callable[[str], str]:
+    """An argparse type: one of `choices`, for a list item (a lone flag has argparse's `choices`)."""
+    names = tuple(choices)
+
+    def parse(raw: str) -> str:
+        if raw not in names:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(names)}, got {raw!r}")
+        return raw
+
+    return parse
+
+
+def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """An argparse type: comma-separated items, each read by the argparse type `item`. An empty
+    item (`1,,2`, a trailing comma, `''`) or one given twice is refused rather than skipped or
+    counted twice: either is a typo, and a study run on it averages over the wrong seeds."""
+
+    def parse(raw: str) -> list[T]:
+        values: list[T] = []
+        for piece in (piece.strip() for piece in raw.split(",")):
+            if not piece:
+                raise argparse.ArgumentTypeError(f"expected comma-separated items, none empty; got {raw!r}")
+            try:
+                value = item(piece)
+            except argparse.ArgumentTypeError as exc:
+                raise argparse.ArgumentTypeError(f"each item {exc}") from None
+            if value in values:
+                raise argparse.ArgumentTypeError(f"{piece} given twice (in {raw!r})")
+            values.append(value)
+        return values
+
+    return parse
+
+
+def choice_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
+    """An argparse type: some of `choices`, comma-separated; an unknown name fails as the flag is
+    read, not after the earlier names' results were computed (or silently dropped)."""
+    return comma_list(choice(choices))
+
+
+SEED_LIST = comma_list(SEED)
+COUNT_LIST = comma_list(COUNT)
+RATE_LIST = comma_list(RATE)
+POSITIVE_LIST = comma_list(POSITIVE)
+NAME_LIST = comma_list(str)
+
+
+def prepare_output(raw: str) -> Path:
+    """The file a command writes when its work is done (`--json OUT`), checked and its folder made
+    before the work starts: a path it cannot write then fails in a second, not after the minutes of
+    work whose result it was to hold. Raises `UsageError`."""
+    if not raw.strip():
+        raise UsageError("empty output path")
+    path = Path(raw)
+    if path.is_dir():
+        raise UsageError(f"{raw}: is a directory; expected a file to write")
+    _make_folder(path.parent, raw)
+    return path
+
+
+def prepare_output_dir(raw: str) -> Path:
+    """A folder a command writes its results into (`--out DIR`), made and checked before the work
+    starts, for the reason `prepare_output` gives. Raises `UsageError`."""
+    if not raw.strip():
+        raise UsageError("empty output folder")
+    path = Path(raw)
+    _make_folder(path, raw)
+    return path
+
+
+def _make_folder(folder: Path, raw: str) -> None:
+    """Make `folder` (given as part of the flag value `raw`) and check this process may write in it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # the folder, or a folder above it, is a file
+        raise UsageError(f"{raw}: cannot make the folder {folder}: a part of that path is a file") from None
+    except OSError as exc:
+        raise UsageError(f"{raw}: cannot make the folder {folder}: {exc.strerror}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{raw}: cannot write in {folder} (permission denied)")
+
+
+def _argparse_type(prepare: Callable[[str], Path]) -> Callable[[str], Path]:
+    """`prepare` as an argparse type: argparse shows an ArgumentTypeError's message, while for a
+    ValueError (which a UsageError is) it prints only 'invalid value'."""
+
+    def parse(raw: str) -> Path:
+        try:
+            return prepare(raw)
+        except UsageError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = prepare.__name__
+    return parse
+
+
+OUTPUT = _argparse_type(prepare_output)
+OUTPUT_DIR = _argparse_type(prepare_output_dir)
+
+
+def _write_whole(path: str | Path, text: str) -> None:
+    """Write through a temporary file beside `path` and `os.replace`: a reader, or a run killed
+    mid-write, sees the old file or the whole new one, never a truncated one. A symbolic link is
+    followed, so the file it points at is the one replaced."""
+    target = Path(os.path.realpath(path))
+    temporary = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | Path, data: Any, **dumps: Any) -> None:
+    """`data` as indented JSON (`dumps`: json.dumps's other options, `default=str`), written as
+    `_write_whole` writes: whole or not at all."""
+    _write_whole(path, json.dumps(data, indent=2, **dumps) + "\n")
 
 
 def add_api_key_argument(parser: argparse.ArgumentParser, flag: str, whose: str) -> None:

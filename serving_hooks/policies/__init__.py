@@ -129,6 +129,8 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
         key, sep, raw = assignment.partition("=")
         if not sep or not key:
             raise ValueError(f"policy {spec!r}: expected key=value after ':', got {assignment!r}")
+        if key in params:  # not the last one silently: which of two values was meant is unknown
+            raise ValueError(f"policy {spec!r}: {key} given twice")
         try:
             params[key] = json.loads(raw)
         except json.JSONDecodeError:

@@ -125,12 +125,24 @@ def noisy_oracle(sigma: float, seed: int = 0) -> LengthPredictor:
     return predict
 
 
+def _check_predictor(predict: Any) -> None:
+    """Refuse a `predict` that is not a function of a request. Only code can hand one over
+    (`make_policy("ltr", predict=...)`); a spec's value (a string, a number) used to reach the
+    policy as it was and fail at the first arrival."""
+    if predict is not None and not callable(predict):
+        raise ValueError(
+            f"predict: expected a length predictor (a function of a request, given in code), got"
+            f" {predict!r}; a spec cannot give one: leave predict out for the noisy oracle (sigma)"
+        )
+
+
 class LTR(PriorityPolicy):
     """Rank by a point prediction of the output length made once on arrival (learning-to-rank)."""
 
     name = "ltr"
 
     def __init__(self, predict: LengthPredictor | None = None, sigma: float = 0.5, seed: int = 0) -> None:
+        _check_predictor(predict)
         super().__init__()
         self.needs_oracle = predict is None
         self.predict = predict or noisy_oracle(sigma, seed)
@@ -166,6 +178,7 @@ class Trail(PriorityPolicy):
         preempt_before: int = 256,
         seed: int = 0,
     ) -> None:
+        _check_predictor(predict)
         super().__init__()
         self.needs_oracle = predict is None
         self.predict = predict or noisy_oracle(sigma, seed)

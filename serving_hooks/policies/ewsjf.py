@@ -45,6 +45,17 @@ class LengthQueue:
         self.assigned: deque[int] = deque(maxlen=ROUTED_KEPT)
 
 
+def _check_meta(meta: Any) -> None:
+    """Refuse a `meta` the policy cannot read its layout and weights from: a spec's number or list
+    reaches the constructor as it is (only a string is a registry reference, which `make_policy`
+    loads first), and used to fail with an AttributeError when the replay started."""
+    if not (meta is None or isinstance(meta, dict) or callable(getattr(meta, "w_urg", None))):
+        raise ValueError(
+            "meta: expected a registered ewsjf-meta-policy (a version vN or an alias such as champion),"
+            f" a dict of its parameters, or null, got {meta!r}"
+        )
+
+
 class EWSJF(Policy):
     name = "ewsjf"
     components = {"meta": "ewsjf-meta-policy"}  # noqa: RUF012
@@ -56,6 +67,7 @@ class EWSJF(Policy):
         prefill_base_s: float = 0.01,
         prefill_per_token_s: float = 5e-5,
     ) -> None:
+        _check_meta(meta)
         if meta is None or isinstance(meta, dict):
             meta = EwsjfMetaPolicy(**(meta or {}))
             meta.queues_ = [QueueSpec(**q) for q in (queues or DEFAULT_LAYOUT)]

@@ -114,6 +114,8 @@ class JITServe(Policy):
             raise ValueError("cutoff(s): must be in (0, 1]")
         if not 0 <= fairness <= 1:
             raise ValueError(f"fairness: must be in [0, 1], got {fairness}")
+        _check_part("qrf", qrf, ("predict_bound",), "qrf-length or neural-length")
+        _check_part("patterns", patterns, ("stage_share", "stage_output_bound"), "pattern-graph")
         _check_bound_source(qrf)
         self.qrf = qrf
         if getattr(qrf, "name", None) in self.alternatives["qrf"]:  # follow (and report) that name
@@ -673,6 +675,17 @@ class _Asked(NamedTuple):
     qrf: Any
     payload: tuple[Any, float, tuple[int, str, int]]
     at_s: float
+
+
+def _check_part(attribute: str, part: Any, methods: tuple[str, ...], components: str) -> None:
+    """Refuse a `qrf` or `patterns` without the methods the policy calls: a spec's number or list
+    reaches the constructor as it is (only a string is a registry reference, which `make_policy`
+    loads first), and used to fail mid-replay at the first request that asked it."""
+    if part is not None and not all(callable(getattr(part, method, None)) for method in methods):
+        raise ValueError(
+            f"{attribute}: expected a registered {components} (a version vN or an alias such as"
+            f" champion) or null, got {part!r}"
+        )
 
 
 def _check_bound_source(qrf: Any) -> None:

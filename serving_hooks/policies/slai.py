@@ -54,6 +54,11 @@ def last_schedulable_time(
     return last + tbt - offset * mean_batch_time_s
 
 
+def _is_number(value: Any) -> bool:
+    """A finite real number (not a bool, which a spec's `true` would give)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 class SLAI(PriorityPolicy):
     """SLAI with a fixed or KV-dependent offset (see module docstring)."""
 
@@ -78,6 +83,10 @@ class SLAI(PriorityPolicy):
             from predictors.slai_offset import SlaiOffset
 
             offset = SlaiOffset(**(offset or {}))  # a dict is a policy-config's serialised offset
+        elif not callable(offset) and not _is_number(offset):
+            raise ValueError(
+                f"offset: expected a number of batch times, a slai-offset or its parameters, got {offset!r}"
+            )
         self.offset = offset
         self.prefill_order = prefill_order
         self.paying_first = paying_first

@@ -78,6 +78,7 @@ def test_replay_trace_without_timestamps_needs_rate(tmp_path, shared_traces, cap
         (["--num-requests", "0"], "--num-requests: must be > 0"),
         (["--replicas", "0"], "--replicas"),
         (["--policies", "fcfs,spf,fcfs"], "fcfs given twice"),
+        (["--policies", "fcfs,,sjf-oracle"], "--policies: expected comma-separated items, none empty"),
     ],
 )
 def test_replay_bad_arguments_exit_2_with_one_line(capsys, args, message):
@@ -353,3 +354,78 @@ def test_a_learned_policy_replays_with_the_champion_it_would_serve_pinned_at_the
     params = json.loads(out.read_text())["policy_params"]
     assert params["ewsjf"]["meta_version"] == params[f"policy-config@v{config}"]["meta_version"] == second
     assert params[f"ewsjf:meta=v{first}"]["meta_version"] == first
+
+
+def test_a_duration_is_filled_to_its_end_and_recorded(tmp_path, monkeypatch):
+    """slai-tiers seed 8 at 0.8 req/s: the 58 requests first generated for 60 s all arrive by 57.1 s,
+    where a Poisson process has more up to 60 s; the workload is generated again, larger, until an
+    arrival reaches 60 s, and the JSON says the window and what was generated."""
+    import dataclasses
+
+    from adapt.workloads import WORKLOADS
+
+    spec = WORKLOADS["slai-tiers"]
+    last_arrivals = []
+
+    def build(rate, num, seed):
+        requests = spec.build(rate, num, seed)
+        last_arrivals.append(max(r.arrival_s for r in requests))
+        return requests
+
+    monkeypatch.setitem(WORKLOADS, "slai-tiers", dataclasses.replace(spec, build=build))
+    out = tmp_path / "d.json"
+    args = ["replay", "--workload", "slai-tiers", "--duration", "60", "--seed", "8", "--policies", "fcfs"]
+    assert main([*args, "--json", str(out), "--no-mlflow", "--quiet", "--jobs", "1"]) == 0
+    assert last_arrivals[0] < 60 <= last_arrivals[-1]
+    workload = json.loads(out.read_text())["workload"]
+    assert workload["duration_s"] == 60
+    kept = [r for r in spec.build(0.8, workload["generated_requests"], 8) if r.arrival_s < 60]
+    assert workload["num_requests"] == len(kept)
+
+
+@pytest.mark.parametrize("where", ["empty", "directory", "under a file"])
+def test_a_json_path_it_cannot_write_fails_before_the_replay(tmp_path, monkeypatch, capsys, where):
+    """Checked as the flag is read: not after the replays ran and their MLflow runs were logged."""
+    from adapt.cli import replay as cli_replay
+
+    def replayed(*args, **kwargs):
+        raise AssertionError("the replay ran")
+
+    monkeypatch.setattr(cli_replay, "replay_cells", replayed)
+    (tmp_path / "afile").write_text("x")
+    path, message = {
+        "empty": ("", "empty output path"),
+        "directory": (str(tmp_path), "is a directory"),
+        "under a file": (str(tmp_path / "afile" / "r.json"), "a part of that path is a file"),
+    }[where]
+    args = ["replay", "--workload", "slai-tiers", "--num-requests", "5", "--policies", "fcfs", "--quiet"]
+    assert main([*args, "--json", path]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("adapt: error: argument --json: ") and message in err[0]
+
+
+def test_a_trace_that_is_a_directory_is_named_as_one(tmp_path, capsys):
+    assert main(["replay", "--trace", str(tmp_path), "--rate", "1", "--no-mlflow", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "is a directory; expected a trace file" in err and "no such file" not in err
+
+
+def test_evaluate_compare_and_fidelity_check_their_json_path_before_the_work(tmp_path, monkeypatch, capsys):
+    import experiments.fidelity
+    import pipelines.catalogue
+
+    def ran(*args, **kwargs):
+        raise AssertionError("the work ran")
+
+    monkeypatch.setattr(pipelines.catalogue, "entry", ran)
+    monkeypatch.setattr(experiments.fidelity, "run", ran)
+    (tmp_path / "afile").write_text("x")
+    bad = str(tmp_path / "afile" / "out.json")
+    for command in (
+        ["evaluate", "qrf-length", "--data", str(tmp_path / "d.jsonl"), "--json", bad],
+        ["compare", "--out", str(tmp_path / "plots"), "--json", bad, "--no-mlflow"],
+        ["fidelity", "--policy", "fcfs", "--json", ""],
+    ):
+        assert main(command) == 2, command
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and ("a part of that path is a file" in err[0] or "empty output path" in err[0])

@@ -282,3 +282,44 @@ def test_cli_on_a_file_whose_rows_are_all_skipped(tmp_path, capsys):
     assert main(["trace", "stats", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "zero.csv: no usable rows" in err[0]
+
+
+@pytest.mark.parametrize(
+    "moment", ["1900-01-01 00:00:00", "9999-01-01 00:00:00", "1969-12-31 23:59:59+00:00"]
+)
+def test_a_date_time_is_held_to_the_range_numeric_timestamps_are(tmp_path, moment):
+    path = write(tmp_path / "raw.csv", f"TIMESTAMP,ContextTokens,GeneratedTokens\n{moment},10,5\n")
+    with pytest.raises(TraceError, match=r"raw\.csv:2: field 'TIMESTAMP': date-time out of range"):
+        load_trace(path)
+
+
+def test_azures_seven_digit_fraction_keeps_its_utc_offset(tmp_path):
+    """`...46.6805900+05:00` was cut to 26 characters, dropping the offset: read as a naive local
+    time, five hours away from the next row, which kept its offset."""
+    path = write(
+        tmp_path / "raw.csv",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900+05:00,10,1\n"
+        "2023-11-16 18:15:47+05:00,20,2\n"
+        "2023-11-16 13:15:48.0000000+00:00,30,3\n",
+    )
+    assert load_trace(path).arrival_s.tolist() == pytest.approx([0.0, 0.31941, 1.31941])
+
+
+def test_a_date_time_without_an_offset_is_utc_wherever_the_trace_is_loaded(tmp_path, monkeypatch):
+    """Read as local time, two rows 90 minutes apart in UTC were 150 minutes apart in New York,
+    across the night its clocks went back."""
+    import time
+
+    path = write(
+        tmp_path / "raw.csv",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-05 01:30:00,10,1\n2023-11-05 03:00:00,20,2\n",
+    )
+    monkeypatch.setenv("TZ", "EST5EDT,M3.2.0,M11.1.0")  # POSIX rules: no time-zone database needed
+    time.tzset()
+    try:
+        arrivals = load_trace(path).arrival_s.tolist()
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert arrivals == [0.0, 5400.0]

@@ -23,6 +23,19 @@ from serving_hooks.policies import POLICIES, make_policy, make_policy_from_spec
         ("slai-fixed:budget=5", "it takes offset, prefill_order,"),  # slai's, passed on through **kwargs
         ("spf:victim=oldest", "victim: expected one of priority, newest, got 'oldest'"),
         ("sagesched:victim=3", "victim: expected a string"),
+        # a component given as a number or list reached the policy and failed mid-replay (exit 70)
+        ("jitserve:qrf=5", "qrf: expected a registered qrf-length or neural-length"),
+        ("jitserve:qrf=[1]", "qrf: expected a registered qrf-length"),
+        ("jitserve-oracle:qrf=true", "qrf: expected a registered qrf-length"),
+        ("jitserve:patterns=5", "patterns: expected a registered pattern-graph"),
+        ("slai:offset=[1]", "offset: expected a number of batch times, a slai-offset or its parameters"),
+        ("slai:offset=true", "offset: expected a number of batch times"),
+        ("ewsjf:meta=5", "meta: expected a registered ewsjf-meta-policy"),
+        ("ewsjf-online:meta=[1]", "meta: expected a registered ewsjf-meta-policy"),
+        ("ltr:predict=nope", "predict: expected a length predictor"),
+        ("trail:predict=5", "a spec cannot give one"),
+        # the last of two values used to run silently
+        ("spf:victim=priority:victim=newest", "victim given twice"),
     ],
 )
 def test_bad_spec_values_are_one_line_naming_the_parameter(spec, message):
@@ -45,6 +58,10 @@ def test_bad_spec_values_are_one_line_naming_the_parameter(spec, message):
         "sagesched:preempt_on_flip=true",
         "spf:victim=newest",
         "sagesched:victim=newest",
+        "jitserve:qrf=null:patterns=null",
+        "ewsjf:meta=null",
+        "ewsjf:meta={}",
+        "ltr:predict=null",
     ],
 )
 def test_valid_specs_still_build(spec):
@@ -77,3 +94,19 @@ def test_a_policy_built_with_an_alternative_follows_and_reports_that_name():
     assert policy.components == {"qrf": "neural-length", "patterns": "pattern-graph"}
     assert JITServe.components["qrf"] == "qrf-length"  # the class default is untouched
     assert JITServe().components["qrf"] == "qrf-length"
+
+
+def test_component_instances_and_code_given_predictors_pass_the_type_check():
+    """What the checks let through: the components `make_policy` loads (unfitted ones here) and
+    a predictor handed over in code."""
+    from predictors.ewsjf_meta import EwsjfMetaPolicy, QueueSpec
+    from predictors.pattern_graph import PatternGraph
+    from predictors.qrf_length import QrfLength
+
+    meta = EwsjfMetaPolicy()
+    meta.queues_ = [QueueSpec(low=0, high=10_000, mean=100, share=1.0)]
+    jitserve = make_policy("jitserve", qrf=QrfLength(generated_features=0), patterns=PatternGraph())
+    assert jitserve.qrf is not None and jitserve.patterns is not None
+    assert len(make_policy("ewsjf", meta=meta).queues) == 1
+    assert make_policy("ltr", predict=lambda request: 10.0).needs_oracle is False
+    assert make_policy("trail", predict=lambda request: 10.0).needs_oracle is False
