@@ -94,7 +94,9 @@ def plot_versus_load(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     return paths
 
 
-def run_compare(experiment: str, metric: str, out_dir: str, json_out: str | None, log: bool = True) -> int:
+def run_compare(
+    experiment: str, metric: str, out_dir: str | Path, json_out: str | Path | None, log: bool = True
+) -> int:
     if json_out is not None:  # a path it cannot write fails now, not after the runs were read
         prepare_output(json_out)
     rows = collect_runs(experiment)

@@ -357,7 +357,7 @@ def _print_bound(name: str, outcome: Any) -> None:
 def run_quickstart(
     *,
     fast: bool = False,
-    out_dir: str = "reports/quickstart",
+    out_dir: str | Path = "reports/quickstart",
     mlflow: bool = True,
     serve: bool = False,
     jobs: int | None = None,

@@ -11,7 +11,6 @@ need them, so `adapt trace stats` answers in well under a second.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -21,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 from adapt.cli.usage import (
     COUNT,
     DURATION,
+    OUTPUT,
+    OUTPUT_DIR,
     POSITIVE,
     RATE,
     Parser,
@@ -30,6 +31,7 @@ from adapt.cli.usage import (
     given,
     integer,
     number,
+    write_json,
 )
 from adapt.traces import FORMATS, load_trace, trace_stats
 
@@ -42,12 +44,6 @@ SLAI_OVERLAP_HELP = (
     "slai: the replay's roofline form -- one per step, or linear and attention added as the SLAI"
     " paper's batch-time model does (adapt/replay/cost.py)"
 )
-
-
-def _write_json(path: str | None, data: Any) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
 def _fmt(value: Any) -> str:
@@ -72,7 +68,8 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
             f"{side:<11} mean {_fmt(s['mean'])}  median {_fmt(s['median'])}"
             f"  p90 {_fmt(s['p90'])}  p99 {_fmt(s['p99'])}"
         )
-    _write_json(args.json, stats)
+    if args.json is not None:
+        write_json(args.json, stats)
     return 0
 
 
@@ -200,11 +197,8 @@ def _train_flag(option: str) -> str:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from adapt.cli.usage import prepare_output, write_json
     from pipelines.catalogue import entry
 
-    if args.json_out is not None:  # a path it cannot write fails now, not after the evaluation
-        prepare_output(args.json_out)
     evaluate = entry(args.component).evaluate
     assert evaluate is not None  # argparse's choices are the evaluable components
     metrics = evaluate(_registry(args), args.data, alias=args.alias, version=args.version)
@@ -459,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("file")
     stats.add_argument("--format", choices=FORMATS, help="override format detection")
     stats.add_argument("--tokenizer", default="minilm-wordpiece", help="for text datasets")
-    stats.add_argument("--json", metavar="OUT")
+    stats.add_argument("--json", type=OUTPUT, metavar="OUT")
     stats.set_defaults(func=cmd_trace_stats)
 
     from adapt.cli.replay import add_replay_arguments
@@ -528,7 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     which = evaluate.add_mutually_exclusive_group()
     which.add_argument("--alias", default="champion", help="an alias (default: champion)")
     which.add_argument("--version", type=COUNT, help="a version number instead of an alias")
-    evaluate.add_argument("--json", dest="json_out", metavar="OUT", help="also write the metrics here")
+    evaluate.add_argument(
+        "--json", dest="json_out", type=OUTPUT, metavar="OUT", help="also write the metrics here"
+    )
     evaluate.set_defaults(func=cmd_evaluate)
 
     tune = sub.add_parser("tune", help="Bayesian optimisation of a policy on replay; registers the best")
@@ -590,8 +586,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--experiment", default="quickstart", help="MLflow experiment (replay's default: replay)"
     )
     compare.add_argument("--metric", default="ttlt_mean")
-    compare.add_argument("--out", default="reports/compare")
-    compare.add_argument("--json", metavar="OUT")
+    compare.add_argument("--out", type=OUTPUT_DIR, default="reports/compare")
+    compare.add_argument("--json", type=OUTPUT, metavar="OUT")
     compare.add_argument("--no-mlflow", action="store_true", help="do not log the comparison as a run")
     compare.set_defaults(func=cmd_compare)
 
@@ -669,7 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the policy spec to replay from each run's start (default: the one the log names;"
         " component versions always come from the log)",
     )
-    conformance.add_argument("--json", help="write the report here")
+    conformance.add_argument("--json", type=OUTPUT, help="write the report here")
     conformance.set_defaults(func=cmd_conformance)
 
     fidelity = sub.add_parser(
@@ -705,7 +701,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --keep: re-analyse runs already kept there instead of serving again",
     )
-    fidelity.add_argument("--json", help="write the report here (one policy: its record alone)")
+    fidelity.add_argument("--json", type=OUTPUT, help="write the report here (one policy: its record alone)")
     fidelity.set_defaults(func=cmd_fidelity)
 
     tiny = sub.add_parser("tiny-model", help="a tiny random Llama + tokenizer for trying vLLM on a CPU")
@@ -714,7 +710,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     quick = sub.add_parser("quickstart", help="end to end on the bundled data")
     quick.add_argument("--fast", action="store_true", help="smaller workloads (under 90 s on 2 cores)")
-    quick.add_argument("--out", default="reports/quickstart", help="where the report and plots go")
+    quick.add_argument(
+        "--out", type=OUTPUT_DIR, default="reports/quickstart", help="where the report and plots go"
+    )
     quick.add_argument(
         "--serve",
         action="store_true",

@@ -15,11 +15,10 @@ starts a new run.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from adapt.cli.usage import UsageError
+from adapt.cli.usage import UsageError, write_json
 from adapt.conformance import compare, read_decision_log, replay_decisions
 from adapt.registry import load_reference, version_of
 from adapt.replay.engine import ENGINE_FILE, EngineConfig
@@ -94,6 +93,5 @@ def run_conformance(log_dir: str, policy: str | None, json_path: str | None) -> 
     print(f"{identical:,} of {steps:,} steps identical over {len(reports)} run(s)")
     if json_path:
         report = {"policy": policy, "log_dir": str(log_dir), "steps": steps, "identical": identical}
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps({**report, "runs": reports}, indent=2) + "\n")
+        write_json(json_path, {**report, "runs": reports})
     return 0 if identical == steps else 1

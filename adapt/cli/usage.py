@@ -143,10 +143,11 @@ POSITIVE_LIST = comma_list(POSITIVE)
 NAME_LIST = comma_list(str)
 
 
-def prepare_output(raw: str) -> Path:
+def prepare_output(given: str | os.PathLike[str]) -> Path:
     """The file a command writes when its work is done (`--json OUT`), checked and its folder made
     before the work starts: a path it cannot write then fails in a second, not after the minutes of
     work whose result it was to hold. Raises `UsageError`."""
+    raw = os.fspath(given)
     if not raw.strip():
         raise UsageError("empty output path")
     path = Path(raw)
@@ -156,9 +157,10 @@ def prepare_output(raw: str) -> Path:
     return path
 
 
-def prepare_output_dir(raw: str) -> Path:
+def prepare_output_dir(given: str | os.PathLike[str]) -> Path:
     """A folder a command writes its results into (`--out DIR`), made and checked before the work
     starts, for the reason `prepare_output` gives. Raises `UsageError`."""
+    raw = os.fspath(given)
     if not raw.strip():
         raise UsageError("empty output folder")
     path = Path(raw)

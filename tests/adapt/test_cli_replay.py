@@ -410,7 +410,7 @@ def test_a_trace_that_is_a_directory_is_named_as_one(tmp_path, capsys):
     assert "is a directory; expected a trace file" in err and "no such file" not in err
 
 
-def test_evaluate_compare_and_fidelity_check_their_json_path_before_the_work(tmp_path, monkeypatch, capsys):
+def test_every_command_checks_its_output_paths_before_the_work(tmp_path, monkeypatch, capsys):
     import experiments.fidelity
     import pipelines.catalogue
 
@@ -424,7 +424,11 @@ def test_evaluate_compare_and_fidelity_check_their_json_path_before_the_work(tmp
     for command in (
         ["evaluate", "qrf-length", "--data", str(tmp_path / "d.jsonl"), "--json", bad],
         ["compare", "--out", str(tmp_path / "plots"), "--json", bad, "--no-mlflow"],
+        ["compare", "--out", str(tmp_path / "afile" / "plots"), "--no-mlflow"],
         ["fidelity", "--policy", "fcfs", "--json", ""],
+        ["trace", "stats", str(tmp_path / "afile"), "--json", bad],
+        ["conformance", "--log-dir", str(tmp_path), "--json", bad],
+        ["quickstart", "--out", str(tmp_path / "afile" / "report")],
     ):
         assert main(command) == 2, command
         err = capsys.readouterr().err.strip().splitlines()
