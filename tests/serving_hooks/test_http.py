@@ -13,6 +13,9 @@ from collections.abc import Callable, Iterator
 import pytest
 from starlette.applications import Starlette
 from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from serving_hooks import http, prompt_embedder
@@ -138,3 +141,37 @@ def test_vllm_api_key_keys_the_status_unless_api_key_arguments_replace_it(status
     client = status_route(["from-args"])
     assert client.get("/v1/adapt/status", headers={"authorization": "Bearer from-env"}).status_code == 401
     assert client.get("/v1/adapt/status", headers={"authorization": "Bearer from-args"}).status_code == 200
+
+
+@pytest.fixture
+def behind_vllms_key_check(monkeypatch) -> TestClient:
+    """Our middleware outside vLLM's own key check (`--api-key k`), as vLLM adds a `--middleware`
+    after it, before routes that echo the body they get."""
+    authenticate = pytest.importorskip("vllm.entrypoints.serve.middleware.authenticate")
+
+    async def echo(request: Request) -> JSONResponse:
+        return JSONResponse(json.loads(await request.body()))
+
+    monkeypatch.setenv(prompt_embedder.ENABLED_ENV, "0")
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    app = Starlette(
+        routes=[Route(path, echo, methods=["POST"]) for path in ("/v1/completions", "/invocations")]
+    )
+    app.state.args = Namespace(api_key=["k"])
+    app.add_middleware(authenticate.AuthenticationMiddleware, tokens=["k"])
+    app.add_middleware(BaseHTTPMiddleware, dispatch=http.adapt_middleware)
+    return TestClient(app)
+
+
+def test_a_request_without_the_key_gets_vllms_401_whatever_its_xargs(behind_vllms_key_check):
+    """Its body was read and checked first: a 400 for its `vllm_xargs` where vLLM answers 401."""
+    client, bad = behind_vllms_key_check, {"prompt": "four", "vllm_xargs": {"deadline_s": -3}}
+    for headers in ({}, {"authorization": "Bearer nope"}):
+        answer = client.post("/v1/completions", json=bad, headers=headers)
+        assert (answer.status_code, answer.json()) == (401, {"error": "Unauthorized"}), headers
+    keyed = client.post("/v1/completions", json=bad, headers={"authorization": "Bearer k"})
+    assert keyed.status_code == 400 and keyed.json()["error"]["param"] == "vllm_xargs.deadline_s"
+    # vLLM lets /invocations through without a key: its `vllm_xargs` are checked here all the same.
+    assert client.post("/invocations", json=bad).status_code == 400
+    good = {"prompt": "four", "vllm_xargs": {"deadline_s": 3}}
+    assert client.post("/invocations", json=good).json() == good

@@ -318,3 +318,95 @@ def _ranked(generated: int, estimate: float, request_id: str) -> RequestState:
     state = _request(SLO(), first=0.1, finish=1.0, generated=generated, request_id=request_id)
     state.cache["estimate"] = estimate
     return state
+
+
+def _sagesched_like(history: str = "semantic-history") -> SimpleNamespace:
+    """What `publish` and `finished` read of a policy holding a length predictor (bounds and
+    estimates from it), with SLAI's offset."""
+    return SimpleNamespace(
+        name="sagesched",
+        components={"history": history},
+        length_bound=lambda state: (history, 100),
+        length_estimate=lambda state: (history, state.tokens_generated),
+        neighbour_match=lambda state: (history, True),
+        current_offset=lambda kv_usage: 2.0,
+        offset=SimpleNamespace(rule=lambda: {"thresholds": [0.6]}),
+    )
+
+
+PER_COMPONENT = (
+    "adapt_component_version",
+    "adapt_component_last_swap_timestamp_seconds",
+    "adapt_length_bound_coverage",
+    "adapt_length_bound_overestimate_ratio",
+    "adapt_length_bound_window_requests",
+    "adapt_length_bound_heldout_coverage",
+    "adapt_length_bound_drift_alarm",
+    "adapt_semantic_neighbour_share",
+    "adapt_length_rank_correlation",
+)
+
+
+def _per_component(metrics: SchedulerMetrics, name: str) -> dict[str, float | None]:
+    return {gauge: _value(metrics, gauge, component=name) for gauge in PER_COMPONENT}
+
+
+def test_a_whole_policy_swap_retires_the_old_components_figures_and_a_swap_back_is_no_new_version():
+    """After sagesched -> spf the status still reported semantic-history v3 over 300 requests, its
+    gauges and SLAI's and the prediction gauges kept their values, and swapping back to the same
+    v3 counted a second swap though one version only ever went live."""
+    metrics = SchedulerMetrics()
+    sagesched, spf = _sagesched_like(), SimpleNamespace(name="spf", components={})
+    for i in range(300):
+        metrics.finished(
+            _request(SLO(), first=0.1, finish=1.0, generated=50 + i % 100), "finished", sagesched
+        )
+    slot = fake_slot("semantic-history", 3, swaps=1, held_out={"coverage_at_0": 0.9}, last=1e9)
+    live = SimpleNamespace(slots={"history": slot}, config_slot=None)
+    predictions = {"share_on_prior": 0.25, "mean_wait_s": 0.01, "refused": 2}
+    quality = metrics.publish(
+        0.0, policy=sagesched, waiting=[], running=0, kv_usage=0.5, live=live, predictions=predictions
+    )
+    assert quality["semantic-history"]["requests"] == 300
+    assert all(value is not None for value in _per_component(metrics, "semantic-history").values())
+
+    spf_live = SimpleNamespace(slots={}, config_slot=None)
+    assert metrics.publish(1.0, policy=spf, waiting=[], running=0, kv_usage=0.5, live=spf_live) == {}
+    assert _per_component(metrics, "semantic-history") == dict.fromkeys(PER_COMPONENT)
+    for gauge in (
+        "adapt_slai_offset_batches",
+        "adapt_slai_kv_threshold",
+        "adapt_prediction_prior_share",
+        "adapt_prediction_wait_seconds",
+        "adapt_prediction_refused",
+    ):
+        assert math.isnan(_value(metrics, gauge)), gauge
+    assert _value(metrics, "adapt_policy_info", policy="spf") == 1
+
+    back = _sagesched_like()  # a fresh policy and slot, whose first load is v3 again
+    fresh = fake_slot("semantic-history", 3, swaps=0)  # the version shows before the swap is counted
+    live = SimpleNamespace(slots={"history": fresh}, config_slot=None)
+    for swaps in (0, 1):
+        fresh.swaps = swaps
+        quality = metrics.publish(2.0 + swaps, policy=back, waiting=[], running=0, kv_usage=0.5, live=live)
+    assert _value(metrics, "adapt_component_swaps_total", component="semantic-history") == 1
+    assert _value(metrics, "adapt_component_version", component="semantic-history") == 3
+    assert quality == {}  # nothing finished under the policy that came back
+    assert _value(metrics, "adapt_length_bound_coverage", component="semantic-history") is None
+    fresh.version, fresh.swaps = 4, 2
+    metrics.publish(4.0, policy=back, waiting=[], running=0, kv_usage=0.5, live=live)
+    assert _value(metrics, "adapt_component_swaps_total", component="semantic-history") == 2
+
+
+def test_in_a_multiprocess_directory_a_retired_components_gauges_turn_nan(monkeypatch):
+    """prometheus_client cannot remove a child there: its last value stays in the file scrapes read."""
+    metrics = SchedulerMetrics()
+    sagesched = _sagesched_like()
+    sagesched.history = SimpleNamespace(metadata={"registry_version": 3})  # loaded without live slots
+    metrics.publish(1.0, policy=sagesched, waiting=[], running=0, kv_usage=0.0)
+    assert _value(metrics, "adapt_component_version", component="semantic-history") == 3
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/nonexistent")  # only read to decide, here
+    metrics.publish(
+        2.0, policy=SimpleNamespace(name="spf", components={}), waiting=[], running=0, kv_usage=0.0
+    )
+    assert math.isnan(_value(metrics, "adapt_component_version", component="semantic-history"))
