@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
-from adapt.traces import TraceError, iter_log_records
+from adapt.traces import NoUsableRows, TraceError, iter_log_records
 
 if TYPE_CHECKING:  # pandas loads when a step log is read, not when the CLI builds its parser
     import pandas as pd
@@ -121,7 +121,9 @@ def load_step_log(path: str | Path) -> pd.DataFrame:
     Every failure is one `TraceError` naming the file and, where it can, the line and field: an
     empty or unreadable file, a ragged row, a missing column, or a step-log value that is missing,
     not a number, not finite or negative (pandas would otherwise carry them into a fit as NaN or
-    fail later with its own traceback). Valid logs come back exactly as pandas reads them."""
+    fail later with its own traceback). Valid logs come back exactly as pandas reads them. A log
+    with no steps -- empty, a header or torn lines only: a server stopped, or its disk full, before
+    its first whole flush -- raises `NoUsableRows`, which a reader of many logs skips."""
     import pandas as pd
 
     path = Path(path)
@@ -137,7 +139,7 @@ def load_step_log(path: str | Path) -> pd.DataFrame:
         else:
             frame = pd.read_csv(path, encoding="utf-8-sig")
     except pd.errors.EmptyDataError:
-        raise TraceError(path, "empty file", line=1) from None
+        raise NoUsableRows(path, "empty file", line=1) from None
     except (ValueError, OSError, EOFError, zlib.error) as exc:  # pandas' parser errors are ValueErrors
         raise TraceError(path, f"cannot read: {' '.join(str(exc).split())}") from None
     required = {"tokens", "duration_s"}
@@ -145,7 +147,7 @@ def load_step_log(path: str | Path) -> pd.DataFrame:
     if missing:
         raise TraceError(path, f"missing column(s) {', '.join(sorted(missing))}", line=1)
     if frame.empty:
-        raise TraceError(path, "no steps")
+        raise NoUsableRows(path, "no steps")
     for column in frame.columns:
         if column in STEP_LOG_COLUMNS or column == "start_s":
             frame[column] = _checked_column(path, frame[column], str(column), first_line)

@@ -585,7 +585,9 @@ def load_trace(path: str | Path, fmt: str | None = None, *, tokenizer: str = MIN
     if not path.is_file():
         raise TraceError(path, "no such file")
     if path.stat().st_size == 0:
-        raise TraceError(path, "empty file", line=1)
+        # A server's request log before its first flush (stopped, or its disk full) holds no rows,
+        # as one whose every request dropped: beside other logs it adds nothing.
+        raise (NoUsableRows if fmt == "requestlog" else TraceError)(path, "empty file", line=1)
     fmt = fmt or detect_format(path)
     if fmt not in FORMATS:
         raise TraceError(path, f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import sys
 import tempfile
 import time
@@ -40,7 +41,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -54,8 +55,12 @@ from pipelines.ewsjf import ServedShare, train_ewsjf_meta
 from pipelines.jitserve import train_pattern_graph
 from pipelines.outcome import TrainOutcome, usable_champion
 
+if TYPE_CHECKING:
+    import pandas as pd
+
 EXIT_OK, EXIT_FAILED, EXIT_LOCKED = 0, 1, 75  # 75 = EX_TEMPFAIL: try again later
 REPLAY_MOST = 2000  # logged requests a layout's gate replays (the most recent), to keep it to seconds
+log = logging.getLogger("adapt.retrain")
 
 
 RetrainLocked = StoreLocked  # another retrain run holds the store's lock
@@ -108,8 +113,8 @@ def request_logs(data_dir: Path) -> list[Trace]:
         for path in _files(directory, ("requests*.jsonl",)):
             try:
                 logs.append(load_trace(path, "requestlog"))
-            except NoUsableRows:  # e.g. every request in it dropped: it adds none, beside the others
-                continue
+            except NoUsableRows as exc:  # every request in it dropped, or none flushed: it adds none
+                log.warning("skipped: %s", exc)
         return _unique_requests(logs)
 
     return _once_per_pass("request logs", data_dir, read)
@@ -140,8 +145,11 @@ def retrain_cost_model(registry: Registry, data_dir: Path, margin: float) -> Ret
         return RetrainResult("cost-model", "no data", detail=f"no steps*.csv|jsonl|parquet in {data_dir}")
     import pandas as pd
 
+    frames = [frame for frame in map(_step_log, files) if frame is not None]
+    if not frames:
+        return RetrainResult("cost-model", "no data", detail=f"no steps in the step logs in {data_dir}")
     # A step logged twice (a file appended to and copied again) is one step.
-    frame = pd.concat([load_step_log(f) for f in files], ignore_index=True).drop_duplicates(ignore_index=True)
+    frame = pd.concat(frames, ignore_index=True).drop_duplicates(ignore_index=True)
     # A log from before a feature column existed lacks it: 0 there, as the cost model reads a
     # missing column (each file's values were checked finite as it was read).
     frame = frame.fillna({column: 0.0 for column in frame.columns if column != "start_s"})
@@ -149,6 +157,16 @@ def retrain_cost_model(registry: Registry, data_dir: Path, margin: float) -> Ret
         frame = frame.sort_values("start_s", kind="stable").reset_index(drop=True)
     outcome = train_cost_model(registry, frame, promote_if_better=True, margin=margin, skip_unchanged=True)
     return _result("cost-model", outcome, f"held-out MAPE {outcome.metrics.get('mape', float('nan')):.4f}")
+
+
+def _step_log(path: Path) -> pd.DataFrame | None:
+    """A step log, or None (with a warning) for one without steps: a server's log before its first
+    flush (stopped, or its disk full) is empty or torn, and failing on it failed every pass."""
+    try:
+        return load_step_log(path)
+    except NoUsableRows as exc:
+        log.warning("skipped: %s", exc)
+        return None
 
 
 # The fewest logged requests a layout is refitted from: a fresh log directory's first handful (8

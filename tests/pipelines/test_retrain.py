@@ -556,6 +556,29 @@ def test_a_servers_unusual_logs_do_not_stop_a_retrain(tmp_path):
         data.chmod(0o755)
 
 
+def test_a_servers_empty_or_torn_only_logs_are_skipped_with_a_warning(tmp_path, caplog):
+    """What a server stopped, or its disk full, before its first whole flush leaves: an empty log,
+    or one torn line. Each failed its component's retrain on every later pass."""
+    from pipelines.retrain import request_logs, retrain_cost_model
+
+    data = tmp_path / "data"
+    replica = data / "replica-1"
+    replica.mkdir(parents=True)
+    write_logs(data, seed=0, n=300)
+    (replica / "steps-000001.jsonl").touch()
+    (replica / "steps-000002.jsonl").write_text('{"start_s": 1.0, "tok\n')
+    (replica / "requests-000001.jsonl").touch()
+    (replica / "requests-000002.jsonl").write_text('{"request_id": "r0", "arr\n')
+    registry = Registry(f"sqlite:///{tmp_path / 'r.db'}", cache_dir=tmp_path / "c")
+    assert retrain_cost_model(registry, replica, margin=0.0).status == "no data"
+    assert sum(len(log) for log in request_logs(data)) == 300
+    assert retrain_cost_model(registry, data, margin=0.0).status == "registered"
+    assert retrain_ewsjf_layout(registry, data, margin=0.0).status == "registered"
+    skipped = " ".join(r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped: "))
+    for name in ("steps-000001", "steps-000002", "requests-000001", "requests-000002"):
+        assert f"replica-1/{name}.jsonl" in skipped
+
+
 def test_a_layout_is_not_refitted_from_a_handful_of_logged_requests(tmp_path):
     from pipelines.ewsjf import train_ewsjf_meta
     from pipelines.retrain import MIN_LAYOUT_REQUESTS
