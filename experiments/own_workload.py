@@ -190,7 +190,7 @@ def attainment_by_class(metrics: dict[str, Any]) -> dict[str, float]:
     return {
         label: scope["slo_attainment"]
         for label, scope in metrics.get("by_class", {}).items()
-        if scope.get("slo_attainment") is not None
+        if scope.get("slo_requests") and scope["slo_attainment"] is not None
     }
 
 

@@ -143,9 +143,17 @@ SIZES: dict[str, dict[bool, tuple[float, int]]] = {
 }
 
 
-def _cdf_plot(results: dict[str, ReplayResult], workload: str, out: Path) -> Path:
+def cdf_points(latencies: Any) -> tuple[Any, Any]:
+    """A latency CDF over *all* requests: a request that never got there (dropped, unfinished) is
+    NaN and has no point, so a policy that drops requests levels off below 1 instead of looking as
+    fast as one that served them all."""
     import numpy as np
 
+    xs = np.sort(latencies[~np.isnan(latencies)])
+    return xs, np.arange(1, len(xs) + 1) / max(len(latencies), 1)
+
+
+def _cdf_plot(results: dict[str, ReplayResult], workload: str, out: Path) -> Path:
     fig, axes = figure(2, (11, 4))
     for name, result in results.items():
         arrival = result.table.column("arrival_s")
@@ -153,8 +161,7 @@ def _cdf_plot(results: dict[str, ReplayResult], workload: str, out: Path) -> Pat
             (axes[0], result.table.column("first_token_s") - arrival),
             (axes[1], result.table.column("finish_s") - arrival),
         ):
-            xs = np.sort(values[~np.isnan(values)])
-            ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name)
+            ax.plot(*cdf_points(values), label=name)
     for ax, title in zip(axes, ("TTFT", "TTLT"), strict=True):
         ax.set_xscale("log")
         ax.set_xlabel(f"{title} (s)")
@@ -587,7 +594,9 @@ def guard(metrics: dict[str, Any]) -> tuple[float, float, float | None]:
     served = metrics["completed"] / metrics["num_requests"] if metrics["num_requests"] else 0.0
     classes = list(metrics.get("by_class", {}).values()) or [metrics]
     ttft = [c["ttft_p99"] for c in classes if c.get("ttft_p99") is not None]
-    attained = [c["slo_attainment"] for c in classes if c.get("slo_attainment") is not None]
+    attained = [
+        c["slo_attainment"] for c in classes if c.get("slo_requests") and c["slo_attainment"] is not None
+    ]
     return served, max(ttft, default=float("nan")), min(attained, default=None)
 
 

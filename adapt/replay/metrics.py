@@ -445,6 +445,11 @@ def _aggregate(
         "throughput_rps": completed / makespan if makespan > 0 else None,
         "throughput_tps": int(output[done].sum()) / makespan if makespan > 0 else None,
         "slo_attainment": int(attained.sum()) / num if num else None,
+        # Requests with an SLO (not best effort): a scope without any attains trivially, and a
+        # guard must not read its attainment (the served share again) as an SLO kept.
+        "slo_requests": int(
+            (rows & (table.column("slo_kind") != _code(table, "slo_kind", "best_effort"))).sum()
+        ),
         "goodput_tokens": int(good[rows].sum()),
         "goodput_requests": int(attained.sum()),
         "preemptions": int(table.column("preemptions")[rows].sum()),

@@ -109,6 +109,14 @@ def test_the_engine_settings_are_the_workloads_and_a_policy_with_its_own_is_name
 def test_attainment_by_class_lists_each_class_with_an_slo():
     from experiments.own_workload import attainment_by_class
 
-    metrics = {"by_class": {"latency": {"slo_attainment": 0.46}, "best": {"slo_attainment": None}, "x": {}}}
+    metrics = {
+        "by_class": {
+            "latency": {"slo_attainment": 0.46, "slo_requests": 10},
+            "best": {"slo_attainment": None},
+            "x": {},
+            # a class of best-effort requests attains trivially: its "attainment" is its served share
+            "short": {"slo_attainment": 1.0, "slo_requests": 0},
+        }
+    }
     assert attainment_by_class(metrics) == {"latency": 0.46}
     assert attainment_by_class({}) == {}
