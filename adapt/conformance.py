@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +38,12 @@ from adapt.policy import Policy
 from adapt.predictions import Scripted
 from adapt.replay.engine import EngineConfig, ReplayEngine, TraceStep
 from adapt.requests import SLO, ProgramRef, Request
+from adapt.traces import iter_log_records
 
 COMPARED = ("scheduled", "preempted", "freed")
 LOGGED = frozenset({"index", "t", "arrived", "delivered_t", *COMPARED})  # what a replay reads of a step
 DECISION_LOG = "decisions"  # a server's decision log: `decisions-<n>.jsonl` (`adapt serve --log-decisions`)
+log = logging.getLogger("adapt.conformance")
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,8 @@ class LoggedRun:
 
 def read_decision_log(directory: str | Path) -> list[LoggedRun]:
     """The runs in a directory's decision log, in file order; a new run starts where the step
-    index does not grow (the engine restarted)."""
+    index does not grow (the engine restarted). Torn lines and repeated records are left out
+    (`_file_decisions`)."""
     paths = sorted(Path(directory).glob(f"{DECISION_LOG}-*.jsonl"))
     if not paths:
         raise FileNotFoundError(
@@ -71,20 +74,36 @@ def read_decision_log(directory: str | Path) -> list[LoggedRun]:
         )
     runs: list[list[dict[str, Any]]] = []
     for path in paths:
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not a JSON decision record ({exc.msg})") from None
-            missing = LOGGED - record.keys() if isinstance(record, dict) else LOGGED
-            if missing:
-                raise ValueError(f"{path}:{number}: not a decision record (no {', '.join(sorted(missing))})")
+        for record in _file_decisions(path):
             if not runs or record["index"] <= runs[-1][-1]["index"]:
                 runs.append([])
             runs[-1].append(record)
     return [_followable(run) for run in runs]
+
+
+def _file_decisions(path: Path) -> list[dict[str, Any]]:
+    """One decision-log file's records. A torn line (a write cut short: `adapt.traces.TORN_LINE`)
+    is skipped, and a record the same as one before it in the file dropped (a flush retried after a
+    partial write wrote its first records twice): both counted in a warning, so that one full disk
+    does not make the whole log unreadable or split a run where the index repeats."""
+    records: list[dict[str, Any]] = []
+    seen: dict[Any, dict[str, Any]] = {}  # index -> the record read with it
+    torn = repeated = 0
+    for number, record in iter_log_records(path):
+        if record is None:
+            torn += 1
+            continue
+        missing = LOGGED - record.keys()
+        if missing:
+            raise ValueError(f"{path}:{number}: not a decision record (no {', '.join(sorted(missing))})")
+        if seen.get(record["index"]) == record:
+            repeated += 1
+            continue
+        seen[record["index"]] = record
+        records.append(record)
+    if torn or repeated:
+        log.warning("%s: %d torn line(s) skipped, %d repeated record(s) dropped", path, torn, repeated)
+    return records
 
 
 def _followable(run: list[dict[str, Any]]) -> LoggedRun:
@@ -188,8 +207,12 @@ def replay_decisions(
     if config.kv_capacity_tokens is None:
         raise ValueError("config.kv_capacity_tokens: give the live engine's KV capacity")
     config = dataclasses.replace(config, skip_decode_runs=False, record_decisions=True)
-    # Each prediction is handed to the policy at the step the live engine handed it over.
-    deliveries = {key: live["t"] for live in decisions for key in live.get("predicted", ())}
+    # Each prediction is handed to the policy at the step the live engine handed it over: a key
+    # handed over more than once (to a policy, then to the one swapped in) keeps every time.
+    deliveries: dict[str, list[float]] = {}
+    for live in decisions:
+        for key in live.get("predicted", ()):
+            deliveries.setdefault(key, []).append(live["t"])
     scripted = functools.partial(Scripted, deliveries=deliveries)
     engine = ReplayEngine(policy, _TraceTime(), config, predictions=scripted)  # type: ignore[arg-type]
     arrivals = iter(requests_from_log(decisions))

@@ -14,11 +14,15 @@ prior (what it knows without the model) until the result is ready, and re-ranks 
   the first submission, first runs the function's `warm_up` if it has one and the engine did not
   run it when it started (loading a model), then
   takes whatever is pending, computes it in one batch and hands the results over at the first poll
-  after it is done; the step never waits. The engine closes it when it shuts down. The queue is
+  after it is done; the step never waits. A live swap stops the old policy's workers (a batch in
+  flight finishes in the background); the engine closes them all when it shuts down. The queue is
   bounded: a submission beyond `max_pending` waiting ones is refused and that request stays on its
-  prior (the engine is never blocked, no request lost).
+  prior (the engine is never blocked, no request lost); a request that left frees its place.
 - `Scripted(deliveries)` (a trace-driven replay, `adapt.conformance`): every result is handed over
   at the step at which the live engine handed it over, so decisions made on a prior agree too.
+
+A policy swapped in live is handed the requests in flight with their arrival times; both engines
+open its queues at the swap (`opened_s`), and a submission counts from then.
 
 A result the request arrived with (`supply`: e.g. a prompt embedding the API server computed
 before the request reached the engine) is ready at the next poll whatever the queue, as a delay-0
@@ -33,11 +37,12 @@ exactly the slowest ones: under overload, most of them; `PredictionStats.summary
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -51,8 +56,9 @@ QueueFactory = Callable[[BatchFunction], "PredictionQueue"]
 class PredictionStats:
     """What a queue did: `on_prior` counts requests still without a result at the first poll after
     their submission (their first scheduling decision used the prior); `refused` those never
-    submitted (queue full); `supplied` those that arrived with their result (counted in
-    `submitted`, as first decisions made on a result, and nowhere else: no model was waited for,
+    submitted (queue full); `supplied` those that arrived with their result, or whose result a
+    policy swapped out had got (counted in `submitted`, as first decisions made on a result, and
+    nowhere else: no model was waited for,
     and counting them delivered at no wait would tell a replay the model is faster than it is);
     `delivered` and `waited_s` count the model's results and sum submission to hand-over;
     `censored` counts results discarded before they came (the request left) and `censored_s` sums
@@ -105,16 +111,21 @@ class PredictionQueue:
         self._submitted_at: dict[str, float] = {}  # key -> when, until handed over or discarded
         self._unpolled: list[str] = []  # submitted since the last poll
         self._supplied: dict[str, tuple[Any, float]] = {}  # came with the request: (result, when)
+        # When the engine gave this queue to its policy: a submission timed before it counts from
+        # it. A policy swapped in live is handed the requests in flight with their arrival times,
+        # but its model starts on them at the swap: counted from their arrival, every wait would
+        # include the old policy's time and a replay's delay would be over at once.
+        self.opened_s = -math.inf
 
     def supply(self, key: str, result: Any, now: float) -> None:
         """`key`'s result came with the request: no model call; handed over at the next poll."""
-        self._supplied[key] = (result, now)
+        self._supplied[key] = (result, max(now, self.opened_s))
         self.stats.submitted += 1
         self.stats.supplied += 1
 
     def submit(self, key: str, payload: Any, now: float) -> bool:
         """Queue `payload`'s prediction under `key`; False if refused (the request keeps its prior)."""
-        self._submitted_at[key] = now
+        self._submitted_at[key] = max(now, self.opened_s)
         self._unpolled.append(key)
         self.stats.submitted += 1
         return True
@@ -204,15 +215,21 @@ class Delayed(PredictionQueue):
 
 
 class Scripted(Delayed):
-    """A trace-driven replay: the result for `key` is handed over at the first poll at or after
-    `deliveries[key]` (the start of the live step that got it), computed as in `Delayed`."""
+    """A trace-driven replay: `deliveries[key]` lists, in order, the starts of the live steps that
+    got a result for `key`; each submission's is handed over at the first poll at or after the
+    first of them at or after the submission, computed as in `Delayed`. A key can be handed over
+    more than once live -- to a policy, then again to the one swapped in for it (submitted at the
+    swap) -- and each policy gets its own; a submission whose result never came live (refused, or
+    its policy swapped out first) gets a later one only where no poll of its policy follows."""
 
-    def __init__(self, function: BatchFunction, deliveries: dict[str, float]) -> None:
+    def __init__(self, function: BatchFunction, deliveries: Mapping[str, Sequence[float]]) -> None:
         super().__init__(function)
         self.deliveries = deliveries
 
     def _ready_at(self, key: str) -> float:
-        return self.deliveries.get(key, math.inf)
+        times = self.deliveries.get(key, ())
+        first = bisect.bisect_left(times, self._submitted_at[key])
+        return times[first] if first < len(times) else math.inf
 
 
 class BackgroundWorker(PredictionQueue):
@@ -252,6 +269,14 @@ class BackgroundWorker(PredictionQueue):
             self._pending.append((key, payload))
             self._lock.notify_all()  # the worker, and any `drain` waiting
         return super().submit(key, payload, now)
+
+    def discard(self, key: str, now: float) -> None:
+        """As `PredictionQueue.discard`, and a payload still waiting is taken out: it would be
+        computed for nobody and hold a place in the bound, refusing the arrivals behind it."""
+        with self._lock:
+            self._pending = [(k, payload) for k, payload in self._pending if k != key]
+            self._lock.notify_all()  # a `drain` waiting on it
+        super().discard(key, now)
 
     def ready(self, now: float) -> list[tuple[str, Any]]:
         with self._lock:
@@ -299,6 +324,8 @@ class BackgroundWorker(PredictionQueue):
                 self._computing = len(batch)
             try:
                 results = list(self.function([payload for _, payload in batch]))
+                if len(results) != len(batch):  # which result is whose is unknown: none is used
+                    raise ValueError(f"{len(results)} results for a batch of {len(batch)}")
             except Exception:  # a failed batch leaves its requests on their prior
                 with self._lock:
                     if self._closed:  # stopped meanwhile: the engine took the model away

@@ -137,6 +137,10 @@ class PolicyScheduler(AsyncScheduler):
         self._check(self.adapt_policy)
         # Model calls of the serving policy run in background workers, never inside a step.
         self.prediction_queues: list[PredictionQueue] = []
+        # Workers of policies swapped out: stopped at the swap, closed (joined) at shutdown -- a
+        # step must not wait for a batch still in flight in one.
+        self._retired_queues: list[PredictionQueue] = []
+        self._embedding_child = False  # whether a worker's MiniLM was sent to a child process
         self._starting = True  # models load now, before the first request (not on a live swap)
         self.adapt_policy.use_predictions(self._prediction_queue)
         self._starting = False
@@ -560,8 +564,7 @@ class PolicyScheduler(AsyncScheduler):
                 if state.id not in self._waiting_states:
                     policy.on_admit(state, now)
         except Exception:
-            for queue in self.prediction_queues:
-                queue.close()
+            self._retire(self.prediction_queues)
             self.prediction_queues = previous_queues
             raise
         self._policy_spec, self._spec_to_log = spec, True
@@ -573,8 +576,14 @@ class PolicyScheduler(AsyncScheduler):
         )
         self.adapt_policy = policy
         self._unplanned.clear()
-        for queue in previous_queues:
-            queue.close()
+        self._retire(previous_queues)
+
+    def _retire(self, queues: list[PredictionQueue]) -> None:
+        """Stop the workers of a policy that no longer serves, without waiting for a batch in
+        flight (a step would wait up to `BackgroundWorker.close`'s 30 s); `shutdown` joins them."""
+        for queue in queues:
+            queue.stop()
+        self._retired_queues.extend(queues)
 
     def _give_prompt_texts(self) -> None:
         """A policy that reads prompts took over (a whole policy, or a component version that
@@ -646,21 +655,31 @@ class PolicyScheduler(AsyncScheduler):
         still inside a model at interpreter exit can abort the process) and the logs' buffers are
         written out (a server stopped under load would otherwise lose its last second of request
         and step records)."""
-        if self.prediction_queues:
-            from predictors.embedding import close_child_process, compute_in_this_process
-
-            for queue in self.prediction_queues:
-                queue.stop()
-            close_child_process()  # a batch in flight in the embedding process ends at once
-            for queue in self.prediction_queues:
-                queue.close()
-            compute_in_this_process()
+        self._stop_predictions()
         if self.monitor is not None:
             if self.monitor.decisions is not None:
                 while self._undelivered:  # steps whose output never came: logged as such
                     self.monitor.decision(self._undelivered.popleft())
             self._flush_logs()
         super().shutdown()
+
+    def _stop_predictions(self) -> None:
+        """Stop every prediction worker, serving or swapped out, and the embedding process: the
+        workers first (none takes another batch), then the child (a batch in flight in it ends at
+        once), then join the workers. The child is closed wherever a worker started one, even if
+        the policy serving now has no worker (swapped from sagesched to fcfs): it would outlive
+        the engine in a longer-lived process, still holding MiniLM."""
+        from predictors.embedding import close_child_process, compute_in_this_process
+
+        queues = [*self.prediction_queues, *self._retired_queues]
+        for queue in queues:
+            queue.stop()
+        if self._embedding_child:
+            close_child_process()
+        for queue in queues:
+            queue.close()
+        if self._embedding_child:
+            compute_in_this_process()
 
     def _prediction_queue(self, function: BatchFunction) -> PredictionQueue:
         """A background worker for one of the policy's model calls (`Policy.use_predictions`),
@@ -675,8 +694,12 @@ class PolicyScheduler(AsyncScheduler):
             from predictors.embedding import compute_in_child_process
 
             compute_in_child_process()
+            self._embedding_child = True
         bound = int(os.environ.get("ADAPT_PREDICTION_QUEUE", "256"))
         queue = BackgroundWorker(function, max_pending=bound, warm_up_now=self._starting)
+        # A policy swapped in gets the requests in flight with their arrival times; its model
+        # starts on them now (the replay's queues open at the swap's step as well).
+        queue.opened_s = time.monotonic()
         if self._recording:
             queue.handed_over = []  # the decision log records which step got each result
         self.prediction_queues.append(queue)

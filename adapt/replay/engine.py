@@ -57,7 +57,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from adapt.policy import EngineView, Plan, Policy, RequestState, WaitingView
-from adapt.predictions import Delayed, QueueFactory
+from adapt.predictions import BatchFunction, Delayed, PredictionQueue, QueueFactory
 from adapt.replay.kv import BlockPool
 from adapt.replay.metrics import Recorder, ReplayResult
 from adapt.replay.prefix_cache import PrefixCachingBlockPool
@@ -301,7 +301,7 @@ class ReplayEngine:
         self._next_policy = policy
 
     def _hand_over(self, policy: Policy) -> None:
-        policy.use_predictions(self._predictions)
+        policy.use_predictions(self._queues_opened_now)
         running = {state.id for state in self.running}
         for state in sorted([*self.waiting.values(), *self.running], key=lambda s: s.arrival_s):
             policy.on_arrival(state, state.arrival_s)
@@ -309,6 +309,14 @@ class ReplayEngine:
                 policy.on_admit(state, self.now)
         self.policy = policy
         self.token_budget = self._budget_of(policy)
+
+    def _queues_opened_now(self, function: BatchFunction) -> PredictionQueue:
+        """A queue of the engine's kind for a policy swapped in now: the requests in flight are
+        handed to it with their arrival times, and their model calls count from now, as the live
+        adapter's (`PolicyScheduler._prediction_queue`)."""
+        queue = self._predictions(function)
+        queue.opened_s = self.now
+        return queue
 
     def _budget_of(self, policy: Policy) -> int:
         """A step's token budget under `policy`: its own (Sarathi's chunks) or the engine's."""

@@ -527,19 +527,21 @@ class JITServe(Policy):
     def _ask_bound(self, request: RequestState, now: float) -> None:
         """The forest's bound at the last multiple g of `refine_every` tokens generated (counted
         down from there): from the memo at once if it holds it, else asked of the prediction queue
-        under "id@g", once per g. Until it is handed over the request keeps what it has -- its
-        previous bound counted down, or for a new request the online quantile, given at its first
-        step (`_refresh_bounds`: at a step, both engines have seen the same completions) -- marked
-        `jit_prior`."""
+        under "id@g", once per g and policy. Until it is handed over the request keeps what it has
+        -- its previous bound counted down, or for a new request the online quantile, given at its
+        first step (`_refresh_bounds`: at a step, both engines have seen the same completions) --
+        marked `jit_prior`. A policy swapped in live is handed the requests in flight with their
+        cache: one with a forest bound at g or later keeps it; one whose bound the old policy had
+        asked but not received is asked again here (the old queue, stopped, never hands it over)."""
         g = request.tokens_generated - request.tokens_generated % self.refine_every
-        if g <= request.cache.get("jit_asked", -1):
-            return  # asked already (its answer may still come; a refused one never does)
+        key = f"{request.id}@{g}"
+        if g <= request.cache.get("jit_qrf_at", -1) or key in self._asked:
+            return  # received, or asked already (its answer may still come; a refused one never does)
         request.cache["jit_asked"] = g
         row = (request.prompt_tokens, request.prompt_text or "", g)
         if row in self._bound_memo:
             self._use_bound(request, self._bound_memo[row], g)
             return
-        key = f"{request.id}@{g}"
         asked = _Asked(request, row, self.qrf, (self.qrf, self.quantile, row), now)
         request.cache["jit_prior"] = True
         # Remembered even if the queue refuses it: whether a bound was asked for must not depend on

@@ -273,9 +273,12 @@ class SageSched(PriorityPolicy):
 
     def _ask(self, request: RequestState, now: float) -> bool:
         """Ask for `request`'s embedding; False if it will have none (no text, or a full queue). One
-        it arrived with is handed over at the next step, as a model that costs nothing would."""
-        if request.prompt_embedding is not None:
-            self._predictions.supply(request.id, (request.prompt_embedding, True), now)
+        it arrived with, or one a policy before this one got (a policy swapped in live is handed
+        the requests in flight), is handed over at the next step, as a model that costs nothing
+        would: embedding it again would put it back on its prior, and fill the queue."""
+        known = _known_embedding(request)
+        if known is not None:
+            self._predictions.supply(request.id, (known, True), now)
             return True
         return bool(request.prompt_text) and self._predictions.submit(request.id, request.prompt_text, now)
 
@@ -514,6 +517,14 @@ class _RefreshDue(dict):
 
     def __missing__(self, request: RequestState) -> int:
         return self.bucket
+
+
+def _known_embedding(request: RequestState) -> np.ndarray | None:
+    """`request`'s prompt embedding where no model need compute it: the vector it arrived with,
+    else the one it was ranked on (`sage_has_text`: only an embedding of its text sets it)."""
+    if request.prompt_embedding is not None:
+        return request.prompt_embedding
+    return request.cache["sage_embedding"] if request.cache.get("sage_has_text") else None
 
 
 def _index_key(request: RequestState) -> tuple[float, float]:

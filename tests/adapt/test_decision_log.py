@@ -87,12 +87,25 @@ def test_a_component_swap_is_replayed_at_the_step_it_went_live(tmp_path):
 def test_a_missing_or_broken_log_says_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError, match="--log-decisions"):
         read_decision_log(tmp_path)
-    (tmp_path / "decisions-000001.jsonl").write_text(json.dumps(step(0)) + "\n{not json\n")
-    with pytest.raises(ValueError, match=r"decisions-000001\.jsonl:2: not a JSON decision record"):
+    (tmp_path / "decisions-000001.jsonl").write_text(json.dumps(step(0)) + "\n[1]\n")
+    with pytest.raises(ValueError, match=r"decisions-000001\.jsonl:2: expected a JSON object, got list"):
         read_decision_log(tmp_path)
     (tmp_path / "decisions-000001.jsonl").write_text(json.dumps({"index": 0, "t": 0.0}) + "\n[1]\n")
     with pytest.raises(ValueError, match=r":1: not a decision record \(no arrived, delivered_t, freed"):
         read_decision_log(tmp_path)
+
+
+def test_a_torn_line_and_the_records_a_retried_flush_wrote_twice_leave_one_run(tmp_path, caplog):
+    """What a full disk left with the earlier log writer: a flush cut short (steps 2 and 3 whole,
+    step 4 torn) and, retried, the same records again on a fresh line. The torn line rejected the
+    whole directory, and the repeated indices split the run as if the engine had restarted."""
+    lines = [json.dumps(step(i)) for i in range(5)]
+    torn = lines[4][:20]
+    text = "\n".join([*lines[:4], torn, *lines[2:5], json.dumps(step(5))]) + "\n"
+    (tmp_path / "decisions-000001.jsonl").write_text(text)
+    (run,) = read_decision_log(tmp_path)
+    assert [r["index"] for r in run.decisions] == [0, 1, 2, 3, 4, 5]
+    assert "1 torn line(s) skipped, 2 repeated record(s) dropped" in caplog.text
 
 
 def test_logged_versions_replace_what_the_spec_said(tmp_path):

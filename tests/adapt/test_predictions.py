@@ -70,7 +70,7 @@ def test_the_delay_estimate_without_a_delivered_result_is_the_censored_mean():
 
 
 def test_scripted_hands_over_at_the_live_steps():
-    queue = Scripted(doubled, deliveries={"a": 2.0, "b": 1.0})
+    queue = Scripted(doubled, deliveries={"a": [2.0], "b": [1.0]})
     queue.handed_over = []
     queue.submit("a", 1, now=0.0)
     queue.submit("b", 2, now=0.0)
@@ -232,3 +232,90 @@ def test_supplied_results_go_first_and_a_discarded_one_is_never_handed_over():
     assert (stats["delivered"], stats["censored"], stats["supplied"], stats["submitted"]) == (1, 0, 2, 3)
     # the model's one result waited 1.0 s: the supplied ones do not pull the estimate down
     assert stats["mean_wait_s"] == stats["delay_estimate_s"] == 1.0
+
+
+def test_a_discarded_payload_leaves_the_worker_queue_and_frees_its_place():
+    """Requests that left while their payloads waited behind a batch in flight: their places go to
+    the next arrivals, and nothing is computed for them. Before, they stayed in the queue, counted
+    toward its bound (the next arrival was refused: on its prior for life) and were computed."""
+    release, batches = threading.Event(), []
+
+    def slow(batch):
+        batches.append(list(batch))
+        release.wait(5)
+        return doubled(batch)
+
+    queue = BackgroundWorker(slow, max_pending=2)
+    try:
+        queue.submit("busy", 1, now=0.0)
+        _until(lambda: not queue._pending)  # the worker is inside the first batch
+        assert queue.submit("gone1", 2, now=0.0) and queue.submit("gone2", 3, now=0.0)
+        queue.discard("gone1", now=1.0)
+        queue.discard("gone2", now=1.0)
+        assert queue.submit("new", 4, now=1.0) and queue.stats.refused == 0
+        release.set()
+        got = []
+        _until(lambda: got.extend(queue.ready(2.0)) or len(got) == 2)
+        assert got == [("busy", 2), ("new", 8)] and queue.drain(5.0)
+        assert batches == [[1], [4]]
+        assert queue.stats.censored == 2
+    finally:
+        release.set()
+        queue.close()
+
+
+def test_a_batch_with_the_wrong_number_of_results_fails_and_the_worker_goes_on():
+    """A batch function that returns one result too few: which result is whose is unknown, so the
+    batch fails (its requests stay on their prior) and is counted; the worker takes the next one.
+    Before, the worker thread died: later submissions were never computed, `drain` never returned
+    True, and no error was counted."""
+
+    def short_by_one(batch):
+        return doubled(batch)[:-1] if 0 in batch else doubled(batch)
+
+    queue = BackgroundWorker(short_by_one)
+    try:
+        queue.submit("bad", 0, now=0.0)
+        _until(lambda: queue.errors == 1)
+        assert queue._thread.is_alive() and queue.drain(5.0)
+        queue.submit("good", 3, now=1.0)
+        got = []
+        _until(lambda: got.extend(queue.ready(2.0)) or got)
+        assert got == [("good", 6)] and queue.errors == 1 and queue.awaited  # "bad" on its prior
+    finally:
+        queue.close()
+
+
+def test_submissions_before_a_queue_opened_count_from_its_opening():
+    """A policy swapped in at 10 s is handed requests that arrived at 1 s: their model calls start
+    at the swap. The replay's delay runs from there (not over at once), and the wait counts from
+    there (not the old policy's time as well); a supplied result is due at the swap too."""
+    queue = Delayed(doubled, delay_s=0.5)
+    queue.opened_s = 10.0
+    queue.submit("a", 1, now=1.0)
+    queue.supply("b", "vb", now=1.0)
+    assert queue.next_ready_s == 10.0  # the supplied one, at the next poll
+    assert queue.ready(10.0) == [("b", "vb")]
+    assert queue.next_ready_s == 10.5
+    assert queue.ready(10.4) == []
+    assert queue.ready(10.5) == [("a", 2)]
+    stats = queue.stats.summary()
+    assert stats["mean_wait_s"] == stats["delay_estimate_s"] == 0.5
+
+
+def test_scripted_hands_a_key_over_again_at_its_own_live_step():
+    """Live, a key was handed to a policy at 1.0, then -- submitted again to the one swapped in at
+    2.0 -- to that one at 2.5. Each replayed queue gets its own: the first at 1.0, the second at 2.5
+    (not at the swap, not the last time for both)."""
+    deliveries = {"X": [1.0, 2.5]}
+    old = Scripted(doubled, deliveries=deliveries)
+    old.submit("X", 1, now=0.0)
+    assert old.ready(0.9) == [] and old.ready(1.0) == [("X", 2)]
+    new = Scripted(doubled, deliveries=deliveries)
+    new.opened_s = 2.0
+    new.submit("X", 1, now=0.0)  # handed over with its arrival time
+    assert new.ready(2.0) == [] and new.next_ready_s == 2.5
+    assert new.ready(2.5) == [("X", 2)]
+    late = Scripted(doubled, deliveries=deliveries)
+    late.submit("X", 1, now=3.0)  # after every live hand-over: none for it
+    assert late.ready(100.0) == []

@@ -423,6 +423,31 @@ def test_bounds_asked_before_a_new_queue_are_asked_again_there():
     assert queues[0].stats.delivered == 1
 
 
+def test_a_policy_swapped_in_asks_again_for_a_bound_never_received_and_keeps_one_received():
+    """jitserve -> jitserve with two requests in flight: the old policy got `short`'s bound, not
+    yet `essay`'s. The new policy keeps `short`'s (no model call) and asks for `essay`'s again: the
+    old queue never hands it over. Before, the request's cache said "asked" and the new policy
+    left `essay` on its fallback bound until `refine_every` more tokens."""
+    old = JITServe(qrf=FakeBounds(), waiting_time_s=None)
+    _, slow = late_bounds(60.0)
+    old.use_predictions(slow)
+    short = asking("short", 0.0, "say hi")
+    short.cache.update(jit_bound=(20.0, 0), jit_qrf_at=0, jit_asked=0, jit_prior=False)  # received
+    essay = asking("essay", 0.0, "write an essay")
+    old.on_arrival(essay, 0.0)
+    old.on_step(EngineView(0.1, [essay, short], [], 0.0, 2048, 8, 0.03))
+    assert essay.cache["jit_prior"]
+    new = JITServe(qrf=FakeBounds(), waiting_time_s=None)
+    queues, quick = late_bounds(0.0)
+    new.use_predictions(quick)
+    for request in (essay, short):
+        new.on_arrival(request, request.arrival_s)
+    new.on_step(EngineView(0.2, [essay, short], [], 0.0, 2048, 8, 0.03, step_index=1))
+    assert essay.cache["jit_bound"] == (900.0, 0) and not essay.cache["jit_prior"]
+    assert short.cache["jit_bound"] == (20.0, 0) and new.qrf.calls == [["write an essay"]]
+    assert queues[0].stats.submitted == 1
+
+
 def test_replay_results_unchanged_with_bounds_ready_at_the_next_step():
     """The replay default (delay 0): every bound is there before the step that asked plans, so the
     replay is the one of a forest called inside the step (as before bounds moved off it)."""

@@ -802,6 +802,38 @@ def test_an_embedding_that_came_with_the_request_ranks_it_at_its_first_step():
     assert stats["share_on_prior"] == 0.0
 
 
+def test_a_policy_swapped_in_keeps_the_embeddings_and_asks_for_the_rest_from_the_swap():
+    """A replay with a 0.5 s prediction delay swaps sagesched for sagesched at its step at 0.9 s:
+    `done` (arrived at 0, embedded at 0.5) is ranked on its embedding at the new policy's first
+    step, the model not asked again; `late` (arrived at 0.4, not yet embedded) is asked again, and
+    its embedding is due 0.5 s after the swap, as the live worker, starting on it then, would have
+    it. Before, both were asked again as if submitted when they arrived: `done` counted as a model
+    result, and `late`'s was due at once."""
+    from adapt.predictions import Delayed
+
+    queues = []
+    engine = ReplayEngine(
+        SageSched(history=history_with_text()),
+        ConstantCost(0.01),
+        EngineConfig(max_running=1, kv_capacity_tokens=4000),
+        predictions=lambda fn: queues.append(Delayed(fake_embeddings, delay_s=0.5)) or queues[-1],
+    )
+    engine.add(Request("long", 0.0, 10, 300))
+    engine.add(Request("done", 0.0, 300, 5, prompt_text="write an essay"))
+    engine.add(Request("late", 0.4, 300, 5, prompt_text="write another"))
+    while engine.now < 0.7:  # (the last step runs to 0.9, where `late`'s embedding is due)
+        engine.step()
+    assert not engine.waiting["done"].cache["sage_prior"] and engine.waiting["late"].cache["sage_prior"]
+    swapped_at = engine.now  # the next step's start, where the new policy takes over
+    assert swapped_at == pytest.approx(0.9)
+    engine.switch_policy(SageSched(history=history_with_text()))
+    engine.step()
+    new = queues[-1]
+    assert not engine.waiting["done"].cache["sage_prior"] and engine.waiting["late"].cache["sage_prior"]
+    assert (new.stats.supplied, new.stats.submitted, new.stats.delivered) == (1, 2, 0)
+    assert new.next_ready_s == pytest.approx(swapped_at + 0.5)
+
+
 def test_the_point_predictor_is_the_mean_length_above_what_was_generated_by_hand():
     """LTR/TRAIL's predictor from a semantic history: E[S | S > g], g + bucket past the support."""
     from predictors.length_distribution import LengthDistribution
