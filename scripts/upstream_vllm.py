@@ -29,6 +29,7 @@ HARNESS = (  # the harness modules: each drives vLLM's real scheduler without a 
     "tests/integration/test_scheduler_harness.py",
     "tests/integration/test_conformance_finishes.py",
     "tests/integration/test_adapter_policy_errors.py",
+    "tests/integration/test_prediction_swaps.py",
 )
 
 
