@@ -21,11 +21,14 @@ def test_guard_reports_served_share_and_the_worst_class_by_hand():
         "completed": 3,
         "num_requests": 4,
         "by_class": {
-            "short": {"ttft_p99": 1.0, "slo_attainment": 0.9},
-            "long": {"ttft_p99": 40.0, "slo_attainment": 0.5},
+            "short": {"ttft_p99": 1.0, "slo_attainment": 0.9, "slo_requests": 2},
+            "long": {"ttft_p99": 40.0, "slo_attainment": 0.5, "slo_requests": 2},
         },
     }
     assert guard(metrics) == (0.75, 40.0, 0.5)
+    # a class of best-effort requests attains trivially: no SLO to guard there
+    metrics["by_class"]["long"]["slo_requests"] = 0
+    assert guard(metrics) == (0.75, 40.0, 0.9)
     assert guard({"completed": 2, "num_requests": 2, "ttft_p99": 3.0, "slo_attainment": None}) == (
         1.0,
         3.0,
