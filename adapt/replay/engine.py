@@ -345,12 +345,7 @@ class ReplayEngine:
             if state is None:
                 return False
             self._leave_running(state)
-        self.kv.release(state.id)
-        if self._prefix_cache is not None:
-            self._prefix_cache.forget(state.id)
-        self._placeholders.pop(state.id, None)
-        del self._true_len[state.id]
-        self._note_freed(state)
+        self._release(state)
         now = self.now if at is None else at
         state.phase = "finished"
         self.recorder.dropped(state, now, "aborted")
@@ -951,17 +946,22 @@ class ReplayEngine:
             if generated >= true_len[state.id]:
                 self._finish(state, now)
 
-    def _finish(self, state: RequestState, now: float) -> None:
-        if state.phase == "preempted":  # its last token was in flight when it was preempted
-            del self.waiting[state.id]
-        else:
-            self._leave_running(state)
+    def _release(self, state: RequestState) -> None:
+        """What a request that leaves the engine for good (finished or aborted) holds: its blocks
+        (their cached content kept), its token in flight, its true length; noted as freed."""
         self.kv.release(state.id)
         if self._prefix_cache is not None:
             self._prefix_cache.forget(state.id)
         self._placeholders.pop(state.id, None)
         del self._true_len[state.id]
         self._note_freed(state)
+
+    def _finish(self, state: RequestState, now: float) -> None:
+        if state.phase == "preempted":  # its last token was in flight when it was preempted
+            del self.waiting[state.id]
+        else:
+            self._leave_running(state)
+        self._release(state)
         state.finish_s = now
         state.phase = "finished"
         self.recorder.finished(state)
