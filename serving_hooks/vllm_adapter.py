@@ -90,6 +90,15 @@ check_classes(
 )
 
 
+def _share_embedding(state: RequestState) -> None:
+    """A prompt's vector the client sent, kept under its text: a worker that embeds this prompt
+    (neural-length's bounds) finds it done."""
+    if state.prompt_embedding is not None and state.prompt_text:
+        from predictors.embedding import shared_cache
+
+        shared_cache().remember(state.prompt_text, state.prompt_embedding)
+
+
 class PolicyScheduler(AsyncScheduler):
     """vLLM's async scheduler, ordered by an `adapt` policy (see module docstring)."""
 
@@ -227,11 +236,7 @@ class PolicyScheduler(AsyncScheduler):
             program=program,
             prompt_embedding=embedding,
         )
-        if embedding is not None and state.prompt_text:
-            # A worker that embeds this prompt (neural-length's bounds) finds it done.
-            from predictors.embedding import shared_cache
-
-            shared_cache().remember(state.prompt_text, embedding)
+        _share_embedding(state)
         self._states[request.request_id] = state
         self._waiting_states[request.request_id] = state
         if self._recording:
@@ -598,10 +603,7 @@ class PolicyScheduler(AsyncScheduler):
             state.prompt_text = self._prompt_text(request)
             if state.prompt_text is None:  # no token ids (a prompt given as embeddings)
                 continue
-            if state.prompt_embedding is not None:  # as on arrival: a worker embedding it finds it done
-                from predictors.embedding import shared_cache
-
-                shared_cache().remember(state.prompt_text, state.prompt_embedding)
+            _share_embedding(state)  # as on arrival
             if self._recording:
                 self._texts_since[request_id] = state.prompt_text
 
