@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt import tracking
-from adapt.cli.usage import prepare_output, write_json
+from adapt.cli.usage import write_json
 from adapt.plots import figure, save
 
 METRICS = ("ttft_mean", "ttlt_mean", "tbt_p99", "throughput_tps", "goodput_tokens", "slo_attainment")
@@ -97,8 +97,6 @@ def plot_versus_load(rows: list[dict[str, Any]], out: Path) -> list[Path]:
 def run_compare(
     experiment: str, metric: str, out_dir: str | Path, json_out: str | Path | None, log: bool = True
 ) -> int:
-    if json_out is not None:  # a path it cannot write fails now, not after the runs were read
-        prepare_output(json_out)
     rows = collect_runs(experiment)
     if not rows:
         print(f"no replay runs in experiment {experiment!r} yet (adapt replay ... or adapt quickstart)")

@@ -72,7 +72,7 @@ from typing import Any
 
 import numpy as np
 
-from adapt.cli.usage import prepare_output, write_json
+from adapt.cli.usage import write_json
 
 ERROR_KEYS = (  # what `error_summary` gives, for replay against live or live against its repeat
     "e2e_median_abs_pct_error",
@@ -670,9 +670,8 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def execute(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
-    """`adapt fidelity`: measure, print the table, write `--json` (checked before the live runs)."""
-    if args.json is not None:
-        prepare_output(args.json)
+    """`adapt fidelity`: measure, print the table, write `--json` (its `OUTPUT` flag type checked
+    the path before the live runs)."""
     args.policies = policies
     report = run(args, progress=lambda line: print(line, flush=True))
     print_table(report)
