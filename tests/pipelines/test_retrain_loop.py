@@ -13,6 +13,7 @@ import pytest
 from adapt.cli import main
 from adapt.registry import Registry
 from pipelines.retrain import RetrainResult, cron_times, retrain_loop
+from tests.pipelines.test_watch import ManualClock
 
 
 @pytest.fixture(params=["America/New_York", "Asia/Kolkata"])
@@ -41,22 +42,11 @@ def test_cron_fire_times_are_the_hosts_local_times(local_zone):
     assert datetime.fromtimestamp(nightly).strftime("%H:%M") == "03:00"
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
 def _registry(tmp_path) -> Registry:
     return Registry(f"sqlite:///{tmp_path / 'r.db'}", cache_dir=tmp_path / "c")
 
 
-def _counting(clock: _Clock, passes: list[float]):
+def _counting(clock: ManualClock, passes: list[float]):
     def retrainer(registry, data_dir, margin):
         passes.append(clock.now)
         return RetrainResult("cost-model", "unchanged", detail="training data unchanged")
@@ -67,7 +57,7 @@ def _counting(clock: _Clock, passes: list[float]):
 def test_a_failed_pass_is_reported_and_the_next_one_runs(tmp_path, capsys):
     """The servers have not created the data directory yet: the first pass fails, the daemon
     stays, and the pass after the servers started runs."""
-    clock, passes = _Clock(), []
+    clock, passes = ManualClock(), []
     data = tmp_path / "data"
 
     def fire_times() -> Iterator[float]:
@@ -100,7 +90,7 @@ def test_a_watch_poll_that_fails_does_not_end_the_loop(tmp_path, capsys):
         def retrained(self, now: float) -> None:
             self.ended.append(now)
 
-    clock, passes, watch = _Clock(), [], Failing()
+    clock, passes, watch = ManualClock(), [], Failing()
     data = tmp_path / "data"
     data.mkdir()
     retrain_loop(

@@ -310,7 +310,9 @@ def test_a_rollback_decided_before_the_registry_moved_is_not_made(tmp_path):
 
 
 # ---------------------------------------------------------- the retrain loop
-class _Clock:
+class ManualClock:
+    """A clock the retrain loop reads and sleeps on, moved only by its sleeps."""
+
     def __init__(self) -> None:
         self.now = 0.0
 
@@ -324,7 +326,7 @@ class _Clock:
 class _ScriptedWatch:
     """Asks for a retrain at the polls whose times are in `alarms`."""
 
-    def __init__(self, clock: _Clock, alarms: set[float]) -> None:
+    def __init__(self, clock: ManualClock, alarms: set[float]) -> None:
         self.clock, self.alarms = clock, alarms
         self.polls: list[float] = []
         self.passes_ended: list[float] = []
@@ -338,7 +340,7 @@ class _ScriptedWatch:
 
 
 def test_the_loop_runs_scheduled_passes_and_an_early_one_when_the_watch_asks(tmp_path, capsys):
-    clock = _Clock()
+    clock = ManualClock()
     passes: list[float] = []
 
     def retrainer(registry, data_dir, margin):
@@ -369,7 +371,7 @@ def test_the_loop_runs_scheduled_passes_and_an_early_one_when_the_watch_asks(tmp
 
 
 def test_the_loop_skips_a_pass_while_another_run_holds_the_lock(tmp_path, capsys):
-    clock = _Clock()
+    clock = ManualClock()
     data = tmp_path / "data"
     data.mkdir()
     reg = Registry(f"sqlite:///{tmp_path / 'mlflow.db'}", cache_dir=tmp_path / "cache")
