@@ -345,7 +345,7 @@ class ReplayEngine:
             if state is None:
                 return False
             self._leave_running(state)
-        self._release(state)
+        self._free_leaving(state)
         now = self.now if at is None else at
         state.phase = "finished"
         self.recorder.dropped(state, now, "aborted")
@@ -946,7 +946,7 @@ class ReplayEngine:
             if generated >= true_len[state.id]:
                 self._finish(state, now)
 
-    def _release(self, state: RequestState) -> None:
+    def _free_leaving(self, state: RequestState) -> None:
         """What a request that leaves the engine for good (finished or aborted) holds: its blocks
         (their cached content kept), its token in flight, its true length; noted as freed."""
         self.kv.release(state.id)
@@ -961,7 +961,7 @@ class ReplayEngine:
             del self.waiting[state.id]
         else:
             self._leave_running(state)
-        self._release(state)
+        self._free_leaving(state)
         state.finish_s = now
         state.phase = "finished"
         self.recorder.finished(state)
